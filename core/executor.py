@@ -1,0 +1,55 @@
+"""The contract between the scheduler and whatever runs the model.
+
+The scheduler (core/scheduler.py) decides, each step, which tokens of which sequences go
+through the model; it hands the executor a list of `SeqStep` records and gets back one
+sampled token per sequence that asked for one. Everything device-side — the KV cache
+arrays, weights, streams, graphs — belongs to the executor. The scheduler only moves
+ints and lists (block ids, token ids), so it tests in microseconds with a fake executor.
+
+Backends implement `Executor`: the CPU model runner (numpy reference forward or C
+kernels), the CUDA backend, and the mock engine used by benchmarks.
+"""
+
+from typing import NamedTuple, Optional, Protocol, Sequence
+
+from .config import ModelConfig
+from .sampling_params import SamplingParams
+
+
+class SeqStep(NamedTuple):
+    """One sequence's share of an engine step."""
+    seq_id: int                         # the request's id, stable across preemption
+    token_ids: Sequence[int]            # tokens fed this step: a prefill chunk, or the one decode token
+    start_pos: int                      # tokens of this sequence already in the KV cache
+    block_table: Sequence[int]          # physical KV blocks for positions [0, start_pos + len(token_ids))
+    sample: bool                        # chunk ends at the last known token: sample the next one
+    sampling: SamplingParams
+    seed: int                           # the request's resolved seed (drawn when the request gave none)
+    prompt_token_ids: Sequence[int]     # repetition penalty context
+    output_token_ids: Sequence[int]     # generated so far; len() is the RNG counter for the next draw
+
+
+class TopLogprobs(NamedTuple):
+    """Log-probabilities for one sampled position."""
+    token_logprob: float                # of the sampled token
+    top_ids: Sequence[int]              # the N most likely ids, best first
+    top_logprobs: Sequence[float]
+
+
+class StepOutput(NamedTuple):
+    """What one engine step produced, in the order of the `SeqStep`s with `sample=True`."""
+    token_ids: Sequence[int]
+    logprobs: Optional[Sequence[Optional[TopLogprobs]]] = None  # None when no sequence asked
+
+
+class Executor(Protocol):
+    config: ModelConfig
+    block_size: int                     # tokens per KV block
+    num_blocks: int                     # KV blocks the executor allocated
+
+    def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
+        """Run one engine step (hot path: once per step). Called from the engine thread only."""
+        ...
+
+    def close(self) -> None:
+        ...

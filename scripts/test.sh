@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The README's test command: install what the tests need on a fresh Debian machine, then run them.
+# Real clients the network tests drive: curl (HTTP/2), nghttp and h2load (nghttp2-client), Node.js.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+need=()
+command -v curl >/dev/null || need+=(curl)
+command -v nghttp >/dev/null && command -v h2load >/dev/null || need+=(nghttp2-client)
+command -v node >/dev/null || need+=(nodejs)
+command -v cc >/dev/null || need+=(gcc)
+if [ ${#need[@]} -gt 0 ]; then
+  $SUDO apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+python3 -m pip install -q -e '.[test]'
+# pytest exits 5 when it collects nothing; that must fail CI, and it does (set -e).
+exec python3 -m pytest -q "$@"

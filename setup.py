@@ -1,0 +1,83 @@
+"""Build tokenwire: one import namespace over the repository's top-level folders, plus the
+CPU kernel extension.
+
+The repository keeps the design's layout (core/, kernels/, net/, engine_build/, bench/);
+`package_dir` maps each folder onto `tokenwire.<folder>`, so site-packages gets one
+`tokenwire` package and no generic top-level names.
+
+The C extension is optional at install time: with no working compiler the install still
+succeeds and tokenwire falls back to the numpy reference kernels, printing one warning
+when the CPU backend starts.
+"""
+
+import os
+import sys
+
+from setuptools import find_packages, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.extension import Extension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOP_LEVEL = ["core", "kernels", "net", "engine_build", "bench"]
+
+
+def namespace_packages():
+    """Map `tokenwire.<folder>[.sub]` onto the repository folders."""
+    package_dir = {"tokenwire": "tokenwire"}
+    packages = ["tokenwire"] + [f"tokenwire.{p}" for p in find_packages("tokenwire")]
+    for top in TOP_LEVEL:
+        package_dir[f"tokenwire.{top}"] = top
+        packages.append(f"tokenwire.{top}")
+        for sub in find_packages(top):
+            packages.append(f"tokenwire.{top}.{sub}")
+    return packages, package_dir
+
+
+def cpu_kernel_sources():
+    src = os.path.join("kernels", "cpu", "src")
+    if not os.path.isdir(os.path.join(HERE, src)):
+        return []
+    return sorted(os.path.join(src, f) for f in os.listdir(os.path.join(HERE, src)) if f.endswith(".c"))
+
+
+class OptionalBuildExt(build_ext):
+    """Build the C kernels when a compiler works; otherwise warn and install without them."""
+
+    def run(self):
+        try:
+            super().run()
+        except Exception as exc:  # no compiler at all: distutils raises before building
+            self._warn(exc)
+
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception as exc:
+            self._warn(exc)
+
+    @staticmethod
+    def _warn(exc):
+        print(f"WARNING: tokenwire CPU kernels not built ({exc}); the numpy reference will be used.",
+              file=sys.stderr)
+
+
+def extensions():
+    sources = cpu_kernel_sources()
+    if not sources:
+        return []
+    # No -march=native: the wheel must run on any x86-64. AVX2/AVX-512 paths are compiled
+    # per function with target attributes and chosen at run time (kernels/cpu/src/dispatch.c).
+    args = ["-O3", "-std=c11", "-fno-strict-aliasing", "-fvisibility=hidden", "-pthread"]
+    return [Extension("tokenwire.kernels.cpu._cpu", sources=sources,
+                      include_dirs=[os.path.join("kernels", "cpu", "src")],
+                      extra_compile_args=args, extra_link_args=["-pthread", "-lm"])]
+
+
+packages, package_dir = namespace_packages()
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"tokenwire.kernels": ["cuda/*.cu", "cuda/*.cuh", "cuda/*.h"]},
+    ext_modules=extensions(),
+    cmdclass={"build_ext": OptionalBuildExt},
+)

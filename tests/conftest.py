@@ -1,0 +1,46 @@
+"""Shared fixtures. GPU tests carry `@pytest.mark.gpu` and skip, with the reason, when no
+NVIDIA GPU with cuda-python is present."""
+
+import functools
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_MODELS = REPO.parent / "shared" / "models"
+STORIES260K = SHARED_MODELS / "stories260K"
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_unavailable_reason():
+    """None when a CUDA device can be used, else why not."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # cuda-python < 12.6 layout
+        except ImportError:
+            return "cuda-python is not installed"
+    err, = driver.cuInit(0)[:1]
+    if int(err) != 0:
+        return f"no usable NVIDIA driver (cuInit returned {err})"
+    err, count = driver.cuDeviceGetCount()
+    if int(err) != 0 or count == 0:
+        return "no CUDA device present"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None
+    for item in items:
+        if "gpu" in item.keywords:
+            reason = reason or gpu_unavailable_reason() or ""
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
+
+
+@pytest.fixture(scope="session")
+def stories260k_dir():
+    if not (STORIES260K / "stories260K.bin").exists():
+        pytest.fail(f"the shared stories260K checkpoint is missing at {STORIES260K}")
+    return STORIES260K

@@ -1,0 +1,5 @@
+import sys
+
+from tokenwire.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""The `tokenwire` command line: one table of subcommands, each living beside the code it drives.
+
+A command module provides `add_arguments(parser)` and `run(args) -> int`; it imports its
+heavy dependencies inside `run`, so `tokenwire --help` stays fast.
+"""
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, one-line help)
+COMMANDS = {
+    "serve": ("tokenwire.net.serve_cli", "serve a model over HTTP/2 (and HTTP/1.1)"),
+    "build": ("tokenwire.engine_build.cli", "build an INT4 engine directory from a checkpoint"),
+}
+# `tokenwire bench NAME`
+BENCHES = {
+    "engine": ("tokenwire.bench.engine", "decode/prefill tokens/s against the memory-bandwidth roofline"),
+    "scheduler": ("tokenwire.bench.scheduler", "scheduler overhead per step with a zero-cost engine"),
+    "stages": ("tokenwire.bench.stages", "per-stage microbenchmarks of the request pipeline"),
+    "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),
+    "peers": ("tokenwire.bench.peers", "tokenwire against peer servers on the same mock engine"),
+}
+
+
+def _add_table(subparsers, table, chosen):
+    """Add every command's parser; only the chosen one's module is imported."""
+    for name, (module_name, help_text) in table.items():
+        parser = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(parser)
+            parser.set_defaults(_run=module.run)
+
+
+def build_parser(argv):
+    words = [a for a in argv if not a.startswith("-")]
+    command = words[0] if words else None
+    bench_name = words[1] if command == "bench" and len(words) > 1 else None
+    parser = argparse.ArgumentParser(prog="tokenwire", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_table(subparsers, COMMANDS, command)
+    bench = subparsers.add_parser("bench", help="benchmarks of each pipeline stage and of the whole server")
+    _add_table(bench.add_subparsers(dest="bench", required=True, metavar="BENCH"), BENCHES, bench_name)
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    return args._run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
