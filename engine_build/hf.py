@@ -1,0 +1,297 @@
+"""Hugging Face importer: a model directory -> `SourceModel` in tokenwire's canonical layout.
+
+Reads config.json, generation_config.json, model.safetensors (or the shards listed in
+model.safetensors.index.json), tokenizer.json and tokenizer_config.json (chat template also
+from chat_template.jinja / chat_template.json). Families: LlamaForCausalLM (incl. Llama 3
+`rope_type: llama3`), MistralForCausalLM (sliding window), Qwen2ForCausalLM (q/k/v bias),
+GemmaForCausalLM (embedding x sqrt(D), RMSNorm `1 + w` folded, GeGLU with tanh GELU).
+
+Both spellings of RoPE settings are understood: transformers < 5 writes `rope_theta` and
+`rope_scaling`; transformers 5 writes one `rope_parameters` dict holding both.
+
+    src = import_hf("path/to/model")
+    src.config                      # ModelConfig
+    src.tensors["layers.0.qkv_proj"]  # float32/float16 [Hq*hd + 2*Hkv*hd, D], rows Q|K|V
+"""
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from ..core.config import ModelConfig, RopeScaling
+from .errors import BuildError
+from .safetensors_io import SafetensorsFile
+from .source import LazyTensors, SourceModel, canonical_shapes, make_tokenizer_files
+
+# architecture -> family; the family decides the few defaults configs leave out
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+            "Qwen2ForCausalLM": "qwen2", "GemmaForCausalLM": "gemma"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "gemma": "GemmaForCausalLM"}
+TIED_BY_DEFAULT = {"gemma"}
+ACTIVATIONS = {"silu": "silu", "swish": "silu",
+               "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh",
+               "gelu_fast": "gelu_tanh"}
+TOKENIZER_EXTRAS = ("special_tokens_map.json", "generation_config.json")
+
+
+def import_hf(path, kind: str = "hf", name: Optional[str] = None) -> SourceModel:
+    root = Path(path)
+    if not root.is_dir():
+        raise BuildError(root, "not a directory (expected a Hugging Face model directory with config.json)")
+    hf_config = read_json(root / "config.json")
+    generation_config = read_json(root / "generation_config.json", required=False) or {}
+    config = model_config_from_hf(hf_config, generation_config, root / "config.json")
+    weights = WeightFiles(root)
+    tokenizer, tokenizer_paths = read_hf_tokenizer(root, config)
+    config = _with_tokenizer(config, tokenizer, root / "tokenizer.json")
+    tensors = _canonical_tensors(config, weights, FAMILIES[config.architecture], root)
+    files = weights.paths + [root / "config.json"] + tokenizer_paths
+    return SourceModel(kind=kind, path=str(path), name=name or root.name, config=config,
+                       tensors=tensors, tokenizer=tokenizer, files=files)
+
+
+def read_json(path: Path, required: bool = True):
+    if not path.exists():
+        if required:
+            raise BuildError(path, "missing file")
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BuildError(path, f"not valid JSON: {exc}") from None
+
+
+# ---- config.json -> ModelConfig ---------------------------------------------------------
+
+def model_config_from_hf(cfg: dict, generation_config: dict, origin) -> ModelConfig:
+    architecture = _architecture(cfg, origin)
+    family = FAMILIES[architecture]
+    _reject_unsupported_biases(cfg, family, origin)
+    try:
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rope_theta, rope_scaling = _rope(cfg, origin)
+        config = ModelConfig(
+            architecture=architecture,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            activation=_activation(cfg, origin),
+            qkv_bias=family == "qwen2",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family in TIED_BY_DEFAULT)),
+            embedding_multiplier=math.sqrt(hidden) if family == "gemma" else 1.0,
+            sliding_window=_sliding_window(cfg, family, origin),
+            bos_token_id=_first_id(generation_config.get("bos_token_id", cfg.get("bos_token_id"))),
+            eos_token_ids=_ids(generation_config.get("eos_token_id")) + _ids(cfg.get("eos_token_id")),
+        )
+    except KeyError as exc:
+        raise BuildError(origin, f"config field {exc.args[0]!r} is missing") from None
+    except (TypeError, ValueError) as exc:
+        raise BuildError(origin, f"bad config value: {exc}") from None
+    return _dedup_eos(config)
+
+
+def _architecture(cfg: dict, origin) -> str:
+    names = cfg.get("architectures") or []
+    if not names and cfg.get("model_type") in MODEL_TYPES:
+        names = [MODEL_TYPES[cfg["model_type"]]]
+    supported = [n for n in names if n in FAMILIES]
+    if not supported:
+        shown = ", ".join(names) or f"model_type {cfg.get('model_type')!r}"
+        raise BuildError(origin, f"unsupported architecture {shown}; tokenwire builds {', '.join(FAMILIES)}")
+    return supported[0]
+
+
+def _reject_unsupported_biases(cfg: dict, family: str, origin) -> None:
+    if family != "qwen2" and cfg.get("attention_bias"):
+        raise BuildError(origin, "attention_bias=true (biases on q/k/v/o projections) is not supported")
+    if cfg.get("mlp_bias"):
+        raise BuildError(origin, "mlp_bias=true is not supported")
+
+
+def _rope(cfg: dict, origin) -> tuple:
+    """-> (rope_theta, RopeScaling | None) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise BuildError(origin, f"RoPE scaling type {rope_type!r} is not supported (only 'llama3')")
+    return theta, RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                              high_freq_factor=float(params["high_freq_factor"]),
+                              original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+
+
+def _activation(cfg: dict, origin) -> str:
+    name = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if name not in ACTIVATIONS:
+        raise BuildError(origin, f"activation {name!r} is not supported (tokenwire implements SwiGLU with silu "
+                                 f"and GeGLU with tanh-approximated GELU: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def _sliding_window(cfg: dict, family: str, origin) -> Optional[int]:
+    window = cfg.get("sliding_window")
+    if family == "mistral":
+        return int(window) if window else None
+    if family != "qwen2" or not window:
+        return None
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if cfg.get("use_sliding_window") and i >= cfg.get("max_window_layers", 0)
+        else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+    if all(t == "full_attention" for t in layer_types):
+        return None
+    if all(t == "sliding_attention" for t in layer_types):
+        return int(window)
+    raise BuildError(origin, "sliding-window attention on some layers only (Qwen2 max_window_layers) is not supported")
+
+
+def _ids(value) -> tuple:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _first_id(value) -> Optional[int]:
+    ids = _ids(value)
+    return ids[0] if ids else None
+
+
+def _dedup_eos(config: ModelConfig) -> ModelConfig:
+    from dataclasses import replace
+    return replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids)))
+
+
+def _with_tokenizer(config: ModelConfig, tokenizer, origin) -> ModelConfig:
+    """Check the tokenizer fits the embedding; add its eos_token to the stop ids when the configs left it out."""
+    from dataclasses import replace
+    if tokenizer.vocab_size > config.vocab_size:
+        raise BuildError(origin, f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size "
+                                 f"is {config.vocab_size}: ids past the embedding table")
+    config = replace(config, bos_token_id=config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id)
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None or eos_id in config.eos_token_ids:
+        return config
+    return replace(config, eos_token_ids=config.eos_token_ids + (eos_id,))
+
+
+# ---- tokenizer --------------------------------------------------------------------------
+
+def read_hf_tokenizer(root: Path, config: ModelConfig) -> tuple:
+    """-> (TokenizerFiles, [paths read]). tokenizer.json, or a SentencePiece tokenizer.model converted."""
+    tokenizer_config = read_json(root / "tokenizer_config.json", required=False) or {}
+    paths = [p for p in (root / "tokenizer_config.json",) if p.exists()]
+    if (root / "tokenizer.json").exists():
+        tokenizer_json = (root / "tokenizer.json").read_bytes()
+        paths.insert(0, root / "tokenizer.json")
+    elif (root / "tokenizer.model").exists():
+        from .tokenizer_convert import sentencepiece_model_to_tokenizer_json
+        tokenizer_json = sentencepiece_model_to_tokenizer_json(root / "tokenizer.model")
+        paths.insert(0, root / "tokenizer.model")
+    else:
+        raise BuildError(root / "tokenizer.json", "missing file (no tokenizer.json or tokenizer.model in the model directory)")
+    chat_template, template_path = _chat_template_file(root)
+    paths += [template_path] if template_path else []
+    extras = {n: (root / n).read_bytes() for n in TOKENIZER_EXTRAS if (root / n).exists()}
+    paths += [root / n for n in TOKENIZER_EXTRAS if (root / n).exists()]
+    eos = config.eos_token_ids[0] if config.eos_token_ids else None
+    files = make_tokenizer_files(tokenizer_json, tokenizer_config, root / "tokenizer.json", chat_template=chat_template,
+                                 extra_files=extras, bos_token_id=config.bos_token_id, eos_token_id=eos)
+    return files, paths
+
+
+def _chat_template_file(root: Path) -> tuple:
+    """transformers >= 4.43 saves the template beside tokenizer_config.json."""
+    if (root / "chat_template.jinja").exists():
+        return (root / "chat_template.jinja").read_text(encoding="utf-8"), root / "chat_template.jinja"
+    if (root / "chat_template.json").exists():
+        return (read_json(root / "chat_template.json") or {}).get("chat_template"), root / "chat_template.json"
+    return None, None
+
+
+# ---- weights ----------------------------------------------------------------------------
+
+class WeightFiles:
+    """HF tensor name -> the memory-mapped safetensors file holding it."""
+
+    def __init__(self, root: Path):
+        index_path = root / "model.safetensors.index.json"
+        if index_path.exists():
+            weight_map = (read_json(index_path) or {}).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise BuildError(index_path, "no 'weight_map' object")
+            shard_names = sorted(set(weight_map.values()))
+            self.paths = [index_path] + [root / n for n in shard_names]
+        elif (root / "model.safetensors").exists():
+            shard_names, weight_map = ["model.safetensors"], None
+            self.paths = [root / "model.safetensors"]
+        else:
+            found = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
+            hint = f" (found {', '.join(found)}: only safetensors weights are supported)" if found else ""
+            raise BuildError(root / "model.safetensors", f"missing file: no model.safetensors or model.safetensors.index.json{hint}")
+        for n in shard_names:
+            if not (root / n).exists():
+                raise BuildError(root / n, f"missing file (listed in {index_path.name})")
+        shards = {n: SafetensorsFile(root / n) for n in shard_names}
+        self._where = {}
+        for n, shard in shards.items():
+            for key in shard.keys():
+                self._where[key] = shard
+        if weight_map is not None:      # the index decides which shard holds a name
+            self._where.update({k: shards[v] for k, v in weight_map.items() if k in shards[v]})
+        self.root = root
+
+    def __contains__(self, name) -> bool:
+        return name in self._where
+
+    def read(self, name: str, shape: tuple) -> np.ndarray:
+        """float32/float16 array of the HF tensor `name`, checked against the config's `shape`."""
+        shard = self._where.get(name)
+        if shard is None:
+            raise BuildError(self.root, f"tensor {name!r} is missing from the safetensors weights")
+        if tuple(shard.shape(name)) != tuple(shape):
+            raise BuildError(shard.path, f"tensor {name!r} has shape {list(shard.shape(name))}, "
+                                         f"config.json implies {list(shape)}")
+        return shard.read_float(name)
+
+
+def _canonical_tensors(config: ModelConfig, weights: WeightFiles, family: str, origin) -> LazyTensors:
+    """Loaders for every canonical tensor: fusion (Q|K|V, gate|up) and Gemma's norm fold."""
+    D, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    norm = (lambda w: w.astype(np.float32) + np.float32(1.0)) if family == "gemma" else (lambda w: w.astype(np.float32))
+    read = weights.read
+    loaders = {"embed": lambda: read("model.embed_tokens.weight", (V, D))}
+    for i in range(config.num_layers):
+        hf, p = f"model.layers.{i}.", f"layers.{i}."
+        a = hf + "self_attn."
+        loaders[p + "attn_norm"] = lambda n=hf + "input_layernorm.weight": norm(read(n, (D,)))
+        loaders[p + "qkv_proj"] = lambda a=a: np.concatenate(
+            [read(a + "q_proj.weight", (q, D)), read(a + "k_proj.weight", (kv, D)), read(a + "v_proj.weight", (kv, D))])
+        if config.qkv_bias:
+            loaders[p + "qkv_bias"] = lambda a=a: np.concatenate(
+                [read(a + "q_proj.bias", (q,)), read(a + "k_proj.bias", (kv,)), read(a + "v_proj.bias", (kv,))]
+            ).astype(np.float32)
+        loaders[p + "o_proj"] = lambda a=a: read(a + "o_proj.weight", (D, q))
+        loaders[p + "mlp_norm"] = lambda n=hf + "post_attention_layernorm.weight": norm(read(n, (D,)))
+        loaders[p + "gate_up_proj"] = lambda m=hf + "mlp.": np.concatenate(
+            [read(m + "gate_proj.weight", (I, D)), read(m + "up_proj.weight", (I, D))])
+        loaders[p + "down_proj"] = lambda m=hf + "mlp.": read(m + "down_proj.weight", (D, I))
+    loaders["norm"] = lambda: norm(read("model.norm.weight", (D,)))
+    if not config.tie_word_embeddings:
+        loaders["lm_head"] = lambda: read("lm_head.weight", (V, D))
+    return LazyTensors(canonical_shapes(config), loaders, origin)
