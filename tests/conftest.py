@@ -21,7 +21,10 @@ def gpu_unavailable_reason():
             from cuda import cuda as driver  # cuda-python < 12.6 layout
         except ImportError:
             return "cuda-python is not installed"
-    err, = driver.cuInit(0)[:1]
+    try:  # cuda-python raises (rather than returning an error) when libcuda.so is absent
+        err, = driver.cuInit(0)[:1]
+    except Exception as exc:
+        return f"no usable NVIDIA driver ({type(exc).__name__}: {exc})"
     if int(err) != 0:
         return f"no usable NVIDIA driver (cuInit returned {err})"
     err, count = driver.cuDeviceGetCount()
