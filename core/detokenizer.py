@@ -1,0 +1,289 @@
+"""Token ids -> streamed text, one token at a time, with stop strings.
+
+Contract:
+- `Detokenizer(tokenizer)` is built once per HF `tokenizers.Tokenizer`; `stream(prompt_ids,
+  params)` gives each request a `TextStream` whose `push(token_id) -> str` returns the new
+  text (possibly "") and whose `finish() -> str` returns what was held back.
+- Text is held back while it ends in an incomplete UTF-8 sequence, and while its tail could
+  be the start of a stop string; a stop string is never emitted, nor anything after it, and
+  is found even when it spans several tokens (`TextStream.stopped` tells the scheduler).
+- Cost is O(1) amortized per token, never re-decoding the sequence. Two decoders:
+  * `ByteTableDecoder` (fast path): when the tokenizer's decoder is a concatenation of
+    per-token bytes — byte-level BPE (GPT-2, Llama 3, Qwen2) or SentencePiece with "▁" and
+    byte fallback (Llama 2, Mistral, Gemma, llama2.c vocabularies) — each id's bytes are
+    tabulated once, checked against `tokenizer.decode` for every id, and a token costs one
+    table lookup plus an incremental UTF-8 decode.
+  * `IncrementalDecoder` (any other tokenizer): the prefix/read-offset technique, calling
+    `tokenizer.decode` on a window of at most `MAX_WINDOW + MAX_PENDING` ids.
+- Generated text continues the prompt: a SentencePiece word's leading space is kept (the
+  decoder's strip of the first space applies only at the start of a whole text).
+"""
+
+import codecs
+import json
+import logging
+from typing import Optional, Sequence
+
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+REPLACEMENT = "\ufffd"
+SPM_SPACE = "\u2581"                    # SentencePiece's "▁"
+
+
+def byte_level_alphabet() -> dict:
+    """GPT-2 byte-level BPE: the printable character standing for each byte. -> {char: byte}"""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shift)
+            shift += 1
+    return {c: b for b, c in chars.items()}
+
+
+# ------------------------------------------------------------------ per-token byte table
+
+def decoder_kind(tokenizer) -> Optional[str]:
+    """"byte_level", "sentencepiece", or None when the decoder is not a plain concatenation."""
+    if tokenizer.decoder is None:
+        return None
+    spec = json.loads(tokenizer.decoder.__getstate__())
+    if spec.get("type") == "ByteLevel":
+        return "byte_level"
+    if spec.get("type") == "Metaspace" and spec.get("replacement") == SPM_SPACE:
+        return "sentencepiece"
+    if spec.get("type") == "Sequence" and all(_is_spm_step(d) for d in spec.get("decoders", [])):
+        return "sentencepiece"
+    return None
+
+
+def _is_spm_step(d: dict) -> bool:
+    t = d.get("type")
+    if t == "Replace":
+        return d.get("pattern") == {"String": SPM_SPACE} and d.get("content") == " "
+    if t == "Strip":
+        return d.get("content") == " " and d.get("stop") == 0
+    return t in ("ByteFallback", "Fuse")
+
+
+def _piece_bytes(piece: str, kind: str, byte_of: dict) -> bytes:
+    if kind == "byte_level":
+        if all(c in byte_of for c in piece):
+            return bytes(byte_of[c] for c in piece)
+        return piece.encode()               # an added token outside the byte alphabet: as written
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace(SPM_SPACE, " ").encode()
+
+
+def build_byte_table(tokenizer, skip_special_tokens: bool) -> Optional[list]:
+    """bytes of every id as it continues a text, or None when the tokenizer is not of a kind
+    whose text is the concatenation of per-token bytes (checked against tokenizer.decode)."""
+    kind = decoder_kind(tokenizer)
+    if kind is None:
+        return None
+    special = special_token_ids(tokenizer)
+    byte_of = byte_level_alphabet()
+    table = []
+    for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        piece = tokenizer.id_to_token(i)
+        skip = piece is None or (skip_special_tokens and i in special)
+        table.append(b"" if skip else _piece_bytes(piece, kind, byte_of))
+    return table if _table_matches(tokenizer, table, skip_special_tokens, special) else None
+
+
+def _table_matches(tokenizer, table: list, skip_special_tokens: bool, special: set) -> bool:
+    """Every id decoded after an ordinary anchor token adds exactly its tabulated bytes."""
+    anchor = next((i for i, b in enumerate(table) if i not in special and b.isalpha() and b.isascii()), None)
+    if anchor is None:
+        return False
+    base = tokenizer.decode([anchor], skip_special_tokens=skip_special_tokens)
+    texts = tokenizer.decode_batch([[anchor, i] for i in range(len(table))], skip_special_tokens=skip_special_tokens)
+    for i, text in enumerate(texts):
+        if text != base + table[i].decode("utf-8", "replace"):
+            log.info("detokenizer: id %d decodes to %r after the anchor, the byte table says %r; "
+                     "using the generic incremental decoder", i, text[len(base):], table[i])
+            return False
+    return True
+
+
+def special_token_ids(tokenizer) -> set:
+    return {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+
+
+class ByteTableDecoder:
+    """Fast path: one table lookup and an incremental UTF-8 decode per token."""
+
+    __slots__ = ("table", "utf8")
+
+    def __init__(self, table: list):
+        self.table = table
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")   # holds back incomplete sequences
+
+    def push(self, token_id: int) -> str:
+        """Hot path: once per generated token."""
+        try:
+            return self.utf8.decode(self.table[token_id])
+        except IndexError:                  # ids the model has but the tokenizer lacks decode to nothing
+            return ""
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", True)
+
+
+# ------------------------------------------------------------------ generic decoder
+
+class IncrementalDecoder:
+    """Any tokenizer: decode a short window of ids and emit what grew past the window's prefix.
+
+    `ids[prefix_offset:read_offset]` decoded is `prefix_text`, text already emitted; each push
+    decodes `ids[prefix_offset:]`. The window is re-anchored every few tokens (one extra
+    decode), pending ids are capped, and skipped special tokens never enter it, so each
+    token costs at most ~1.25 decode calls over at most MAX_WINDOW + MAX_PENDING ids.
+    """
+
+    MAX_PENDING = 6     # ids held while the text ends in U+FFFD (a UTF-8 character is at most 4 bytes)
+    MAX_WINDOW = 8      # re-anchor once the emitted part of the window is this long ...
+    KEEP = 4            # ... keeping this many ids of context (SentencePiece spaces, merges)
+
+    __slots__ = ("tokenizer", "skip_special_tokens", "special_ids", "ids", "prefix_offset",
+                 "read_offset", "prefix_text")
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool, special_ids: set):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.special_ids = special_ids if skip_special_tokens else frozenset()
+        self.ids = [i for i in prompt_ids[-self.KEEP * 2:] if i not in self.special_ids][-self.KEEP:]
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.prefix_text = self._decode(0, self.read_offset)
+
+    def _decode(self, start: int, stop: Optional[int] = None) -> str:
+        return self.tokenizer.decode(self.ids[start:stop], skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Hot path: once per generated token."""
+        if token_id in self.special_ids:
+            return ""
+        self.ids.append(token_id)
+        text = self._decode(self.prefix_offset)
+        if text.endswith(REPLACEMENT) and len(self.ids) - self.read_offset < self.MAX_PENDING:
+            return ""                        # an incomplete UTF-8 character: wait for its next byte
+        return self._emit(text)
+
+    def _emit(self, text: str) -> str:
+        delta = text[len(self.prefix_text):]
+        self.read_offset = len(self.ids)
+        self.prefix_text = text
+        if self.read_offset - self.prefix_offset > self.MAX_WINDOW:
+            self.prefix_offset = self.read_offset - self.KEEP
+            self.prefix_text = self._decode(self.prefix_offset, self.read_offset)
+            if self.prefix_offset > 1024:    # drop ids no window will see again
+                del self.ids[:self.prefix_offset]
+                self.read_offset -= self.prefix_offset
+                self.prefix_offset = 0
+        return delta
+
+    def flush(self) -> str:
+        if len(self.ids) == self.read_offset:
+            return ""
+        return self._emit(self._decode(self.prefix_offset))
+
+
+# ------------------------------------------------------------------ stop strings
+
+class StopStringMatcher:
+    """Cuts the text at the first stop string, across pushes; holds back only a tail that
+    could still grow into one."""
+
+    __slots__ = ("stops", "max_hold", "pending", "stopped")
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.max_hold = max(len(s) for s in self.stops) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if not text:
+            return ""
+        buf = self.pending + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self.pending = ""
+            return buf[:cut]
+        hold = self._partial_match_len(buf)
+        self.pending = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold]
+
+    def _partial_match_len(self, buf: str) -> int:
+        """Length of the longest tail of `buf` that is a proper prefix of some stop string."""
+        for n in range(min(self.max_hold, len(buf)), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+class TextStream:
+    """One request's text: a decoder plus, when it has stop strings, a matcher."""
+
+    __slots__ = ("decoder", "matcher")
+
+    def __init__(self, decoder, matcher: Optional[StopStringMatcher]):
+        self.decoder = decoder
+        self.matcher = matcher
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher is not None and self.matcher.stopped
+
+    def push(self, token_id: int) -> str:
+        """Hot path: once per generated token."""
+        text = self.decoder.push(token_id)
+        return text if self.matcher is None else self.matcher.push(text)
+
+    def finish(self) -> str:
+        """Everything held back, at the end of the request (nothing after a stop string)."""
+        text = self.decoder.flush()
+        if self.matcher is None:
+            return text
+        if self.matcher.stopped:
+            return ""
+        text = self.matcher.push(text)
+        return text if self.matcher.stopped else text + self.matcher.flush()
+
+
+class Detokenizer:
+    """Per-tokenizer tables, built once; hands each request its `TextStream`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special_ids = special_token_ids(tokenizer)
+        self._tables = {}                   # skip_special_tokens -> byte table or None
+
+    def byte_table(self, skip_special_tokens: bool) -> Optional[list]:
+        if skip_special_tokens not in self._tables:
+            self._tables[skip_special_tokens] = build_byte_table(self.tokenizer, skip_special_tokens)
+        return self._tables[skip_special_tokens]
+
+    def decoder(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
+        table = self.byte_table(skip_special_tokens)
+        if table is not None:
+            return ByteTableDecoder(table)
+        return IncrementalDecoder(self.tokenizer, prompt_ids, skip_special_tokens, self.special_ids)
+
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> TextStream:
+        matcher = StopStringMatcher(params.stop) if params.stop else None
+        return TextStream(self.decoder(prompt_ids, params.skip_special_tokens), matcher)

@@ -1,0 +1,229 @@
+"""The engine: scheduler + executor + detokenizer behind a thread-safe submit/cancel API.
+
+Contract (net/ builds on it):
+- `add_request` and `cancel` are called on the event loop; they only validate, stamp and
+  append to an inbox under a lock, then wake the engine thread. All scheduler state is
+  touched by the engine thread alone (or by whoever drives `step()` directly: tests, benchmarks).
+- `step()` runs one synchronous step: take the inbox and the cancellations, schedule,
+  `executor.step(seqs)`, append tokens, detokenize, check stops, free finished requests.
+  It returns one `RequestOutput` per request that produced a token or ended.
+- `start()` runs `step()` on a daemon thread while work exists and sleeps on a condition
+  otherwise; after each step with outputs it calls `on_step(outputs)` once — the single
+  hand-off to the event loop per step (the server passes a `call_soon_threadsafe` wrapper).
+- Detokenization and stop strings run here, on the engine thread, because the scheduler must
+  know at once that a request stopped (a deliberate change from docs/DESIGN's loop-side text).
+- Failures: an executor exception fails the running requests (finish_reason "error", with
+  the message) and the thread goes on serving new ones; a cancelled request gets one final
+  output with finish_reason "cancelled"; `shutdown()` fails whatever is left.
+"""
+
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Callable, Optional, Sequence
+
+from .block_manager import BlockManager
+from .detokenizer import Detokenizer
+from .errors import InvalidRequest, PromptTooLong, QueueFull
+from .executor import Executor
+from .outputs import EngineStats, RequestOutput, Timeline
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+OnStep = Callable[[list], None]
+
+
+class EngineCore:
+    def __init__(self, executor: Executor, tokenizer, *, eos_token_ids: Sequence[int], max_model_len: int,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_queued_requests: int = 1024,
+                 on_step: Optional[OnStep] = None):
+        config = executor.config
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {config.max_position_embeddings}")
+        self.executor = executor
+        self.vocab_size = config.vocab_size
+        self.max_model_len = max_model_len
+        self.max_queued_requests = max_queued_requests
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
+        self.detokenizer.byte_table(skip_special_tokens=True)     # built now, not on the first request
+        self.block_manager = BlockManager(executor.num_blocks, executor.block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        self.on_step = on_step
+        self._cond = threading.Condition(threading.Lock())
+        self._inbox = []                    # list[Request], appended on the loop thread
+        self._cancels = []                  # list[int] request ids, appended on the loop thread
+        self._live_ids = set()              # ids submitted and not yet finished (duplicate check)
+        self._requests = {}                 # request_id -> Request; engine thread only
+        self._arrival_seq = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.num_steps = 0
+        self.num_tokens_generated = 0
+        self.num_cancellations = 0
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def add_request(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline,
+                    priority: int = 0) -> None:
+        """Submit a request (thread-safe). `priority`: smaller is served first, ties first come
+        first served. Raises QueueFull, PromptTooLong or InvalidRequest."""
+        prompt = self._check_prompt(prompt_token_ids)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        req = Request(request_id, prompt, params, timeline, seed=seed, priority=priority,
+                      arrival_seq=next(self._arrival_seq), max_model_len=self.max_model_len,
+                      stop_token_ids=stop_ids, text_stream=self.detokenizer.stream(prompt, params))
+        with self._cond:
+            num_queued = len(self._inbox) + self.scheduler.num_waiting
+            if num_queued >= self.max_queued_requests:
+                raise QueueFull(num_queued, self.max_queued_requests)
+            if request_id in self._live_ids:
+                raise InvalidRequest(f"request id {request_id} is already in use")
+            timeline.queued_ns = time.monotonic_ns()
+            self._live_ids.add(request_id)
+            self._inbox.append(req)
+            self._cond.notify()
+
+    def _check_prompt(self, prompt_token_ids) -> list:
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequest("the prompt is empty: at least one token is needed")
+        if len(prompt) >= self.max_model_len:
+            raise PromptTooLong(len(prompt), self.max_model_len)
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return prompt
+
+    def cancel(self, request_id: int) -> None:
+        """Thread-safe and idempotent; the request's blocks are free after the next step."""
+        with self._cond:
+            self._cancels.append(request_id)
+            self._cond.notify()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting + len(self._inbox),
+                           bm.num_used_blocks, bm.num_blocks, self.scheduler.num_preemptions,
+                           self.num_cancellations, self.num_tokens_generated, self.num_steps, self.is_alive())
+
+    # ------------------------------------------------------------------ engine side
+
+    def step(self) -> list:
+        """One scheduler + executor step (hot path). -> list[RequestOutput]"""
+        now_ns = time.monotonic_ns()
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+        for req in inbox:
+            self._requests[req.request_id] = req
+            self.scheduler.add(req)
+        outputs = self._apply_cancels(cancels, now_ns) if cancels else []
+        scheduled, seqs = self.scheduler.schedule(now_ns)
+        if seqs:
+            outputs += self._run_executor(scheduled, seqs)
+        self.num_steps += 1
+        self._forget_finished(outputs)
+        return outputs
+
+    def _apply_cancels(self, request_ids: list, now_ns: int) -> list:
+        outputs = []
+        for request_id in request_ids:
+            req = self._requests.get(request_id)
+            if req is not None and not req.is_finished:
+                outputs.append(self.scheduler.cancel(req, now_ns))
+                self.num_cancellations += 1
+        return outputs
+
+    def _run_executor(self, scheduled: list, seqs: list) -> list:
+        try:
+            result = self.executor.step(seqs)
+            if len(result.token_ids) != self.scheduler.num_samples:
+                raise RuntimeError(f"the executor returned {len(result.token_ids)} token ids "
+                                   f"for {self.scheduler.num_samples} sampling sequences")
+        except Exception as e:
+            log.exception("engine step failed; failing the %d running requests", self.scheduler.num_running)
+            return self.scheduler.fail_running(f"engine step failed: {type(e).__name__}: {e}", time.monotonic_ns())
+        outputs = self.scheduler.update(scheduled, result.token_ids, result.logprobs, time.monotonic_ns())
+        self.num_tokens_generated += len(outputs)
+        return outputs
+
+    def _forget_finished(self, outputs: list) -> None:
+        finished = [out.request_id for out in outputs if out.finish_reason is not None]
+        if finished:
+            for request_id in finished:
+                del self._requests[request_id]
+            with self._cond:
+                self._live_ids.difference_update(finished)
+
+    # ------------------------------------------------------------------ thread
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine thread is already started")
+        self._thread = threading.Thread(target=self._run, name="tokenwire-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while self._wait_for_work():
+            try:
+                outputs = self.step()
+            except Exception as e:      # a bug in core: fail everything rather than die
+                log.exception("engine step raised; failing every request")
+                outputs = self._fail_everything(f"internal engine error: {type(e).__name__}: {e}")
+            self._deliver(outputs)
+        self._deliver(self._fail_everything("the engine shut down"))
+
+    def _wait_for_work(self) -> bool:
+        """Block until there is something to do. -> False when shutting down."""
+        with self._cond:
+            while not self._stopping and not (self._inbox or self._cancels or self.scheduler.has_unfinished()):
+                self._cond.wait()
+            return not self._stopping
+
+    def _deliver(self, outputs: list) -> None:
+        if outputs and self.on_step is not None:
+            try:
+                self.on_step(outputs)
+            except Exception:
+                log.exception("on_step raised; the engine goes on")
+
+    def _fail_everything(self, error: str) -> list:
+        now_ns = time.monotonic_ns()
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+        for req in inbox:
+            self._requests[req.request_id] = req
+            self.scheduler.add(req)
+        outputs = self.scheduler.fail_all(error, now_ns)
+        self._forget_finished(outputs)
+        return outputs
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stop the thread (after its current step), fail what is left, close the executor."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the engine thread did not stop within %s s; the executor stays open", timeout)
+                return
+        else:
+            self._fail_everything("the engine shut down")
+        self.executor.close()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()

@@ -1,0 +1,96 @@
+"""The mock engine: an `Executor` that costs a fixed time per step and emits a fixed text.
+
+Used by `tokenwire bench scheduler`, by the peer benchmarks and by `tokenwire serve
+--backend mock --mock-step-us N`, so everything around the model (scheduler, detokenizer,
+HTTP/2 framing) can be measured without one. Contract:
+- `MockExecutor.step(seqs)` sleeps `step_us` (0: returns at once) and returns, for each
+  sampling sequence, token `i % n` of `MOCK_TEXT`'s encoding, `i = len(output_token_ids)`:
+  every request streams the same story, whatever the batch and across preemptions.
+- `build_mock_tokenizer()` is a real byte-level BPE `tokenizers.Tokenizer` built in memory
+  (256 byte tokens, merges for the story's words, `<s>` = 0 and `</s>` = 1 special), so
+  detokenization is the real code path, multi-byte characters split over tokens included.
+- The mock never emits `</s>`: requests end on max_tokens, stop strings or the context length.
+"""
+
+import time
+from typing import Sequence
+
+from .config import ModelConfig
+from .detokenizer import byte_level_alphabet
+from .executor import SeqStep, StepOutput
+
+MOCK_TEXT = ("Once upon a time, there was a little robot named Tok. Tok loved to stream words, one token "
+             "at a time, as fast as the wire allowed. Every morning Tok said \"bonjour\" to the café "
+             "owner, a naïve poet who wrote haiku in 日本語 and signed them with 🙂. The poet smiled: "
+             "\"Speed is nothing without the right words.\" So Tok learned new words every day, and "
+             "the story went on and on.\n")
+BOS, EOS = "<s>", "</s>"
+
+
+def build_mock_tokenizer():
+    """Byte-level BPE over MOCK_TEXT's words; deterministic, no file, no training run."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    char_of = {b: c for c, b in byte_level_alphabet().items()}
+    vocab = {BOS: 0, EOS: 1}
+    for b in range(256):
+        vocab[char_of[b]] = len(vocab)
+    merges = []
+    for word in dict.fromkeys(pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(MOCK_TEXT)):
+        chars = word[0]
+        left = chars[0]
+        for right in chars[1:]:
+            if left + right not in vocab:
+                merges.append((left, right))
+                vocab[left + right] = len(vocab)
+            left += right
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(BOS, special=True), AddedToken(EOS, special=True)])
+    return tokenizer
+
+
+def mock_config(vocab_size: int, max_model_len: int) -> ModelConfig:
+    """A ModelConfig for the mock: only vocab_size and the context length mean anything."""
+    return ModelConfig(architecture="MockForCausalLM", vocab_size=vocab_size, hidden_size=8, intermediate_size=8,
+                       num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
+                       max_position_embeddings=max_model_len, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       bos_token_id=0, eos_token_ids=(1,))
+
+
+class MockExecutor:
+    """Executor with a fixed step time and a fixed token stream (see the module docstring)."""
+
+    def __init__(self, *, step_us: float = 0.0, num_blocks: int = 16384, block_size: int = 16,
+                 max_model_len: int = 4096, tokenizer=None):
+        if step_us < 0:
+            raise ValueError(f"step_us must be >= 0, got {step_us}")
+        self.tokenizer = tokenizer if tokenizer is not None else build_mock_tokenizer()
+        self.text_token_ids = self.tokenizer.encode(MOCK_TEXT, add_special_tokens=False).ids  # [n]
+        self.config = mock_config(self.tokenizer.get_vocab_size(with_added_tokens=True), max_model_len)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.step_s = step_us / 1e6
+        self.num_steps = 0
+
+    def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
+        """Hot path: once per step. Sleeping releases the GIL, as a real kernel would."""
+        if self.step_s:
+            time.sleep(self.step_s)
+        self.num_steps += 1
+        text, n = self.text_token_ids, len(self.text_token_ids)
+        return StepOutput([text[len(s.output_token_ids) % n] for s in seqs if s.sample])
+
+    def close(self) -> None:
+        pass
+
+
+def build_mock_engine_core(step_us: float = 0.0, *, max_model_len: int = 4096, num_blocks: int = 16384,
+                           block_size: int = 16, **engine_kwargs):
+    """An EngineCore over the mock executor and its tokenizer (`tokenwire serve --backend mock`).
+    `engine_kwargs` go to EngineCore (max_num_seqs, max_num_batched_tokens, on_step, ...)."""
+    from .engine_core import EngineCore
+    executor = MockExecutor(step_us=step_us, num_blocks=num_blocks, block_size=block_size,
+                            max_model_len=max_model_len)
+    return EngineCore(executor, executor.tokenizer, eos_token_ids=executor.config.eos_token_ids,
+                      max_model_len=max_model_len, **engine_kwargs)

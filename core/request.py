@@ -1,0 +1,110 @@
+"""One request's state inside the engine: its lifecycle, its tokens and its KV blocks.
+
+Rules:
+1. The lifecycle is the table `TRANSITIONS`; `Request.transition` is the only way to change
+   `state`, and a transition that is not in the table raises `IllegalTransition`.
+
+       WAITING ──> PREFILLING ──> DECODING ──> FINISHED
+          ^            │             │
+          └────────────┴─────────────┘  preempted (recompute): back to WAITING
+       any live state ──> CANCELLED | FAILED
+
+   PREFILLING covers every step that feeds more than the last sampled token: the prompt in
+   chunks, or after a preemption the prompt plus the tokens generated so far. The step whose
+   chunk reaches the last known token samples, and the request becomes DECODING.
+2. `token_ids` is prompt + output; `num_computed_tokens` of them are in the KV cache. A step
+   feeds `token_ids[num_computed_tokens:]` (or a chunk of it), so prefill, decode and the
+   recompute after a preemption are one code path.
+3. The sampling RNG counter is `len(output_token_ids)`, so a recomputed request draws the
+   same numbers it would have drawn without the preemption.
+
+No tensor library here: ints and lists.
+"""
+
+import enum
+from typing import Optional
+
+from .errors import IllegalTransition
+from .outputs import Timeline
+from .sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+S = RequestState
+TRANSITIONS = {
+    S.WAITING: frozenset({S.PREFILLING, S.CANCELLED, S.FAILED}),
+    S.PREFILLING: frozenset({S.DECODING, S.WAITING, S.CANCELLED, S.FAILED}),
+    S.DECODING: frozenset({S.WAITING, S.FINISHED, S.CANCELLED, S.FAILED}),
+    S.FINISHED: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.FAILED: frozenset(),
+}
+TERMINAL_STATES = frozenset(s for s, nexts in TRANSITIONS.items() if not nexts)
+del S
+
+
+class Request:
+    """A request from submission to its end. Owned by the engine thread once submitted."""
+
+    __slots__ = ("request_id", "params", "timeline", "priority", "arrival_seq", "seed",
+                 "prompt_token_ids", "output_token_ids", "token_ids", "num_prompt_tokens",
+                 "max_total_tokens", "stop_token_ids", "text_stream", "state",
+                 "num_computed_tokens", "num_scheduled_tokens", "block_table",
+                 "finish_reason", "error", "num_preemptions")
+
+    def __init__(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline, *,
+                 seed: int, priority: int, arrival_seq: int, max_model_len: int,
+                 stop_token_ids: frozenset, text_stream):
+        self.request_id = request_id
+        self.params = params
+        self.timeline = timeline
+        self.priority = priority                    # smaller is served first; ties by arrival
+        self.arrival_seq = arrival_seq              # submission order, kept across preemption
+        self.seed = seed                            # resolved: never None
+        self.prompt_token_ids = prompt_token_ids    # list[int] [L]
+        self.output_token_ids = []                  # list[int], grows by one per decode step
+        self.token_ids = list(prompt_token_ids)     # prompt + output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        max_new = params.max_tokens if params.max_tokens is not None else max_model_len
+        self.max_total_tokens = min(max_model_len, self.num_prompt_tokens + max_new)
+        self.stop_token_ids = stop_token_ids        # EOS (unless ignore_eos) + params.stop_token_ids
+        self.text_stream = text_stream             # core/detokenizer.TextStream: ids -> text, stop strings
+        self.state = RequestState.WAITING
+        self.num_computed_tokens = 0                # tokens whose K/V are in the cache
+        self.num_scheduled_tokens = 0               # tokens fed in the current step
+        self.block_table = []                       # list[int]: physical KV blocks, in position order
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.num_preemptions = 0
+
+    def transition(self, new_state: RequestState) -> None:
+        if new_state not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"request {self.request_id}: {self.state.value} -> {new_state.value} "
+                                    f"is not a legal transition")
+        self.state = new_state
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def sort_key(self) -> tuple:
+        """Admission and preemption order: priority first, then first come first served."""
+        return (self.priority, self.arrival_seq)
+
+    def __repr__(self) -> str:
+        return (f"Request(id={self.request_id}, {self.state.value}, prompt={self.num_prompt_tokens}, "
+                f"output={len(self.output_token_ids)}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_table)})")

@@ -1,0 +1,278 @@
+"""Step-level continuous batching: which tokens of which requests go through the next step.
+
+Policy, in the order `schedule()` applies it each step:
+1. Decode: every DECODING request gets its one token, in priority order. When a block
+   runs out, the lowest-priority newest running request is preempted (its blocks freed;
+   it goes back to WAITING and later recomputes prompt + output), possibly the request itself.
+2. Prefill: PREFILLING requests (oldest first) share what is left of the token budget
+   (`max_num_batched_tokens`) in chunks, so a long prompt never holds up the decodes. A
+   chunk short of blocks may preempt newer requests not scheduled this step, else shrinks.
+3. Admit: waiting requests, smallest `priority` first then first come first served, while
+   a sequence slot, the token budget and free blocks (above a small watermark) allow, and
+   only in steps that preempted nothing. Head-of-line: a request that does not fit stops
+   admission, so a big prompt cannot be starved by a stream of small ones.
+`update()` then takes the sampled ids: appends them, checks stop conditions (EOS / stop ids,
+stop strings via the request's TextStream, max_tokens, context length) and frees finished
+requests' blocks at once. Cancelled and failed requests free theirs when the engine
+thread processes them, at the start of the next step.
+
+Invariants: a running request's `block_table` covers its cached tokens; `num_scheduled_tokens`
+is 0 outside a step. No tensor library here: ints, lists, a heap.
+"""
+
+import bisect
+import heapq
+from operator import attrgetter
+from typing import Optional
+
+from .block_manager import BlockManager
+from .executor import SeqStep
+from .outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from .request import Request, RequestState
+
+WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
+_sort_key = attrgetter("sort_key")
+_new_tuple = tuple.__new__          # NamedTuple construction without the Python-level __new__ (hot path)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, watermark: float = 0.01):
+        capacity = block_manager.num_blocks * block_manager.block_size
+        if max_model_len > capacity:
+            raise ValueError(f"max_model_len {max_model_len} does not fit the KV cache "
+                             f"({block_manager.num_blocks} blocks x {block_manager.block_size} = {capacity} tokens)")
+        if not 1 <= max_num_seqs <= max_num_batched_tokens:
+            raise ValueError(f"need 1 <= max_num_seqs <= max_num_batched_tokens (every running request "
+                             f"decodes each step), got {max_num_seqs} and {max_num_batched_tokens}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        self.waiting = []                   # heap of (priority, arrival_seq, Request)
+        self.running = []                   # list[Request], sorted by sort_key
+        self.num_preemptions = 0
+        self.num_samples = 0                # SeqSteps with sample=True in the last schedule()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self, now_ns: int) -> tuple:
+        """-> (scheduled requests, their SeqSteps), in the same order (hot path: once per step)."""
+        scheduled, seqs = [], []
+        self.num_samples = 0
+        budget, num_preempted, prefilling = self._schedule_decodes(scheduled, seqs)
+        self.num_samples += len(seqs)
+        if prefilling and budget:
+            budget, more = self._schedule_prefills(prefilling, budget, scheduled, seqs)
+            num_preempted += more
+        if not num_preempted and self.waiting and budget:
+            self._admit(budget, now_ns, scheduled, seqs)
+        return scheduled, seqs
+
+    def _schedule_decodes(self, scheduled: list, seqs: list) -> tuple:
+        """One token for every DECODING request. -> (budget left, preemptions, PREFILLING requests)"""
+        running, block_size, bm = self.running, self.block_manager.block_size, self.block_manager
+        budget, num_preempted, prefilling = self.max_num_batched_tokens, 0, []
+        i = 0
+        while i < len(running):
+            req = running[i]
+            i += 1
+            if req.state is not DECODING:
+                prefilling.append(req)
+                continue
+            start = req.num_computed_tokens
+            if start + 1 > len(req.block_table) * block_size:
+                while not bm.can_allocate(1):
+                    victim = running[-1]
+                    self._preempt(victim)
+                    num_preempted += 1
+                    if victim is req:
+                        break
+                if req.state is not DECODING:
+                    break
+                bm.append_slot(req.block_table, start + 1)
+            req.num_scheduled_tokens = 1
+            scheduled.append(req)
+            seqs.append(_new_tuple(SeqStep, (req.request_id, req.token_ids[start:], start, req.block_table, True,
+                                             req.params, req.seed, req.prompt_token_ids, req.output_token_ids)))
+            budget -= 1
+        return budget, num_preempted, prefilling
+
+    def _schedule_prefills(self, prefilling: list, budget: int, scheduled: list, seqs: list) -> tuple:
+        """Chunks for PREFILLING requests, oldest first. -> (budget left, preemptions)"""
+        bm, num_preempted = self.block_manager, 0
+        for req in prefilling:
+            if not budget:
+                break
+            if req.state is not PREFILLING:         # preempted earlier in this pass
+                continue
+            start = req.num_computed_tokens
+            num_tokens = min(len(req.token_ids) - start, budget)
+            num_preempted += self._free_blocks_for(req, bm.num_new_blocks(req.block_table, start + num_tokens))
+            fits = (len(req.block_table) + bm.num_free_blocks) * bm.block_size - start
+            num_tokens = min(num_tokens, fits)
+            if num_tokens <= 0:
+                continue
+            bm.append_slot(req.block_table, start + num_tokens)
+            self._schedule_chunk(req, num_tokens, scheduled, seqs)
+            budget -= num_tokens
+        return budget, num_preempted
+
+    def _free_blocks_for(self, req: Request, num_blocks: int) -> int:
+        """Preempt requests newer than `req` that this step has not scheduled until `num_blocks`
+        are free (or none is left). -> preemptions"""
+        num_preempted = 0
+        if self.block_manager.can_allocate(num_blocks):
+            return 0
+        for victim in reversed(self.running[:]):
+            if self.block_manager.can_allocate(num_blocks) or victim is req:
+                break
+            if victim.num_scheduled_tokens == 0:
+                self._preempt(victim)
+                num_preempted += 1
+        return num_preempted
+
+    def _admit(self, budget: int, now_ns: int, scheduled: list, seqs: list) -> None:
+        bm, waiting, running = self.block_manager, self.waiting, self.running
+        while waiting and budget and len(running) < self.max_num_seqs:
+            req = waiting[0][2]
+            num_tokens = min(len(req.token_ids), budget)
+            reserve = self.watermark_blocks if running else 0
+            if bm.num_blocks_for(num_tokens) + reserve > bm.num_free_blocks:
+                break
+            heapq.heappop(waiting)
+            req.transition(PREFILLING)
+            bm.append_slot(req.block_table, num_tokens)
+            bisect.insort(running, req, key=_sort_key)
+            if not req.timeline.first_scheduled_ns:
+                req.timeline.first_scheduled_ns = now_ns
+            self._schedule_chunk(req, num_tokens, scheduled, seqs)
+            budget -= num_tokens
+
+    def _schedule_chunk(self, req: Request, num_tokens: int, scheduled: list, seqs: list) -> None:
+        start = req.num_computed_tokens
+        end = start + num_tokens
+        req.num_scheduled_tokens = num_tokens
+        self.num_samples += end == len(req.token_ids)
+        scheduled.append(req)
+        seqs.append(SeqStep(req.request_id, req.token_ids[start:end], start, req.block_table,
+                            end == len(req.token_ids), req.params, req.seed, req.prompt_token_ids,
+                            req.output_token_ids))
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop the request's cache, send it back to the waiting heap."""
+        if self.running and self.running[-1] is req:
+            self.running.pop()
+        else:
+            self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.transition(WAITING)
+        self.num_preemptions += 1
+        heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
+
+    def _release(self, req: Request) -> None:
+        if req.block_table:
+            self.block_manager.free(req.block_table)
+            req.block_table.clear()
+        req.num_scheduled_tokens = 0
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, scheduled: list, sampled_ids, logprobs, now_ns: int) -> list:
+        """Apply one step's results (hot path: once per step). `sampled_ids[k]` belongs to the
+        k-th scheduled request whose chunk reached its last token. -> list[RequestOutput]"""
+        outputs, k, num_finished = [], 0, 0
+        for req in scheduled:
+            req.num_computed_tokens += req.num_scheduled_tokens
+            req.num_scheduled_tokens = 0
+            if req.num_computed_tokens < len(req.token_ids):
+                continue                    # a prefill chunk short of the end: nothing sampled
+            token_id = sampled_ids[k]
+            lp = logprobs[k] if logprobs is not None else None
+            k += 1
+            out = self._append_token(req, token_id, lp, now_ns)
+            outputs.append(out)
+            if out.finish_reason is not None:
+                num_finished += 1
+        if num_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _append_token(self, req: Request, token_id: int, lp, now_ns: int) -> RequestOutput:
+        """Hot path: once per generated token."""
+        req.token_ids.append(token_id)
+        req.output_token_ids.append(token_id)
+        if req.state is not DECODING:
+            req.transition(DECODING)
+        req.timeline.step_done_ns.append(now_ns)
+        finish = None
+        if token_id in req.stop_token_ids:
+            finish, text = FINISH_STOP, ""          # the stop token's own text is not output
+        else:
+            text = req.text_stream.push(token_id)
+            if req.text_stream.stopped:
+                finish = FINISH_STOP
+            elif len(req.token_ids) >= req.max_total_tokens:
+                finish = FINISH_LENGTH
+        if finish is not None:
+            text += req.text_stream.finish()
+            self._finish(req, RequestState.FINISHED, finish, now_ns)
+        return _new_tuple(RequestOutput, (req.request_id, (token_id,), text, None if lp is None else (lp,), finish,
+                                          req.num_prompt_tokens, len(req.output_token_ids), now_ns, None))
+
+    def _finish(self, req: Request, state: RequestState, reason: str, now_ns: int,
+                error: Optional[str] = None) -> None:
+        req.transition(state)
+        self._release(req)
+        req.finish_reason = reason
+        req.error = error
+        req.timeline.finished_ns = now_ns
+
+    # ------------------------------------------------------------------ cancel / fail
+
+    def cancel(self, req: Request, now_ns: int) -> RequestOutput:
+        """Remove a live request wherever it is; its blocks are free when this returns."""
+        self._remove(req)
+        self._finish(req, RequestState.CANCELLED, FINISH_CANCELLED, now_ns)
+        return self._final_output(req, now_ns)
+
+    def fail(self, req: Request, error: str, now_ns: int) -> RequestOutput:
+        self._remove(req)
+        self._finish(req, RequestState.FAILED, FINISH_ERROR, now_ns, error)
+        return self._final_output(req, now_ns)
+
+    def fail_running(self, error: str, now_ns: int) -> list:
+        return [self.fail(req, error, now_ns) for req in list(self.running)]
+
+    def fail_all(self, error: str, now_ns: int) -> list:
+        reqs = list(self.running) + [entry[2] for entry in self.waiting]
+        return [self.fail(req, error, now_ns) for req in reqs]
+
+    def _remove(self, req: Request) -> None:
+        if req.state is WAITING:
+            self.waiting = [entry for entry in self.waiting if entry[2] is not req]
+            heapq.heapify(self.waiting)
+        else:
+            self.running.remove(req)
+
+    @staticmethod
+    def _final_output(req: Request, now_ns: int) -> RequestOutput:
+        return RequestOutput(req.request_id, (), "", None, req.finish_reason, req.num_prompt_tokens,
+                             len(req.output_token_ids), now_ns, req.error)
