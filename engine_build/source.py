@@ -21,28 +21,13 @@ from typing import Callable, Iterator, Mapping, Optional
 import numpy as np
 
 from ..core.config import ModelConfig
+from ..core.model import linear_shapes, vector_shapes
 from .errors import BuildError
 
 
 def canonical_shapes(config: ModelConfig) -> dict:
-    """{canonical name: logical shape} for every tensor the engine of `config` holds, in build order."""
-    D, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
-    qkv_rows = config.q_size + 2 * config.kv_size
-    shapes = {"embed": (V, D)}
-    for i in range(config.num_layers):
-        p = f"layers.{i}."
-        shapes[p + "attn_norm"] = (D,)
-        shapes[p + "qkv_proj"] = (qkv_rows, D)
-        if config.qkv_bias:
-            shapes[p + "qkv_bias"] = (qkv_rows,)
-        shapes[p + "o_proj"] = (D, config.q_size)
-        shapes[p + "mlp_norm"] = (D,)
-        shapes[p + "gate_up_proj"] = (2 * I, D)
-        shapes[p + "down_proj"] = (D, I)
-    shapes["norm"] = (D,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (V, D)
-    return shapes
+    """{canonical name: logical shape} of every tensor an engine of `config` holds (matrices, then vectors)."""
+    return {**linear_shapes(config), **vector_shapes(config)}
 
 
 def is_vector(name: str) -> bool:

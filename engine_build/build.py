@@ -1,0 +1,128 @@
+"""The build pipeline: open a source -> quantize -> write the engine directory.
+
+    source = open_source("Qwen/Qwen2.5-0.5B-Instruct")     # HF dir, hub name or llama2.c .bin
+    build_engine(source, "out/qwen", BuildOptions())       # -> Path of the engine directory
+
+Stages, each one call: an importer (hf.py, llama2c.py) gives a `SourceModel`; the quant
+teammate's `quantize.quantize_model(config, tensors, options, calibration_ids, progress)`
+encodes every tensor and measures its error; `engine_format.write_engine` writes it all atomically.
+"""
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from .errors import BuildError
+from .quantize import QuantOptions
+from .source import SourceModel, sha256_files
+
+CALIBRATION_WINDOW = 512        # tokens per calibration sequence (fewer when the model has fewer positions)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    quant: QuantOptions = field(default_factory=QuantOptions)
+    tokenizer: Optional[str] = None      # llama2.c: the vocabulary (.bin or .model); default: beside the checkpoint
+    calibration: Optional[str] = None    # calibration text file; default: engine_build/data/calibration.txt
+
+    def cache_key(self) -> dict:
+        """What changes the engine's bytes (for resolve.py's cache)."""
+        d = asdict(self)
+        d["quant"] = self.quant.manifest()
+        if d["calibration"]:
+            d["calibration_sha256"] = sha256_files([d["calibration"]])
+        return d
+
+
+def open_source(spec, tokenizer: Optional[str] = None) -> SourceModel:
+    """A Hugging Face directory, a hub name (`org/name`) or a llama2.c checkpoint file -> SourceModel."""
+    from . import hub
+    path = Path(spec)
+    if path.is_dir():
+        if (path / "engine.json").exists():
+            raise BuildError(path, "is already a tokenwire engine directory (serve it directly)")
+        from .hf import import_hf
+        return import_hf(path)
+    if path.is_file():
+        from .llama2c import import_llama2c
+        return import_llama2c(path, tokenizer=tokenizer)
+    if hub.looks_like_hub_name(str(spec)):
+        from .hf import import_hf
+        return import_hf(hub.download(str(spec)), kind="hub", name=str(spec))
+    raise BuildError(spec, "no such file or directory, and not a Hugging Face hub name (org/name)")
+
+
+def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOptions(), progress: bool = False,
+                 log: Callable[[str], None] = lambda line: None, replace: bool = False) -> Path:
+    """Quantize `source` and write the engine directory `out_dir` (see write_engine for `replace`). -> out_dir"""
+    from .engine_format import write_engine
+    from .quantize import quantize_model
+    config = source.config
+    calibration = calibration_sequences(source, options) if _needs_calibration(options) else None
+    log(f"quantizing {source.name}: {options.quant.manifest()}")
+    encoded, meta, report = quantize_model(config, source.tensors, options.quant, calibration, progress)
+    manifest_source = {"path": str(source.path), "kind": source.kind, "sha256": sha256_files(source.files),
+                       "files": [_file_stamp(p) for p in source.files]}
+    return write_engine(out_dir, name=source.name, description=source.description or _describe(source, options),
+                        config=config, quantization=options.quant.manifest(), tokenizer=source.tokenizer,
+                        source=manifest_source, tensors=encoded, tensor_meta=meta, report=report.to_dict(),
+                        replace=replace)
+
+
+def _needs_calibration(options: BuildOptions) -> bool:
+    return options.quant.method == "int4" and (options.quant.algorithm != "rtn" or options.calibration is not None)
+
+
+def calibration_sequences(source: SourceModel, options: BuildOptions) -> list:
+    """Calibration text -> token windows of at most min(CALIBRATION_WINDOW, max positions) ids."""
+    from .calibration import default_calibration_text, split_sequences
+    if options.calibration:
+        try:
+            text = Path(options.calibration).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BuildError(options.calibration, f"cannot read calibration text: {exc}") from None
+    else:
+        text = default_calibration_text()
+    ids = _tokenizer(source).encode(text, add_special_tokens=False).ids
+    window = min(CALIBRATION_WINDOW, source.config.max_position_embeddings)
+    return split_sequences(ids, window)
+
+
+def _tokenizer(source: SourceModel):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_str(source.tokenizer.files["tokenizer.json"].decode("utf-8"))
+
+
+def _file_stamp(path) -> dict:
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _describe(source: SourceModel, options: BuildOptions) -> str:
+    c, q = source.config, options.quant.manifest()
+    scheme = "unquantized" if q["method"] == "none" else f"INT4 g{q['group_size']} {q['algorithm']}"
+    return (f"{c.architecture} ({c.num_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}) "
+            f"from {source.kind} {source.path}, {scheme}")
+
+
+def format_report(report: dict, max_rows: int = 40) -> str:
+    """The build's error report as text: one line per tensor, then the means and the perplexity."""
+    tensors = report.get("tensors") or {}
+    lines = [f"{'tensor':<28} {'encoding':<8} {'weight rel err':>14} {'output rel err':>14}"]
+    for i, (name, t) in enumerate(tensors.items()):
+        if i == max_rows:
+            lines.append(f"... {len(tensors) - max_rows} more tensors (all in engine.json \"report\")")
+            break
+        lines.append(f"{name:<28} {t['encoding']:<8} {_num(t['weight_rel_error']):>14} {_num(t['output_rel_error']):>14}")
+    lines.append(f"mean INT4 weight rel err {_num(report.get('mean_weight_rel_error'))}, "
+                 f"output rel err {_num(report.get('mean_output_rel_error'))} "
+                 f"({report.get('num_calibration_tokens', 0)} calibration tokens)")
+    evaluation = report.get("evaluation")
+    if evaluation:
+        lines.append("perplexity: " + ", ".join(f"{k} {_num(v)}" for k, v in evaluation.items()
+                                                if isinstance(v, (int, float))))
+    return "\n".join(lines)
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.4g}"

@@ -1,0 +1,65 @@
+"""`tokenwire build SRC -o OUT`: checkpoint (HF directory, hub name, llama2.c .bin) -> engine directory.
+
+Prints a progress bar while quantizing and the per-tensor error report at the end. Bad
+input prints one `error: ...` line naming the file and the problem, and exits 2.
+"""
+
+import sys
+
+
+def add_arguments(parser) -> None:
+    from .quantize import ALGORITHMS, DEFAULT_GROUP_SIZE, GROUP_SIZES, METHODS, PRECISIONS
+    parser.add_argument("source", metavar="SRC", help="Hugging Face model directory, hub name (org/name) "
+                                                      "or llama2.c checkpoint .bin")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT", help="engine directory to write")
+    parser.add_argument("--quant", choices=METHODS, default="int4", help="int4 weights, or none (source precision)")
+    parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE,
+                        help=f"INT4 group size along K (default {DEFAULT_GROUP_SIZE})")
+    parser.add_argument("--sym", action="store_true", help="symmetric INT4 (zero point 8)")
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default="awq",
+                        help="rtn, clip (range search) or awq (activation-aware scaling + clip; default)")
+    parser.add_argument("--embedding", choices=PRECISIONS, default=None,
+                        help="token embedding encoding (default fp16 with int4, fp32 with none)")
+    parser.add_argument("--lm-head", choices=PRECISIONS, default=None, help="untied classifier encoding (same default)")
+    parser.add_argument("--tokenizer", metavar="PATH", help="llama2.c vocabulary (tok*.bin or SentencePiece .model); "
+                                                            "default: the one beside the checkpoint")
+    parser.add_argument("--calibration", metavar="FILE", help="calibration text (default: the shipped sample)")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no report")
+
+
+def run(args) -> int:
+    from .errors import BuildError
+    try:
+        return _build(args)
+    except BuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _build(args) -> int:
+    import time
+    from pathlib import Path
+
+    from .build import BuildOptions, build_engine, format_report, open_source
+    from .errors import BuildError
+    from .quantize import QuantOptions
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise BuildError(out, "already exists (use --force to replace an engine directory)")
+    options = BuildOptions(QuantOptions(method=args.quant, group_size=args.group_size, symmetric=args.sym,
+                                        algorithm=args.algorithm, embedding=args.embedding, lm_head=args.lm_head),
+                           tokenizer=args.tokenizer, calibration=args.calibration)
+    say = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
+    t0 = time.perf_counter()
+    source = open_source(args.source, tokenizer=args.tokenizer)
+    c = source.config
+    say(f"source: {source.kind} {source.path}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, "
+        f"vocab {c.vocab_size}")
+    build_engine(source, out, options, progress=not args.quiet, log=say, replace=args.force)
+    from .engine_format import read_manifest
+    manifest = read_manifest(out)
+    say(format_report(manifest["report"]))
+    say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
+    return 0
