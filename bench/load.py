@@ -1,0 +1,195 @@
+"""`tokenwire bench load`: an HTTP/2 load generator against a running server.
+
+Per concurrency level (closed loop) or arrival rate (open loop) it measures time to first
+token, inter-token latency and end-to-end latency (p50/p90/p99, µs, from the moment the
+request's bytes were handed to the socket), tokens/s, its own CPU per token, and — when
+the server listens on this machine — the server process's CPU per streamed token, read
+from /proc. Prints a table, and writes JSON (--json) and a PNG plot (--plot).
+
+The client is lean on purpose (bench/h2client.py, bench/h1client.py): a client built on
+the h2 library spends ~10 µs per frame and would be the bottleneck it is meant to expose.
+"""
+
+import argparse
+import sys
+
+DEFAULT_CONCURRENCY = "1,8,64,256"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True,
+                        help="http://HOST:PORT/PATH, e.g. http://127.0.0.1:8000/v1/completions")
+    parser.add_argument("--protocol", choices=("h2", "h1", "grpc"), default="h2",
+                        help="h2: HTTP/2 prior knowledge (default); h1: HTTP/1.1 keep-alive; grpc: gRPC over h2")
+    parser.add_argument("--framing", choices=("sse", "ndjson", "binary", "grpc"), default=None,
+                        help="how the response splits into tokens (default: from the path and protocol)")
+    parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
+                        help=f"comma-separated concurrency levels (default {DEFAULT_CONCURRENCY}); "
+                             "in open mode, the cap on streams in flight")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="measured requests per level (default: max(100, 4 x concurrency))")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up requests per level (default: concurrency)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt length in words (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per response (default 32)")
+    parser.add_argument("--mode", choices=("closed", "open"), default="closed")
+    parser.add_argument("--rate", default=None, help="open mode: comma-separated arrival rates, requests/s")
+    parser.add_argument("--connections", type=int, default=1,
+                        help="HTTP/2 connections to spread streams over (more if the server caps streams)")
+    parser.add_argument("--model", default=None, help="model name to put in the body (default: none)")
+    parser.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos=true")
+    parser.add_argument("--server-pid", type=int, default=None,
+                        help="server process for CPU accounting (default: whoever listens on the port, if local)")
+    parser.add_argument("--core", type=int, default=None, help="pin the load generator to this CPU core")
+    parser.add_argument("--json", default=None, help="write the results as JSON to this file")
+    parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput against concurrency")
+
+
+def run(args) -> int:
+    from .loadgen import parse_url
+    from .proc import listening_pid, pin_to_core
+    try:
+        host, port, path = parse_url(args.url)
+        levels = parse_levels(args)
+        framing = args.framing or default_framing(args.protocol, path)
+        target = make_target(host, port, path, args.protocol, framing, args.prompt_len, args.max_tokens,
+                             args.model, not args.no_ignore_eos)
+    except ValueError as exc:
+        print(f"tokenwire bench load: {exc}", file=sys.stderr)
+        return 2
+    if args.core is not None and not pin_to_core(args.core):
+        print(f"tokenwire bench load: cannot pin to core {args.core}", file=sys.stderr)
+        return 2
+    server_pid = args.server_pid or (listening_pid(port) if host in ("127.0.0.1", "localhost", "::1") else None)
+    try:
+        rows = run_event_loop(measure(target, levels, args, server_pid))
+    except (ConnectionError, OSError, TimeoutError) as exc:
+        print(f"tokenwire bench load: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(rows))
+    print_notes(rows, server_pid)
+    write_outputs(args, rows, {"url": args.url, "protocol": args.protocol, "framing": framing,
+                               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "mode": args.mode,
+                               "server_pid": server_pid})
+    return 0 if all(r["num_errors"] < r["num_requests"] for r in rows) else 1
+
+
+def parse_levels(args) -> list:
+    """[(concurrency, rate or None, num_requests, num_warmup)] from the options, checked."""
+    try:
+        concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+        rates = [float(r) for r in args.rate.split(",")] if args.rate else []
+    except ValueError:
+        raise ValueError("--concurrency and --rate take comma-separated numbers, e.g. 1,8,64") from None
+    if not concurrency or min(concurrency) < 1:
+        raise ValueError("--concurrency levels must be integers >= 1")
+    for name in ("requests", "warmup", "prompt_len", "max_tokens", "connections"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else '>= 1'}")
+    if args.mode == "open":
+        if not rates or min(rates) <= 0:
+            raise ValueError("--mode open needs --rate R (requests/s, > 0; a comma list for several levels)")
+        cap = max(concurrency) if args.concurrency != DEFAULT_CONCURRENCY else 1024
+        return [(cap, rate, args.requests or max(100, int(rate)), args.warmup or 0) for rate in rates]
+    if rates:
+        raise ValueError("--rate applies to --mode open only")
+    return [(c, None, args.requests or max(100, 4 * c), c if args.warmup is None else args.warmup)
+            for c in concurrency]
+
+
+def default_framing(protocol: str, path: str) -> str:
+    if protocol == "grpc":
+        return "grpc"
+    return "ndjson" if path.rstrip("/").endswith("/generate") else "sse"
+
+
+def make_target(host, port, path, protocol, framing, prompt_len, max_tokens, model=None, ignore_eos=True):
+    """The request every stream of a run sends."""
+    import orjson
+    from .loadgen import Target
+    prompt = " ".join(["a"] * prompt_len)
+    if protocol == "grpc":
+        from .peers.grpc_proto import SERVICE_PATH, request_body
+        body = request_body(prompt, max_tokens, model or "mock", ignore_eos)
+        return Target(host, port, protocol, framing, path if path != "/" else SERVICE_PATH, body, "application/grpc")
+    if framing == "grpc":
+        raise ValueError("--framing grpc needs --protocol grpc")
+    fields = {"prompt": prompt, "max_tokens": max_tokens}
+    if path.rstrip("/").endswith("/chat/completions"):
+        fields = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
+    if framing == "sse":
+        fields["stream"] = True
+    if ignore_eos:
+        fields["ignore_eos"] = True
+    if model:
+        fields["model"] = model
+    headers = (("accept", "application/octet-stream"),) if framing == "binary" else ()
+    return Target(host, port, protocol, framing, path, orjson.dumps(fields), "application/json", headers)
+
+
+async def measure(target, levels, args, server_pid) -> list:
+    from .loadgen import run_level
+    rows = []
+    for concurrency, rate, num_requests, num_warmup in levels:
+        row = await run_level(target, concurrency, num_requests, num_warmup=num_warmup,
+                              num_connections=args.connections, mode=args.mode, rate=rate,
+                              server_pid=server_pid, expected_tokens=args.max_tokens)
+        row["server"] = args.url
+        rows.append(row)
+    return rows
+
+
+def run_event_loop(coro):
+    """uvloop when installed (the client's per-read cost is lower), else asyncio."""
+    try:
+        import uvloop
+        return uvloop.run(coro)
+    except ImportError:
+        import asyncio
+        return asyncio.run(coro)
+
+
+def format_table(rows: list, with_server: bool = False) -> str:
+    from .stats import fmt_us, table
+    headers = (["server"] if with_server else []) + [
+        "conc", "rate", "reqs", "err", "ttft p50", "ttft p90", "ttft p99", "itl p50", "itl p99",
+        "e2e p50", "e2e p99", "tokens/s", "srv µs/tok", "cli µs/tok", "cli util"]
+    out = []
+    for r in rows:
+        cells = [r["server"]] if with_server else []
+        cells += [r["concurrency"], f"{r['rate']:g}" if r.get("rate") else "-", r["num_requests"], r["num_errors"],
+                  fmt_us(r["ttft_us_p50"]), fmt_us(r["ttft_us_p90"]), fmt_us(r["ttft_us_p99"]),
+                  fmt_us(r["itl_us_p50"]), fmt_us(r["itl_us_p99"]), fmt_us(r["e2e_us_p50"]), fmt_us(r["e2e_us_p99"]),
+                  f"{r['tokens_per_s']:,.0f}", fmt_us(r["cpu_us_per_token"]), fmt_us(r["client_cpu_us_per_token"]),
+                  f"{r['client_cpu_util']:.0%}"]
+        out.append(cells)
+    return table(headers, out) + "\n(latencies in µs; srv/cli µs/tok: CPU time per streamed token)"
+
+
+def print_notes(rows: list, server_pid) -> None:
+    if server_pid is None:
+        print("server CPU: not measured (the server is not a local process this user can see; use --server-pid)")
+    for r in rows:
+        where = f"concurrency {r['concurrency']}" + (f", rate {r['rate']:g}/s" if r.get("rate") else "")
+        if r["num_errors"]:
+            print(f"{where}: {r['num_errors']} of {r['num_requests']} requests failed, first: {r['first_error']}")
+        if r["num_count_mismatches"]:
+            print(f"{where}: {r['num_count_mismatches']} streams did not carry the requested number of tokens")
+        if r["client_cpu_util"] > 0.9:
+            print(f"{where}: the load generator used {r['client_cpu_util']:.0%} of a core: throughput may be "
+                  "client-bound")
+        if r["num_queued"]:
+            print(f"{where}: {r['num_queued']} requests waited in the client for a stream slot or window")
+
+
+def write_outputs(args, rows: list, config: dict) -> None:
+    import orjson
+    if args.json:
+        with open(args.json, "wb") as f:
+            f.write(orjson.dumps({"command": "load", "config": config, "levels": rows},
+                                 option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+        print(f"wrote {args.json}")
+    if args.plot:
+        from .plot import plot_levels
+        plot_levels(rows, args.plot, f"tokenwire bench load: {args.url}")
+        print(f"wrote {args.plot}")

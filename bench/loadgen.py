@@ -1,0 +1,250 @@
+"""The load generator's engine: connection pools, closed- and open-loop drivers, one level's figures.
+
+A level is one concurrency (closed loop: that many requests always in flight, each stream
+started again from the completion callback of the last one) or one arrival rate (open
+loop: Poisson arrivals, at most `concurrency` in flight, the rest wait in a backlog). A
+warm-up runs first at the same concurrency; the measured window then brackets the
+requests with CPU readings of this process and, when known, of the server process.
+
+Everything here runs on one asyncio loop; per-token work lives in the clients
+(h2client.py, h1client.py), per-request work in the completion callbacks below.
+"""
+
+import asyncio
+import collections
+import math
+import random
+import time
+from typing import NamedTuple, Optional
+from urllib.parse import urlsplit
+
+from . import h1client, h2client
+from .proc import cpu_delta_ns, read_cpu
+from .stats import summarize
+from .wire import now_ns
+
+PROTOCOLS = ("h2", "h1", "grpc")
+
+
+class Target(NamedTuple):
+    """Where and what to send: one request shape, reused by every stream of a level."""
+    host: str
+    port: int
+    protocol: str           # "h2" (prior knowledge), "h1" (HTTP/1.1 keep-alive), "grpc" (gRPC over h2)
+    framing: str            # how a response body splits into messages: "sse", "ndjson", "grpc"
+    path: str
+    body: bytes
+    content_type: str
+    headers: tuple = ()     # extra request headers, (name, value) pairs
+
+
+def parse_url(url: str) -> tuple:
+    """(host, port, path) of an http:// URL; other schemes get a clear error."""
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise ValueError(f"--url must be an http:// URL (h2c prior knowledge or HTTP/1.1), got {url!r}")
+    if not parts.hostname:
+        raise ValueError(f"--url has no host: {url!r}")
+    return parts.hostname, parts.port or 80, parts.path or "/"
+
+
+# -- connection pools: start(done) opens one stream on some connection ----------------------
+class H2Pool:
+    def __init__(self, conns, template):
+        self._conns = conns
+        self._template = template
+        self._next = 0
+
+    def start(self, done):
+        conn = self._conns[self._next]
+        self._next = (self._next + 1) % len(self._conns)
+        return conn.start(self._template, done)
+
+    @property
+    def num_queued(self) -> int:
+        return sum(c.num_queued for c in self._conns)
+
+    def close(self):
+        for conn in self._conns:
+            conn.close()
+
+
+class H1Pool:
+    """Idle keep-alive connections; a request finding none waits for the next to free up."""
+
+    def __init__(self, conns, request: bytes):
+        self._idle = list(conns)
+        self._all = list(conns)
+        self._request = request
+        self._pending = collections.deque()
+        self.num_queued = 0
+
+    def start(self, done):
+        if not self._idle:
+            self.num_queued += 1
+            self._pending.append(done)
+            return None
+        conn = self._idle.pop()
+        return conn.start(self._request, lambda rec: self._release(conn, rec, done))
+
+    def _release(self, conn, rec, done):
+        if conn.closed_reason is None and conn._keep_alive:
+            self._idle.append(conn)
+        done(rec)
+        if self._pending and self._idle:
+            self.start(self._pending.popleft())
+
+    def close(self):
+        for conn in self._all:
+            conn.close()
+
+
+async def open_pool(target: Target, concurrency: int, num_connections: int):
+    """Connections enough for `concurrency` streams: HTTP/1.1 one each; HTTP/2 as the server allows."""
+    if target.protocol == "h1":
+        request = h1client.build_request(f"{target.host}:{target.port}", target.path, target.body,
+                                         target.content_type, target.headers)
+        conns = await asyncio.gather(*(h1client.open_connection(target.host, target.port, target.framing)
+                                       for _ in range(concurrency)))
+        return H1Pool(conns, request)
+    grpc = target.protocol == "grpc"
+    headers = [("content-type", target.content_type), *target.headers] + ([("te", "trailers")] if grpc else [])
+    template = h2client.RequestTemplate(f"{target.host}:{target.port}", target.path, target.body,
+                                        headers, content_length=not grpc)
+    first = await h2client.open_connection(target.host, target.port, target.framing, grpc)
+    needed = max(num_connections, math.ceil(concurrency / first.max_streams) if first.max_streams else 1)
+    rest = await asyncio.gather(*(h2client.open_connection(target.host, target.port, target.framing, grpc)
+                                  for _ in range(needed - 1)))
+    return H2Pool([first, *rest], template)
+
+
+# -- drivers ---------------------------------------------------------------------------------
+async def closed_loop(pool, concurrency: int, num_requests: int) -> list:
+    """Keep `concurrency` streams in flight until `num_requests` have completed."""
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()
+    records = []
+    issued = 0
+
+    def issue():
+        nonlocal issued
+        issued += 1
+        pool.start(on_done)
+
+    def on_done(rec):  # per request
+        rec.end_ns = now_ns()
+        records.append(rec)
+        if issued < num_requests:
+            if rec.error is None:
+                issue()
+            else:
+                loop.call_soon(issue)  # a failure may complete inside start(): no recursion
+        elif len(records) == num_requests and not finished.done():
+            finished.set_result(None)
+
+    if num_requests == 0:
+        return records
+    for _ in range(min(concurrency, num_requests)):
+        issue()
+    await finished
+    return records
+
+
+async def open_loop(pool, rate: float, num_requests: int, concurrency: int, seed: int = 0) -> tuple:
+    """Poisson arrivals at `rate`/s, at most `concurrency` in flight; returns (records, lag_us).
+
+    Latencies are measured from the moment a stream is sent; the lag of each send behind
+    its scheduled arrival (timer granularity, backlog) is reported separately.
+    """
+    loop = asyncio.get_running_loop()
+    finished = loop.create_future()
+    rng = random.Random(seed)
+    records, lag_ns, backlog = [], [], collections.deque()
+    in_flight = 0
+
+    def send(arrival_ns):
+        nonlocal in_flight
+        in_flight += 1
+        lag_ns.append(now_ns() - arrival_ns)
+        pool.start(on_done)
+
+    def on_done(rec):
+        nonlocal in_flight
+        rec.end_ns = now_ns()
+        records.append(rec)
+        in_flight -= 1
+        if backlog:
+            loop.call_soon(send, backlog.popleft())
+        if len(records) == num_requests and not finished.done():
+            finished.set_result(None)
+
+    arrival = now_ns()
+    for _ in range(num_requests):
+        arrival += int(rng.expovariate(rate) * 1e9)
+        delay_s = (arrival - now_ns()) / 1e9
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        if in_flight < concurrency:
+            send(arrival)
+        else:
+            backlog.append(arrival)
+    if num_requests:
+        await finished
+    return records, [ns / 1000 for ns in lag_ns]
+
+
+# -- one level -------------------------------------------------------------------------------
+async def run_level(target: Target, concurrency: int, num_requests: int, *, num_warmup: int,
+                    num_connections: int = 1, mode: str = "closed", rate: Optional[float] = None,
+                    server_pid: Optional[int] = None, expected_tokens: Optional[int] = None) -> dict:
+    """Warm up, measure one level, and return its row of figures."""
+    pool = await open_pool(target, concurrency, num_connections)
+    try:
+        await closed_loop(pool, concurrency, num_warmup)
+        queued_before = pool.num_queued
+        server_before = read_cpu(server_pid) if server_pid else None
+        client_before, start = time.process_time_ns(), now_ns()
+        lag_us = []
+        if mode == "closed":
+            records = await closed_loop(pool, concurrency, num_requests)
+        else:
+            records, lag_us = await open_loop(pool, rate, num_requests, concurrency)
+        wall_ns, client_ns = now_ns() - start, time.process_time_ns() - client_before
+        server_after = read_cpu(server_pid) if server_pid else None
+        num_queued = pool.num_queued - queued_before
+    finally:
+        pool.close()
+    server_ns = cpu_delta_ns(server_before, server_after) if server_before and server_after else None
+    row = summarize_level(records, wall_ns, client_ns, server_ns, expected_tokens)
+    row.update(concurrency=concurrency, mode=mode, rate=rate, protocol=target.protocol,
+               num_connections=len(getattr(pool, "_conns", getattr(pool, "_all", []))), num_queued=num_queued)
+    if lag_us:
+        row.update(summarize(lag_us, "send_lag_us"))
+    return row
+
+
+def summarize_level(records: list, wall_ns: int, client_ns: int, server_ns: Optional[int],
+                    expected_tokens: Optional[int]) -> dict:
+    """Latency percentiles (µs), throughput, and CPU per streamed token of one measured window."""
+    ok = [r for r in records if r.error is None and r.token_ns]
+    errors = [r.error or "stream ended with no tokens" for r in records if r.error is not None or not r.token_ns]
+    ttft = [(r.token_ns[0] - r.start_ns) / 1000 for r in ok]
+    itl = [(b - a) / 1000 for r in ok for a, b in zip(r.token_ns, r.token_ns[1:])]
+    e2e = [(r.end_ns - r.start_ns) / 1000 for r in ok]
+    num_tokens = sum(len(r.token_ns) for r in records)
+    wall_s = wall_ns / 1e9
+    row = {"num_requests": len(records), "num_errors": len(errors), "first_error": errors[0] if errors else None,
+           "num_tokens": num_tokens, "wall_s": wall_s,
+           "tokens_per_request": num_tokens / len(records) if records else 0.0,
+           "num_count_mismatches": sum(1 for r in ok if expected_tokens and len(r.token_ns) != expected_tokens),
+           "tokens_per_s": num_tokens / wall_s if wall_s else math.nan,
+           "requests_per_s": len(records) / wall_s if wall_s else math.nan,
+           "client_cpu_us_per_token": client_ns / 1000 / num_tokens if num_tokens else math.nan,
+           "client_cpu_util": client_ns / wall_ns if wall_ns else math.nan,
+           "cpu_us_per_token": server_ns / 1000 / num_tokens if server_ns is not None and num_tokens else None,
+           "server_cpu_util": server_ns / wall_ns if server_ns is not None and wall_ns else None}
+    row.update(summarize(ttft, "ttft_us"))
+    row.update(summarize(itl, "itl_us"))
+    row.update(summarize(e2e, "e2e_us"))
+    row["ttft_p50_us"], row["ttft_p99_us"] = row["ttft_us_p50"], row["ttft_us_p99"]
+    return row

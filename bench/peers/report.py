@@ -1,0 +1,141 @@
+"""The peers report: a side-by-side table, ratios against the best peer, and the issue's targets.
+
+Figures are picked at fixed operating points — TTFT p50 at concurrency 1, TTFT p99 and
+server CPU per token at concurrency 64, the best tokens/s over all levels (the server is
+pinned to one core, so that is its one-core maximum). When a run did not include a point,
+the nearest level is used and its concurrency is printed with the figure.
+"""
+
+import math
+from typing import Optional
+
+from ..stats import fmt_us, table
+
+TTFT_LOW_CONCURRENCY = 1
+LOADED_CONCURRENCY = 64
+# the issue's targets for tokenwire
+TARGET_TTFT_P50_US = 150.0
+TARGET_TTFT_P99_US = 1000.0
+TARGET_CPU_US_PER_TOKEN = 3.5
+TARGET_CPU_RATIO = 5.0
+TARGET_TTFT_RATIO = 1.5
+
+
+def pick(rows: list, server: str, concurrency: int) -> Optional[dict]:
+    """The server's row at `concurrency`, or at the nearest level it ran."""
+    mine = [r for r in rows if r["server"] == server and r["num_errors"] < r["num_requests"]]
+    if not mine:
+        return None
+    return min(mine, key=lambda r: (abs(math.log(r["concurrency"] / concurrency)), r["concurrency"]))
+
+
+def summarize_servers(rows: list, servers: list) -> list:
+    """One summary dict per server at the report's operating points."""
+    out = []
+    for server in servers:
+        low, loaded = pick(rows, server, TTFT_LOW_CONCURRENCY), pick(rows, server, LOADED_CONCURRENCY)
+        mine = [r for r in rows if r["server"] == server and r["num_errors"] < r["num_requests"]]
+        best = max(mine, key=lambda r: r["tokens_per_s"]) if mine else None
+        out.append({"server": server,
+                    "ttft_p50_us": low and low["ttft_us_p50"], "ttft_p50_concurrency": low and low["concurrency"],
+                    "ttft_p99_us": loaded and loaded["ttft_us_p99"],
+                    "ttft_p99_concurrency": loaded and loaded["concurrency"],
+                    "cpu_us_per_token": loaded and loaded["cpu_us_per_token"],
+                    "cpu_concurrency": loaded and loaded["concurrency"],
+                    "max_tokens_per_s": best and best["tokens_per_s"],
+                    "max_tokens_per_s_concurrency": best and best["concurrency"],
+                    "server_cpu_util_at_max": best and best["server_cpu_util"]})
+    return out
+
+
+def levels_table(rows: list) -> str:
+    headers = ["server", "conc", "reqs", "err", "ttft p50", "ttft p99", "itl p50", "itl p99", "e2e p50",
+               "tokens/s", "srv µs/tok", "srv util", "cli µs/tok", "cli util"]
+    body = [[r["server"], r["concurrency"], r["num_requests"], r["num_errors"], fmt_us(r["ttft_us_p50"]),
+             fmt_us(r["ttft_us_p99"]), fmt_us(r["itl_us_p50"]), fmt_us(r["itl_us_p99"]), fmt_us(r["e2e_us_p50"]),
+             f"{r['tokens_per_s']:,.0f}", fmt_us(r["cpu_us_per_token"]), _pct(r["server_cpu_util"]),
+             fmt_us(r["client_cpu_us_per_token"]), _pct(r["client_cpu_util"])] for r in rows]
+    return table(headers, body)
+
+
+def side_by_side(summary: list, floor_p50_us: float) -> str:
+    headers = ["server", "TTFT p50", "TTFT p99", "CPU µs/token", "max tokens/s (1 core)", "TTFT p50 / floor"]
+    body = [[s["server"], _at(s["ttft_p50_us"], s["ttft_p50_concurrency"]),
+             _at(s["ttft_p99_us"], s["ttft_p99_concurrency"]), _at(s["cpu_us_per_token"], s["cpu_concurrency"]),
+             _tput(s), f"{s['ttft_p50_us'] / floor_p50_us:.1f}x" if s["ttft_p50_us"] else "-"] for s in summary]
+    return table(headers, body) + "\n(µs; @N: at concurrency N)"
+
+
+def ratios(summary: list, ours: str = "tokenwire") -> str:
+    """Each peer's figure divided by tokenwire's (for tokens/s: tokenwire's over the peer's): >1 favours tokenwire."""
+    mine = next((s for s in summary if s["server"] == ours), None)
+    peers = [s for s in summary if not s["server"].startswith("tokenwire")]
+    if mine is None or not peers:
+        return ""
+    headers = ["peer", "TTFT p50 ratio", "TTFT p99 ratio", "CPU/token ratio", "tokens/s ratio"]
+    body = [[p["server"], _ratio(p["ttft_p50_us"], mine["ttft_p50_us"]), _ratio(p["ttft_p99_us"], mine["ttft_p99_us"]),
+             _ratio(p["cpu_us_per_token"], mine["cpu_us_per_token"]),
+             _ratio(mine["max_tokens_per_s"], p["max_tokens_per_s"])] for p in peers]
+    return table(headers, body) + f"\n(peer / {ours}, tokens/s: {ours} / peer; > 1 means {ours} is better)"
+
+
+def targets(summary: list, floor_p50_us: float, ours: str = "tokenwire") -> list:
+    """(description, measured, met) for each of the issue's targets; empty without tokenwire."""
+    mine = next((s for s in summary if s["server"] == ours), None)
+    peers = [s for s in summary if not s["server"].startswith("tokenwire")]
+    if mine is None:
+        return []
+    out = [(f"TTFT p50 @{mine['ttft_p50_concurrency']} <= {TARGET_TTFT_P50_US:.0f} µs "
+            f"(ping-pong floor p50 {floor_p50_us:.0f} µs)", _num(mine["ttft_p50_us"]),
+            _le(mine["ttft_p50_us"], TARGET_TTFT_P50_US)),
+           (f"TTFT p99 @{mine['ttft_p99_concurrency']} <= {TARGET_TTFT_P99_US:.0f} µs", _num(mine["ttft_p99_us"]),
+            _le(mine["ttft_p99_us"], TARGET_TTFT_P99_US)),
+           (f"server CPU @{mine['cpu_concurrency']} <= {TARGET_CPU_US_PER_TOKEN} µs/token",
+            _num(mine["cpu_us_per_token"]), _le(mine["cpu_us_per_token"], TARGET_CPU_US_PER_TOKEN))]
+    best_cpu = _best(peers, "cpu_us_per_token")
+    if best_cpu:
+        ratio = best_cpu["cpu_us_per_token"] / mine["cpu_us_per_token"] if mine["cpu_us_per_token"] else math.nan
+        out.append((f"CPU/token >= {TARGET_CPU_RATIO:g}x better than the best peer ({best_cpu['server']})",
+                    f"{ratio:.2f}x", ratio >= TARGET_CPU_RATIO))
+    best_ttft = _best(peers, "ttft_p50_us")
+    if best_ttft:
+        ratio = best_ttft["ttft_p50_us"] / mine["ttft_p50_us"] if mine["ttft_p50_us"] else math.nan
+        out.append((f"TTFT p50 >= {TARGET_TTFT_RATIO:g}x better than the best peer ({best_ttft['server']})",
+                    f"{ratio:.2f}x", ratio >= TARGET_TTFT_RATIO))
+    return out
+
+
+def targets_table(rows: list) -> str:
+    return table(["target", "measured", "met"], [[d, m, "yes" if ok else "NO"] for d, m, ok in rows])
+
+
+def _best(summaries: list, key: str) -> Optional[dict]:
+    have = [s for s in summaries if s[key] is not None]
+    return min(have, key=lambda s: s[key]) if have else None
+
+
+def _at(value, concurrency) -> str:
+    return f"{fmt_us(value)} @{concurrency}" if value is not None else "-"
+
+
+def _tput(s: dict) -> str:
+    if s["max_tokens_per_s"] is None:
+        return "-"
+    util = f", srv {_pct(s['server_cpu_util_at_max'])}" if s["server_cpu_util_at_max"] is not None else ""
+    return f"{s['max_tokens_per_s']:,.0f} @{s['max_tokens_per_s_concurrency']}{util}"
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def _num(value) -> str:
+    return fmt_us(value) if value is not None else "-"
+
+
+def _le(value, limit) -> bool:
+    return value is not None and value <= limit
+
+
+def _pct(value) -> str:
+    return f"{value:.0%}" if value is not None else "-"

@@ -1,0 +1,57 @@
+"""PNG plots of load results: latency and throughput against concurrency, one line per server."""
+
+import math
+from typing import Sequence
+
+
+def plot_levels(rows: Sequence[dict], path: str, title: str) -> None:
+    """Three panels (TTFT, inter-token latency, tokens/s) against the level's x value.
+
+    Rows are grouped by their "server" key (one line each); x is the concurrency in a
+    closed loop and the offered rate in an open one.
+    """
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display on benchmark machines
+    import matplotlib.pyplot as plt
+
+    fig, (ttft, itl, tput) = plt.subplots(1, 3, figsize=(15, 4.5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (server, group) in enumerate(_by_server(rows).items()):
+        xs = [_x(r) for r in group]
+        color = colors[i % len(colors)]
+        for ax, key in ((ttft, "ttft_us"), (itl, "itl_us")):
+            ax.plot(xs, [r[f"{key}_p50"] for r in group], "o-", color=color, label=f"{server} p50")
+            ax.plot(xs, [r[f"{key}_p99"] for r in group], "x--", color=color, label=f"{server} p99")
+        tput.plot(xs, [r["tokens_per_s"] for r in group], "o-", color=color, label=server)
+    xlabel = "offered rate (requests/s)" if rows and rows[0].get("mode") == "open" else "concurrent streams"
+    for ax, ylabel, name in ((ttft, "µs", "time to first token"), (itl, "µs", "inter-token latency"),
+                             (tput, "tokens/s", "throughput")):
+        ax.set_xscale("log", base=2 if xlabel.startswith("concurrent") else 10)
+        if ylabel == "µs":
+            ax.set_yscale("symlog", linthresh=10)  # ITL is 0 where tokens arrive in one read
+            ax.set_ylim(bottom=0)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(name)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _by_server(rows):
+    groups = {}
+    for row in rows:
+        if row.get("num_errors") == row.get("num_requests"):
+            continue  # nothing measured
+        groups.setdefault(row.get("server", "server"), []).append(row)
+    for group in groups.values():
+        group.sort(key=_x)
+    return groups
+
+
+def _x(row) -> float:
+    x = row["rate"] if row.get("mode") == "open" else row["concurrency"]
+    return x if x and not math.isnan(x) else 1

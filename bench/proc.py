@@ -1,0 +1,117 @@
+"""Process facts read from /proc: CPU time of a process, who listens on a port, core pinning.
+
+Rules:
+- CPU time is the sum of every thread's `sum_exec_runtime` (/proc/PID/task/*/schedstat,
+  nanoseconds) when the kernel exposes it, cross-checked against utime+stime of
+  /proc/PID/stat (clock ticks, which also count threads that have exited). When the tick
+  figure is ahead by more than two ticks, threads died inside the window and it is used.
+- Nothing here raises for a process that is gone or not ours: callers get None and say so.
+"""
+
+import os
+from typing import NamedTuple, Optional
+
+CLOCK_TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+TCP_LISTEN = "0A"
+
+
+class CpuSample(NamedTuple):
+    """One reading of a process's CPU clock."""
+    stat_ns: int        # utime + stime, tick resolution, includes exited threads
+    sched_ns: int       # sum of live threads' sum_exec_runtime, ns resolution (0 when unavailable)
+
+
+def read_cpu(pid: int) -> Optional[CpuSample]:
+    """The process's CPU time so far, or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name is in parentheses and may hold spaces: split after the last ')'
+    fields = stat[stat.rindex(b")") + 2:].split()
+    stat_ns = (int(fields[11]) + int(fields[12])) * CLOCK_TICK_NS  # utime, stime
+    return CpuSample(stat_ns, _sched_ns(pid))
+
+
+def _sched_ns(pid: int) -> int:
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread exited between listdir and open
+    return total
+
+
+def cpu_delta_ns(before: CpuSample, after: CpuSample) -> int:
+    """CPU nanoseconds spent between two readings (see the module rules)."""
+    stat = after.stat_ns - before.stat_ns
+    sched = after.sched_ns - before.sched_ns
+    if before.sched_ns == 0 or after.sched_ns == 0 or stat - sched > 2 * CLOCK_TICK_NS:
+        return stat
+    return sched
+
+
+def pin_to_core(core: int, pid: int = 0) -> bool:
+    """Pin a process (0: this one) to one core; False when the core is not available."""
+    try:
+        os.sched_setaffinity(pid, {core})
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def num_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def listening_pid(port: int) -> Optional[int]:
+    """The pid of the local process with a TCP socket listening on `port`, if it is visible."""
+    inodes = _listen_inodes(port)
+    if not inodes:
+        return None
+    targets = {f"socket:[{inode}]" for inode in inodes}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _owns_socket(entry, targets):
+            return int(entry)
+    return None
+
+
+def _listen_inodes(port: int) -> set:
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state == TCP_LISTEN and int(local.rsplit(":", 1)[1], 16) == port:
+                inodes.add(inode)
+    return inodes
+
+
+def _owns_socket(pid: str, targets: set) -> bool:
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"{fd_dir}/{fd}") in targets:
+                return True
+        except OSError:
+            continue
+    return False
