@@ -15,8 +15,12 @@ Rule 5: every stream has its own send queue: a stream whose window is shut queue
         bytes and never holds up the others; WINDOW_UPDATE and SETTINGS changes drain it.
 Rule 6: nothing here awaits or touches a socket.
 
-The graceful shutdown GOAWAY is also written here (not through h2), because h2 moves its
-state machine to CLOSED on sending GOAWAY and would refuse to finish the in-flight streams.
+Graceful shutdown: streams the client opens after `begin_shutdown()` are refused at once
+(RST_STREAM REFUSED_STREAM: not processed, safe to retry elsewhere); the in-flight ones run
+to their end; then a PING, and GOAWAY once the PING's ACK shows the peer has read every
+byte before it; then close. GOAWAY waits that long because curl up to 8.0 drops whatever it
+received in the same read as a GOAWAY, silently truncating the streams. GOAWAY is written
+here, not through h2: h2 moves its state machine to CLOSED on sending GOAWAY.
 """
 
 import base64
@@ -35,6 +39,7 @@ from .events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset
 # DATA frame header: 24-bit length (as 8 + 16 bits), type 0x0, flags, 31-bit stream id
 DATA_HEADER = struct.Struct(">BHBBI")
 GOAWAY = struct.Struct(">BHBBIII")      # header + last stream id + error code
+DRAIN_PING = b"tw-drain"                # PING payload that asks "have you read everything?"
 TYPE_GOAWAY = 0x7
 MAX_WINDOW = 2**31 - 1
 
@@ -74,7 +79,9 @@ class H2Session:
         self.streams: dict[int, _Stream] = {}
         self._blocked: dict[int, _Stream] = {}      # streams with queued bytes, oldest first
         self._out: list[bytes] = []
-        self.goaway_last_id: int | None = None       # set once a graceful shutdown began
+        self.goaway_last_id: int | None = None       # set once a graceful shutdown began: the last stream served
+        self.goaway_sent = False
+        self._drain_pinged = False
         self.closed = False                          # peer went away or broke the protocol
         self.wants_poll = False                      # HTTP/1.1 pipelining flag; never set here
         self.peer_goaway = False                     # the peer sent GOAWAY(NO_ERROR): finish and close
@@ -150,6 +157,7 @@ class H2Session:
         self._blocked.pop(ev.stream_id, None)
         if st is not None:
             events.append(StreamReset(ev.stream_id))
+            self._maybe_goaway()
 
     def _on_window_updated(self, ev, events):
         if ev.stream_id == 0:
@@ -234,13 +242,33 @@ class H2Session:
         if st is not None:
             self.conn.reset_stream(stream_id, error_code)
             self._drain_h2()
+            self._maybe_goaway()
 
     def begin_shutdown(self) -> None:
-        """Graceful shutdown: GOAWAY naming the last stream we will serve; later streams are refused."""
+        """Graceful shutdown: serve the open streams, refuse new ones, GOAWAY once the open ones end."""
         if self.goaway_last_id is not None or self.closed:
             return
         self.goaway_last_id = self.conn.highest_inbound_stream_id
+        self._maybe_goaway(served_any=bool(self.streams))
+
+    def _maybe_goaway(self, served_any: bool = True) -> None:
+        """Once the last in-flight stream ended: PING, then GOAWAY on its ACK (see the module rules)."""
+        if self.goaway_last_id is None or self.streams or self.goaway_sent or self._drain_pinged:
+            return
+        if served_any:
+            self._drain_pinged = True
+            self.conn.ping(DRAIN_PING)
+            self._drain_h2()
+        else:
+            self._send_goaway()
+
+    def _send_goaway(self) -> None:
+        self.goaway_sent = True
         self._out.append(GOAWAY.pack(0, 8, TYPE_GOAWAY, 0, 0, self.goaway_last_id, ErrorCodes.NO_ERROR))
+
+    def _on_ping_ack(self, ev, events):
+        if ev.ping_data == DRAIN_PING and self._drain_pinged and not self.goaway_sent:
+            self._send_goaway()
 
     @property
     def num_active_streams(self) -> int:
@@ -249,7 +277,7 @@ class H2Session:
     @property
     def wants_close(self) -> bool:
         """True when the transport should be closed once `data_to_send()` is written."""
-        return self.closed or ((self.goaway_last_id is not None or self.peer_goaway) and not self.streams)
+        return self.closed or self.goaway_sent or (self.peer_goaway and not self.streams)
 
     def window_for(self, stream_id: int) -> int:
         """Bytes the stream may send now (both windows), for tests and diagnostics."""
@@ -298,6 +326,7 @@ class H2Session:
         else:
             self.conn.end_stream(st.id)
         self._drain_h2()
+        self._maybe_goaway()
 
 
 def _split_headers(raw) -> tuple[str, str, dict]:
@@ -327,4 +356,5 @@ _HANDLERS = {
     h2.events.WindowUpdated: H2Session._on_window_updated,
     h2.events.RemoteSettingsChanged: H2Session._on_settings_changed,
     h2.events.ConnectionTerminated: H2Session._on_terminated,
+    h2.events.PingAckReceived: H2Session._on_ping_ack,
 }

@@ -253,12 +253,11 @@ def test_rst_stream_reports_reset_and_drops_queue():
     assert data_by_stream(c.receive_data(s.data_to_send())) == {}
 
 
-def test_graceful_goaway_finishes_inflight_and_refuses_new_streams():
+def test_graceful_shutdown_finishes_inflight_refuses_new_then_goaway():
     s, c = H2Session(Limits()), client()
     handshake(c, s, streams=(1,))
     s.begin_shutdown()
-    assert s.data_to_send() == struct.pack(">BHBBIII", 0, 8, 7, 0, 0, 1, 0)   # GOAWAY, last stream 1, NO_ERROR
-    # a stream the client opened before it saw the GOAWAY is refused
+    assert s.data_to_send() == b""            # GOAWAY waits for stream 1 (curl <= 8.0 truncates on GOAWAY)
     c.send_headers(3, REQUEST_HEADERS, end_stream=True)
     assert s.receive_data(c.data_to_send()) == []
     assert frames(s.data_to_send()) == [(3, 0, 3, struct.pack(">I", ErrorCodes.REFUSED_STREAM))]
@@ -266,9 +265,25 @@ def test_graceful_goaway_finishes_inflight_and_refuses_new_streams():
     s.start_response(1, 200, [])
     s.send_data(1, b"still served")
     s.end_response(1)
-    sent = frames(s.data_to_send())
-    assert [(t, sid) for t, _, sid, _ in sent] == [(1, 1), (0, 1), (0, 1)]
+    raw = s.data_to_send()
+    sent = frames(raw)
+    assert [(t, sid) for t, _, sid, _ in sent] == [(1, 1), (0, 1), (0, 1), (6, 0)]   # ..., PING
     assert sent[1][3] == b"still served" and sent[2][1] == 1       # END_STREAM on the last DATA
+    assert not s.wants_close
+    # GOAWAY only once the PING's ACK shows the client read everything before it
+    c.receive_data(raw)
+    s.receive_data(c.data_to_send())
+    assert s.data_to_send() == struct.pack(">BHBBIII", 0, 8, 7, 0, 0, 1, 0)   # GOAWAY, last stream 1, NO_ERROR
+    assert s.wants_close
+
+
+def test_shutdown_of_idle_connection_sends_goaway_at_once():
+    s, c = H2Session(Limits()), client()
+    handshake(c, s, streams=(1,))
+    s.respond(1, 200, [], b"")
+    s.data_to_send()
+    s.begin_shutdown()
+    assert s.data_to_send() == struct.pack(">BHBBIII", 0, 8, 7, 0, 0, 1, 0)
     assert s.wants_close
 
 
