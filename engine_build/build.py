@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from .errors import BuildError
 from .quantize import QuantOptions
-from .source import SourceModel, sha256_files
+from .source import SourceModel, file_stamp, sha256_files
 
 CALIBRATION_WINDOW = 512        # tokens per calibration sequence (fewer when the model has fewer positions)
 
@@ -53,20 +53,21 @@ def open_source(spec, tokenizer: Optional[str] = None) -> SourceModel:
 
 
 def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOptions(), progress: bool = False,
-                 log: Callable[[str], None] = lambda line: None, replace: bool = False) -> Path:
-    """Quantize `source` and write the engine directory `out_dir` (see write_engine for `replace`). -> out_dir"""
+                 log: Callable[[str], None] = lambda line: None, exists: str = "error") -> Path:
+    """Quantize `source` and write the engine directory `out_dir` (`exists`: see write_engine). -> out_dir"""
     from .engine_format import write_engine
     from .quantize import quantize_model
     config = source.config
     calibration = calibration_sequences(source, options) if _needs_calibration(options) else None
     log(f"quantizing {source.name}: {options.quant.manifest()}")
     encoded, meta, report = quantize_model(config, source.tensors, options.quant, calibration, progress)
-    manifest_source = {"path": str(source.path), "kind": source.kind, "sha256": sha256_files(source.files),
-                       "files": [_file_stamp(p) for p in source.files]}
+    manifest_source = {"path": str(source.path), "kind": source.kind,
+                       "sha256": source.checksum or sha256_files(source.files),
+                       "files": [file_stamp(p) for p in source.files]}
     return write_engine(out_dir, name=source.name, description=source.description or _describe(source, options),
                         config=config, quantization=options.quant.manifest(), tokenizer=source.tokenizer,
                         source=manifest_source, tensors=encoded, tensor_meta=meta, report=report.to_dict(),
-                        replace=replace)
+                        exists=exists)
 
 
 def _needs_calibration(options: BuildOptions) -> bool:
@@ -91,11 +92,6 @@ def calibration_sequences(source: SourceModel, options: BuildOptions) -> list:
 def _tokenizer(source: SourceModel):
     from tokenizers import Tokenizer
     return Tokenizer.from_str(source.tokenizer.files["tokenizer.json"].decode("utf-8"))
-
-
-def _file_stamp(path) -> dict:
-    st = Path(path).stat()
-    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _describe(source: SourceModel, options: BuildOptions) -> str:

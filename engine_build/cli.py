@@ -57,7 +57,7 @@ def _build(args) -> int:
     c = source.config
     say(f"source: {source.kind} {source.path}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, "
         f"vocab {c.vocab_size}")
-    build_engine(source, out, options, progress=not args.quiet, log=say, replace=args.force)
+    build_engine(source, out, options, progress=not args.quiet, log=say, exists="replace" if args.force else "error")
     from .engine_format import read_manifest
     manifest = read_manifest(out)
     say(format_report(manifest["report"]))

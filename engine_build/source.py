@@ -51,6 +51,9 @@ class LazyTensors(Mapping):
                                            f"the config implies {list(self.shapes[name])}")
         return array
 
+    def __contains__(self, name) -> bool:       # Mapping's default would load the tensor to find out
+        return name in self.shapes
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
 
@@ -87,6 +90,13 @@ class SourceModel:
     tokenizer: TokenizerFiles
     files: list = field(default_factory=list)   # source files read, for the checksum
     description: str = ""               # one line for /v1/models
+    checksum: Optional[str] = None      # the source sha256 when there are no files to hash (default model)
+
+
+def file_stamp(path) -> dict:
+    """What the manifest records per source file, so a cache can skip re-hashing an unchanged source."""
+    st = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def sha256_files(paths) -> str:
