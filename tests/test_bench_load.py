@@ -1,0 +1,294 @@
+"""bench/ load generator: message counters, the lean HTTP/2 client against h2's server side over
+an in-memory pair, both clients against a real tokenwire server, h2load as a cross-check, and
+`tokenwire bench load` end to end on tiny settings."""
+
+import asyncio
+import json
+import shutil
+import struct
+import subprocess
+import sys
+
+import h2.config
+import h2.connection
+import h2.events
+import orjson
+import pytest
+
+import tokenwire
+from tokenwire.bench import h2client, loadgen
+from tokenwire.bench.load import make_target
+from tokenwire.bench.proc import cpu_delta_ns, listening_pid, read_cpu
+from tokenwire.bench.wire import COUNTERS, StreamRecord
+
+
+# ---------------------------------------------------------------- counters
+
+def _count(name: str, pieces) -> int:
+    rec = StreamRecord(0)
+    for piece in pieces:
+        if piece:
+            buf = b"HEADER..." + piece          # counters see a range inside a larger buffer
+            k = COUNTERS[name](rec, buf, 9, len(buf))
+            rec.token_ns.extend([0] * k)
+    return len(rec.token_ns)
+
+
+def _every_split(body: bytes, name: str, want: int, skip=()):
+    assert _count(name, [body]) == want
+    if not skip:
+        assert _count(name, [bytes([b]) for b in body]) == want
+    for cut in range(1, len(body)):
+        for cut2 in range(cut, len(body), 5):
+            if cut not in skip and cut2 not in skip:
+                assert _count(name, [body[:cut], body[cut:cut2], body[cut2:]]) == want, (cut, cut2)
+
+
+def _sse(text, finish=None):
+    chunk = {"id": "x", "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def test_sse_counts_token_events_only():
+    tokens = _sse("Once") + _sse("") + _sse(" }\n")
+    finish = _sse("", "length")
+    usage = b"data: " + orjson.dumps({"choices": [], "usage": {"completion_tokens": 3}}) + b"\n\n"
+    body = tokens + finish + usage + b"data: [DONE]\n\n"
+    # a closing event complete in a payload before [DONE]'s is the documented blind spot
+    _every_split(body, "sse", 3, skip=(len(tokens) + len(finish), len(tokens) + len(finish) + len(usage)))
+    # a last token that carries the finish reason is a token
+    _every_split(_sse("a") + _sse("b", "length") + b"data: [DONE]\n\n", "sse", 2)
+
+
+def test_ndjson_binary_grpc_counts():
+    ndjson = (b'{"id":1,"text":"a"}\n{"id":2,"text":"}}"}\n{"id":3,"text":""}\n'
+              b'{"finish_reason":"length","usage":{"completion_tokens":3},"timings":{"ttft_us":1.0}}\n')
+    _every_split(ndjson, "ndjson", 3)
+    binary = struct.pack("<4i", 5, 0x7FFFFFFF, 0x00FFFFFF, 300) + struct.pack("<iI", -1, 12) + b'{"usage":{}}'
+    _every_split(binary, "binary", 4)
+    grpc = b"".join(b"\x00" + len(m).to_bytes(4, "big") + m for m in [b"abc", b"", b"\xff" * 40])
+    _every_split(grpc, "grpc", 3)
+
+
+# ------------------------------------------------ lean client vs h2's server side, in memory
+
+class _Wire:
+    """Bytes the client writes, collected instead of sent."""
+
+    def __init__(self):
+        self.out = bytearray()
+
+    def write(self, data):
+        self.out += data
+
+    def take(self) -> bytes:
+        data, self.out = bytes(self.out), bytearray()
+        return data
+
+    def close(self):
+        pass
+
+
+def _pair(max_streams=None):
+    client = h2client.H2ClientConnection("sse")
+    wire = _Wire()
+    client.connection_made(wire)
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    server.initiate_connection()
+    if max_streams:
+        server.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams})
+    events = server.receive_data(wire.take())
+    client.data_received(server.data_to_send())
+    server.receive_data(wire.take())  # client's SETTINGS ACK
+    return client, wire, server, events
+
+
+def _requests(server, data):
+    return [e for e in server.receive_data(data) if isinstance(e, h2.events.RequestReceived)]
+
+
+def test_h2_client_speaks_http2_to_h2():
+    async def main():
+        client, wire, server, events = _pair()
+        assert client.ready.done()
+        settings = next(e for e in events if isinstance(e, h2.events.RemoteSettingsChanged))
+        assert settings.changed_settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE].new_value == 2**31 - 1
+        assert settings.changed_settings[h2.settings.SettingCodes.ENABLE_PUSH].new_value == 0
+        template = h2client.RequestTemplate("h:1", "/v1/completions", b'{"prompt":"a"}',
+                                            [("content-type", "application/json")])
+        done = []
+        recs = [client.start(template, done.append) for _ in range(2)]
+        evs = server.receive_data(wire.take())
+        reqs = [e for e in evs if isinstance(e, h2.events.RequestReceived)]
+        assert [r.stream_id for r in reqs] == [1, 3]
+        assert dict(reqs[1].headers)[b":path"] == b"/v1/completions"
+        assert dict(reqs[1].headers)[b"content-length"] == b"14"
+        assert [e.data for e in evs if isinstance(e, h2.events.DataReceived)] == [b'{"prompt":"a"}'] * 2
+        for sid in (1, 3):
+            server.send_headers(sid, [(":status", "200")])
+        body = _sse("a") + _sse("b") + _sse("", "length") + b"data: [DONE]\n\n"
+        server.send_data(1, body[:40])
+        server.ping(b"12345678")
+        server.send_data(1, body[40:], end_stream=True)
+        server.send_data(3, _sse("x"), pad_length=7)
+        server.send_headers(3, [("x-trailer", "1")], end_stream=True)
+        out = server.data_to_send()
+        for i in range(0, len(out), 7):              # frames cut at every 7th byte
+            client.data_received(out[i:i + 7])
+        acks = [e for e in server.receive_data(wire.take()) if isinstance(e, h2.events.PingAckReceived)]
+        assert acks and acks[0].ping_data == b"12345678"
+        assert done == recs and [r.error for r in recs] == [None, None]
+        assert [r.num_tokens for r in recs] == [2, 1] and recs[0].status == 200
+    asyncio.run(main())
+
+
+def test_h2_client_honours_max_concurrent_streams_and_reset():
+    async def main():
+        client, wire, server, _ = _pair(max_streams=1)
+        assert client.max_streams == 1
+        template = h2client.RequestTemplate("h:1", "/", b"{}")
+        done = []
+        first, second = (client.start(template, done.append) for _ in range(2))
+        assert [r.stream_id for r in _requests(server, wire.take())] == [1]
+        assert client.num_queued == 1
+        server.reset_stream(1)
+        client.data_received(server.data_to_send())
+        assert first.error and "reset" in first.error
+        assert [r.stream_id for r in _requests(server, wire.take())] == [3]   # the queued one went out
+        server.send_headers(3, [(":status", "503")], end_stream=True)
+        client.data_received(server.data_to_send())
+        assert second.error == "HTTP status 503" and done == [first, second]
+    asyncio.run(main())
+
+
+def test_request_template_reuses_one_header_block():
+    template = h2client.RequestTemplate("h:1", "/p", b"x" * 30000, [("content-type", "application/json")])
+    a, b = template.frames(1), template.frames(3)
+    assert len(a) == len(b) and a != b
+    decoder = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    decoder.initiate_connection()
+    evs = decoder.receive_data(h2client.PREFACE + h2client.frame(h2client.SETTINGS, 0, 0) + a + b)
+    bodies = {}
+    for e in evs:
+        if isinstance(e, h2.events.DataReceived):
+            bodies[e.stream_id] = bodies.get(e.stream_id, 0) + len(e.data)
+    assert bodies == {1: 30000, 3: 30000}   # split into 16 KiB frames, same headers on both streams
+
+
+def test_h2_client_waits_for_the_connection_window():
+    async def main():
+        client, wire, server, _ = _pair()
+        template = h2client.RequestTemplate("h:1", "/", b"y" * 40000)
+        first, second = (client.start(template, lambda rec: None) for _ in range(2))
+        evs = server.receive_data(wire.take())
+        assert [e.stream_id for e in evs if isinstance(e, h2.events.RequestReceived)] == [1]
+        assert client.num_queued == 1                   # 2 x 40000 > the 65535 connection window
+        for e in evs:
+            if isinstance(e, h2.events.DataReceived):
+                server.acknowledge_received_data(e.flow_controlled_length, e.stream_id)
+        client.data_received(server.data_to_send())     # WINDOW_UPDATE
+        evs = server.receive_data(wire.take())
+        assert [e.stream_id for e in evs if isinstance(e, h2.events.RequestReceived)] == [3]
+        assert sum(len(e.data) for e in evs if isinstance(e, h2.events.DataReceived)) == 40000
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------ against a real server
+
+@pytest.fixture(scope="module")
+def mock_server():
+    server = tokenwire.Server(backend="mock", port=0).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("protocol,path,framing", [
+    ("h2", "/v1/completions", "sse"), ("h1", "/v1/completions", "sse"),
+    ("h2", "/generate", "ndjson"), ("h2", "/generate", "binary")])
+def test_clients_against_tokenwire(mock_server, protocol, path, framing):
+    target = make_target("127.0.0.1", mock_server.port, path, protocol, framing, prompt_len=4, max_tokens=7)
+    pid = listening_pid(mock_server.port)
+    assert pid is not None
+    row = asyncio.run(loadgen.run_level(target, 3, 9, num_warmup=2, server_pid=pid, expected_tokens=7))
+    assert row["num_errors"] == 0, row["first_error"]
+    assert row["num_tokens"] == 9 * 7 and row["num_count_mismatches"] == 0
+    assert 0 < row["ttft_us_p50"] <= row["ttft_us_p99"] <= row["e2e_us_p99"]
+    assert row["cpu_us_per_token"] > 0 and row["client_cpu_us_per_token"] > 0
+
+
+def test_open_loop_sends_at_the_rate(mock_server):
+    target = make_target("127.0.0.1", mock_server.port, "/v1/completions", "h2", "sse", 2, 3)
+    row = asyncio.run(loadgen.run_level(target, 8, 20, num_warmup=0, mode="open", rate=400.0))
+    assert row["num_errors"] == 0 and row["num_tokens"] == 60
+    assert 0.02 < row["wall_s"] < 2.0   # 20 arrivals at 400/s: about 50 ms
+    assert "send_lag_us_p50" in row
+
+
+def test_cpu_reading_of_this_process():
+    before = read_cpu(__import__("os").getpid())
+    sum(i * i for i in range(300000))
+    after = read_cpu(__import__("os").getpid())
+    assert cpu_delta_ns(before, after) > 1_000_000
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load (nghttp2-client) is not installed")
+def test_agrees_with_h2load_on_bytes_per_request(mock_server, tmp_path):
+    body = orjson.dumps({"prompt": "a a a a", "max_tokens": 16, "ignore_eos": True})
+    (tmp_path / "body.json").write_bytes(body)
+    out = subprocess.run(["h2load", "-n", "20", "-c", "1", "-m", "4", "-d", str(tmp_path / "body.json"),
+                          "-H", "content-type: application/json", "-H", "accept: application/octet-stream",
+                          f"{mock_server.url}/generate"], capture_output=True, text=True, timeout=60)
+    assert "20 succeeded" in out.stdout, out.stdout + out.stderr
+    line = next(l for l in out.stdout.splitlines() if l.startswith("traffic:"))
+    h2load_data = int(line.split("data")[0].split("(")[-1].split(")")[0]) if "(" in line else None
+    target = make_target("127.0.0.1", mock_server.port, "/generate", "h2", "binary", 4, 16)
+    pool = asyncio.run(_one_pool_run(target, 20))
+    ours = sum(r.num_bytes for r in pool)
+    assert all(r.num_tokens == 16 for r in pool)
+    assert h2load_data is not None and abs(ours - h2load_data) <= 0.02 * h2load_data, (ours, line)
+
+
+async def _one_pool_run(target, n):
+    pool = await loadgen.open_pool(target, 4, 1)
+    try:
+        return await loadgen.closed_loop(pool, 4, n)
+    finally:
+        pool.close()
+
+
+# ------------------------------------------------------------------- the command
+
+def _bench(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "tokenwire", "bench", "load", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_load_command(mock_server, tmp_path):
+    out = _bench("--url", f"{mock_server.url}/v1/completions", "--concurrency", "1,2", "--requests", "6",
+                 "--max-tokens", "5", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "ttft p50" in out.stdout and "tokens/s" in out.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert [r["concurrency"] for r in doc["levels"]] == [1, 2]
+    for r in doc["levels"]:
+        assert r["num_errors"] == 0 and r["num_tokens"] == 30 and r["cpu_us_per_token"] > 0
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--url", "https://127.0.0.1:1/v1/completions"], "http://"),
+    (["--url", "http://127.0.0.1:1/x", "--mode", "open"], "--rate"),
+    (["--url", "http://127.0.0.1:1/x", "--concurrency", "0"], "--concurrency"),
+    (["--url", "http://127.0.0.1:1/x", "--framing", "grpc"], "--protocol grpc"),
+])
+def test_bench_load_rejects_bad_options(args, message):
+    out = _bench(*args)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_load_unreachable_server():
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]       # nothing listens here once closed
+    out = _bench("--url", f"http://127.0.0.1:{port}/v1/completions", "--concurrency", "1", "--requests", "1")
+    assert out.returncode == 1 and "cannot reach" in out.stderr and "Traceback" not in out.stderr
