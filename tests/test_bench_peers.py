@@ -1,0 +1,111 @@
+"""bench peers: every peer streams the mock engine's exact text, one message per token, and
+`tokenwire bench peers` runs all four servers on tiny settings and writes the rows it promises."""
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import grpc
+import httpx
+import orjson
+import pytest
+
+from tokenwire.bench.peers import grpc_proto
+from tokenwire.bench.peers.mock_source import MockTokens, token_sequence
+from tokenwire.bench.peers.runner import HOST, ServerProcess, free_port, peer_specs, wait_until_streaming
+from tokenwire.bench.load import make_target
+from tokenwire.core.mock_executor import MOCK_TEXT
+
+MAX_TOKENS = 12
+
+
+def test_mock_source_is_the_mock_executors_story():
+    ids, texts = token_sequence()
+    assert "".join(texts) == MOCK_TEXT                      # one full cycle decodes to the story
+
+    async def collect():
+        return [t async for t in MockTokens(0).stream(len(ids) + 3)]
+    tokens = asyncio.run(collect())
+    assert [t.token_id for t in tokens] == ids + ids[:3]    # cycles like the executor does
+    assert [t.finish_reason for t in tokens][-2:] == [None, "length"]
+
+
+def _expected_text(n: int) -> str:
+    ids, texts = token_sequence()
+    return "".join(texts[i % len(texts)] for i in range(n))
+
+
+def _sse_texts(body: bytes) -> list:
+    events = [e[6:] for e in body.split(b"\n\n") if e.startswith(b"data: ") and e != b"data: [DONE]"]
+    return [c["choices"][0]["text"] for c in map(orjson.loads, events) if c["choices"]]
+
+
+@pytest.fixture
+def started():
+    servers = []
+
+    def start(name):
+        port = free_port()
+        spec = peer_specs(port, 0.0)[name]
+        server = ServerProcess(spec, None)
+        servers.append(server)
+        target = make_target(HOST, port, spec.path, spec.protocol, spec.framing, 3, MAX_TOKENS)
+        asyncio.run(wait_until_streaming(server, target, timeout_s=60))
+        return port
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.mark.parametrize("name,http2", [("tokenwire", True), ("hypercorn", True), ("uvicorn", False)])
+def test_http_peers_stream_the_same_text(started, name, http2):
+    port = started(name)
+    with httpx.Client(http2=http2, http1=not http2) as client:
+        r = client.post(f"http://{HOST}:{port}/v1/completions",
+                        json={"prompt": "a a a", "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True})
+    assert r.status_code == 200 and r.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
+    assert r.headers["content-type"].startswith("text/event-stream")
+    texts = _sse_texts(r.content)
+    assert "".join(texts) == _expected_text(MAX_TOKENS)
+    assert len(texts) in (MAX_TOKENS, MAX_TOKENS + 1)     # one chunk per token (+ tokenwire's finish chunk)
+
+
+def test_grpc_peer_streams_the_same_text(started):
+    port = started("grpc")
+    pb2, pb2_grpc = grpc_proto.load()
+
+    async def call():
+        async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
+            stub = pb2_grpc.MockGeneratorStub(channel)
+            return [m async for m in stub.Generate(pb2.GenerateRequest(prompt="a", max_tokens=MAX_TOKENS))]
+    replies = asyncio.run(call())
+    assert len(replies) == MAX_TOKENS                       # one message per token
+    assert "".join(m.text for m in replies) == _expected_text(MAX_TOKENS)
+    assert [m.index for m in replies] == list(range(MAX_TOKENS)) and replies[-1].finish_reason == "length"
+
+
+def test_bench_peers_command(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenwire", "bench", "peers", "--concurrency", "1,2", "--requests", "8",
+         "--max-tokens", "6", "--floor-round-trips", "200", "--json", str(tmp_path / "p.json"),
+         "--plot", str(tmp_path / "p.png")], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "ping-pong floor" in out.stdout and "side by side" in out.stdout and "targets (tokenwire)" in out.stdout
+    doc = json.loads((tmp_path / "p.json").read_text())
+    rows = doc["rows"]
+    assert {(r["server"], r["concurrency"]) for r in rows} == {
+        (s, c) for s in ("tokenwire", "hypercorn", "uvicorn", "grpc") for c in (1, 2)}
+    for r in rows:
+        for key in ("server", "concurrency", "ttft_p50_us", "ttft_p99_us", "cpu_us_per_token", "tokens_per_s"):
+            assert r[key] is not None, (r["server"], key)
+        assert r["num_errors"] == 0 and r["num_tokens"] == 8 * 6, r
+        assert r["cpu_us_per_token"] > 0 and r["ttft_p50_us"] <= r["ttft_p99_us"]
+    assert doc["floor"]["p50_us"] > 0 and not doc["failures"]
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_bench_peers_rejects_unknown_server():
+    out = subprocess.run([sys.executable, "-m", "tokenwire", "bench", "peers", "--servers", "tokenwire,nginx"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "nginx" in out.stderr and "Traceback" not in out.stderr
