@@ -2,8 +2,9 @@
 
 Contract:
 - `Detokenizer(tokenizer)` is built once per HF `tokenizers.Tokenizer`; `stream(prompt_ids,
-  params)` gives each request a `TextStream` whose `push(token_id) -> str` returns the new
-  text (possibly "") and whose `finish() -> str` returns what was held back.
+  params)` gives each request a text stream whose `push(token_id) -> str` returns the new
+  text (possibly ""), whose `finish() -> str` returns what was held back, and whose
+  `stopped` says a stop string was reached.
 - Text is held back while it ends in an incomplete UTF-8 sequence, and while its tail could
   be the start of a stop string; a stop string is never emitted, nor anything after it, and
   is found even when it spans several tokens (`TextStream.stopped` tells the scheduler).
@@ -19,7 +20,7 @@ Contract:
   decoder's strip of the first space applies only at the start of a whole text).
 """
 
-import codecs
+from codecs import utf_8_decode
 import json
 import logging
 from typing import Optional, Sequence
@@ -58,6 +59,17 @@ def decoder_kind(tokenizer) -> Optional[str]:
     if spec.get("type") == "Sequence" and all(_is_spm_step(d) for d in spec.get("decoders", [])):
         return "sentencepiece"
     return None
+
+
+def leading_spaces_stripped(tokenizer) -> int:
+    """Spaces the decoder strips from the very start of a text (SentencePiece's dummy prefix)."""
+    if tokenizer.decoder is None:
+        return 0
+    spec = json.loads(tokenizer.decoder.__getstate__())
+    if spec.get("type") == "Metaspace":
+        return 0 if spec.get("prepend_scheme") == "never" else 1
+    steps = spec.get("decoders", []) if spec.get("type") == "Sequence" else []
+    return sum(d.get("start", 0) for d in steps if d.get("type") == "Strip")
 
 
 def _is_spm_step(d: dict) -> bool:
@@ -100,7 +112,9 @@ def build_byte_table(tokenizer, skip_special_tokens: bool) -> Optional[list]:
 
 def _table_matches(tokenizer, table: list, skip_special_tokens: bool, special: set) -> bool:
     """Every id decoded after an ordinary anchor token adds exactly its tabulated bytes."""
-    anchor = next((i for i, b in enumerate(table) if i not in special and b.isalpha() and b.isascii()), None)
+    # an ordinary word piece: a byte-fallback token would fuse with a following stray byte
+    anchor = next((i for i, b in enumerate(table)
+                   if i not in special and len(b) >= 2 and b.isalpha() and b.isascii()), None)
     if anchor is None:
         return False
     base = tokenizer.decode([anchor], skip_special_tokens=skip_special_tokens)
@@ -118,23 +132,74 @@ def special_token_ids(tokenizer) -> set:
 
 
 class ByteTableDecoder:
-    """Fast path: one table lookup and an incremental UTF-8 decode per token."""
+    """Fast path: per token, one list lookup; a C UTF-8 decode only around multi-byte
+    characters split over tokens (their bytes wait in `pending`, at most 3)."""
 
-    __slots__ = ("table", "utf8")
+    __slots__ = ("table", "text_table", "pending")
+    stopped = False                         # a bare decoder never stops a request (see TextStream)
 
-    def __init__(self, table: list):
-        self.table = table
-        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")   # holds back incomplete sequences
+    def __init__(self, table: list, text_table: list):
+        self.table = table                  # list[bytes] per id
+        self.text_table = text_table        # list[str | None] per id: None unless its bytes are whole UTF-8
+        self.pending = b""                  # an incomplete UTF-8 sequence held back
 
     def push(self, token_id: int) -> str:
         """Hot path: once per generated token."""
-        try:
-            return self.utf8.decode(self.table[token_id])
-        except IndexError:                  # ids the model has but the tokenizer lacks decode to nothing
-            return ""
+        if not self.pending:
+            try:
+                text = self.text_table[token_id]
+            except IndexError:              # ids the model has but the tokenizer lacks decode to nothing
+                return ""
+            if text is not None:
+                return text
+            buf = self.table[token_id]
+        else:
+            buf = self.pending + (self.table[token_id] if token_id < len(self.table) else b"")
+        text, used = utf_8_decode(buf, "replace", False)
+        self.pending = buf[used:]
+        return text
 
-    def flush(self) -> str:
-        return self.utf8.decode(b"", True)
+    def finish(self) -> str:
+        text, self.pending = self.pending.decode("utf-8", "replace"), b""
+        return text
+
+
+class StartOfTextDecoder:
+    """Wraps a decoder for a prompt that decodes to no text (e.g. BOS alone): the generated
+    text is then the start of the text, and loses the spaces the tokenizer's decoder strips there."""
+
+    __slots__ = ("decoder", "strip")
+    stopped = False
+
+    def __init__(self, decoder, strip: int):
+        self.decoder = decoder
+        self.strip = strip
+
+    def push(self, token_id: int) -> str:
+        return self._strip(self.decoder.push(token_id))
+
+    def finish(self) -> str:
+        return self._strip(self.decoder.finish())
+
+    def _strip(self, text: str) -> str:
+        while self.strip and text:
+            if text[0] == " ":
+                text = text[1:]
+                self.strip -= 1
+            else:
+                self.strip = 0
+        return text
+
+
+def text_table(table: list) -> list:
+    """str of every id whose bytes are complete UTF-8 on their own, else None."""
+    out = []
+    for b in table:
+        try:
+            out.append(b.decode("utf-8"))
+        except UnicodeDecodeError:
+            out.append(None)
+    return out
 
 
 # ------------------------------------------------------------------ generic decoder
@@ -154,6 +219,7 @@ class IncrementalDecoder:
 
     __slots__ = ("tokenizer", "skip_special_tokens", "special_ids", "ids", "prefix_offset",
                  "read_offset", "prefix_text")
+    stopped = False
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool, special_ids: set):
         self.tokenizer = tokenizer
@@ -190,7 +256,7 @@ class IncrementalDecoder:
                 self.prefix_offset = 0
         return delta
 
-    def flush(self) -> str:
+    def finish(self) -> str:
         if len(self.ids) == self.read_offset:
             return ""
         return self._emit(self._decode(self.prefix_offset))
@@ -237,53 +303,56 @@ class StopStringMatcher:
 
 
 class TextStream:
-    """One request's text: a decoder plus, when it has stop strings, a matcher."""
+    """A decoder with stop strings. (A request without stop strings uses its decoder
+    directly: the same push / finish / stopped interface, one call less per token.)"""
 
     __slots__ = ("decoder", "matcher")
 
-    def __init__(self, decoder, matcher: Optional[StopStringMatcher]):
+    def __init__(self, decoder, matcher: StopStringMatcher):
         self.decoder = decoder
         self.matcher = matcher
 
     @property
     def stopped(self) -> bool:
-        return self.matcher is not None and self.matcher.stopped
+        return self.matcher.stopped
 
     def push(self, token_id: int) -> str:
         """Hot path: once per generated token."""
-        text = self.decoder.push(token_id)
-        return text if self.matcher is None else self.matcher.push(text)
+        return self.matcher.push(self.decoder.push(token_id))
 
     def finish(self) -> str:
         """Everything held back, at the end of the request (nothing after a stop string)."""
-        text = self.decoder.flush()
-        if self.matcher is None:
-            return text
         if self.matcher.stopped:
             return ""
-        text = self.matcher.push(text)
+        text = self.matcher.push(self.decoder.finish())
         return text if self.matcher.stopped else text + self.matcher.flush()
 
 
 class Detokenizer:
-    """Per-tokenizer tables, built once; hands each request its `TextStream`."""
+    """Per-tokenizer tables, built once; hands each request its text stream."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.special_ids = special_token_ids(tokenizer)
-        self._tables = {}                   # skip_special_tokens -> byte table or None
+        self.leading_strip = leading_spaces_stripped(tokenizer)
+        self._tables = {}                   # skip_special_tokens -> (byte table, text table) or None
 
-    def byte_table(self, skip_special_tokens: bool) -> Optional[list]:
+    def byte_table(self, skip_special_tokens: bool) -> Optional[tuple]:
         if skip_special_tokens not in self._tables:
-            self._tables[skip_special_tokens] = build_byte_table(self.tokenizer, skip_special_tokens)
+            table = build_byte_table(self.tokenizer, skip_special_tokens)
+            self._tables[skip_special_tokens] = None if table is None else (table, text_table(table))
         return self._tables[skip_special_tokens]
 
     def decoder(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
-        table = self.byte_table(skip_special_tokens)
-        if table is not None:
-            return ByteTableDecoder(table)
-        return IncrementalDecoder(self.tokenizer, prompt_ids, skip_special_tokens, self.special_ids)
+        tables = self.byte_table(skip_special_tokens)
+        if tables is None:
+            return IncrementalDecoder(self.tokenizer, prompt_ids, skip_special_tokens, self.special_ids)
+        decoder = ByteTableDecoder(*tables)
+        if self.leading_strip and not any(tables[0][i] for i in prompt_ids if i < len(tables[0])):
+            return StartOfTextDecoder(decoder, self.leading_strip)
+        return decoder
 
-    def stream(self, prompt_ids: Sequence[int], params: SamplingParams) -> TextStream:
-        matcher = StopStringMatcher(params.stop) if params.stop else None
-        return TextStream(self.decoder(prompt_ids, params.skip_special_tokens), matcher)
+    def stream(self, prompt_ids: Sequence[int], params: SamplingParams):
+        """-> an object with push(token_id) -> str, finish() -> str and .stopped"""
+        decoder = self.decoder(prompt_ids, params.skip_special_tokens)
+        return TextStream(decoder, StopStringMatcher(params.stop)) if params.stop else decoder

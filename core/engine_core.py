@@ -135,7 +135,8 @@ class EngineCore:
         if seqs:
             outputs += self._run_executor(scheduled, seqs)
         self.num_steps += 1
-        self._forget_finished(outputs)
+        if self.scheduler.finished_ids:
+            self._forget_finished()
         return outputs
 
     def _apply_cancels(self, request_ids: list, now_ns: int) -> list:
@@ -160,13 +161,12 @@ class EngineCore:
         self.num_tokens_generated += len(outputs)
         return outputs
 
-    def _forget_finished(self, outputs: list) -> None:
-        finished = [out.request_id for out in outputs if out.finish_reason is not None]
-        if finished:
-            for request_id in finished:
-                del self._requests[request_id]
-            with self._cond:
-                self._live_ids.difference_update(finished)
+    def _forget_finished(self) -> None:
+        finished, self.scheduler.finished_ids = self.scheduler.finished_ids, []
+        for request_id in finished:
+            del self._requests[request_id]
+        with self._cond:
+            self._live_ids.difference_update(finished)
 
     # ------------------------------------------------------------------ thread
 
@@ -208,7 +208,7 @@ class EngineCore:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
         outputs = self.scheduler.fail_all(error, now_ns)
-        self._forget_finished(outputs)
+        self._forget_finished()
         return outputs
 
     def shutdown(self, timeout: Optional[float] = None) -> None:

@@ -12,8 +12,8 @@ Rules:
    PREFILLING covers every step that feeds more than the last sampled token: the prompt in
    chunks, or after a preemption the prompt plus the tokens generated so far. The step whose
    chunk reaches the last known token samples, and the request becomes DECODING.
-2. `token_ids` is prompt + output; `num_computed_tokens` of them are in the KV cache. A step
-   feeds `token_ids[num_computed_tokens:]` (or a chunk of it), so prefill, decode and the
+2. The sequence is prompt + output (`num_tokens` ids); `num_computed_tokens` of them are in
+   the KV cache. A step feeds `tokens(num_computed_tokens, end)`, so prefill, decode and the
    recompute after a preemption are one code path.
 3. The sampling RNG counter is `len(output_token_ids)`, so a recomputed request draws the
    same numbers it would have drawn without the preemption.
@@ -55,7 +55,7 @@ class Request:
     """A request from submission to its end. Owned by the engine thread once submitted."""
 
     __slots__ = ("request_id", "params", "timeline", "priority", "arrival_seq", "seed",
-                 "prompt_token_ids", "output_token_ids", "token_ids", "num_prompt_tokens",
+                 "prompt_token_ids", "output_token_ids", "num_prompt_tokens", "step_done_ns",
                  "max_total_tokens", "stop_token_ids", "text_stream", "state",
                  "num_computed_tokens", "num_scheduled_tokens", "block_table",
                  "finish_reason", "error", "num_preemptions")
@@ -71,12 +71,12 @@ class Request:
         self.seed = seed                            # resolved: never None
         self.prompt_token_ids = prompt_token_ids    # list[int] [L]
         self.output_token_ids = []                  # list[int], grows by one per decode step
-        self.token_ids = list(prompt_token_ids)     # prompt + output
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.step_done_ns = timeline.step_done_ns   # the timeline's per-token stamps, one hop closer
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(max_model_len, self.num_prompt_tokens + max_new)
         self.stop_token_ids = stop_token_ids        # EOS (unless ignore_eos) + params.stop_token_ids
-        self.text_stream = text_stream             # core/detokenizer.TextStream: ids -> text, stop strings
+        self.text_stream = text_stream             # core/detokenizer: ids -> text, stop strings
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.num_scheduled_tokens = 0               # tokens fed in the current step
@@ -90,6 +90,19 @@ class Request:
             raise IllegalTransition(f"request {self.request_id}: {self.state.value} -> {new_state.value} "
                                     f"is not a legal transition")
         self.state = new_state
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    def tokens(self, start: int, end: int) -> list:
+        """Ids [start, end) of prompt + output, without building the whole sequence."""
+        num_prompt = self.num_prompt_tokens
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
     def is_finished(self) -> bool:

@@ -54,6 +54,7 @@ class Scheduler:
         self.running = []                   # list[Request], sorted by sort_key
         self.num_preemptions = 0
         self.num_samples = 0                # SeqSteps with sample=True in the last schedule()
+        self.finished_ids = []              # request ids that ended since the owner last cleared this
 
     @property
     def num_waiting(self) -> int:
@@ -85,33 +86,39 @@ class Scheduler:
         return scheduled, seqs
 
     def _schedule_decodes(self, scheduled: list, seqs: list) -> tuple:
-        """One token for every DECODING request. -> (budget left, preemptions, PREFILLING requests)"""
-        running, block_size, bm = self.running, self.block_manager.block_size, self.block_manager
-        budget, num_preempted, prefilling = self.max_num_batched_tokens, 0, []
-        i = 0
-        while i < len(running):
-            req = running[i]
-            i += 1
+        """One token for every DECODING request (the loop body runs once per request per step).
+        -> (budget left, preemptions, PREFILLING requests)"""
+        running, bm = self.running, self.block_manager
+        block_size = bm.block_size
+        num_decodes, num_preempted, prefilling = 0, 0, []
+        for req in running:                 # _preempt_for pops from the end: the iterator just stops sooner
             if req.state is not DECODING:
                 prefilling.append(req)
                 continue
             start = req.num_computed_tokens
-            if start + 1 > len(req.block_table) * block_size:
-                while not bm.can_allocate(1):
-                    victim = running[-1]
-                    self._preempt(victim)
-                    num_preempted += 1
-                    if victim is req:
-                        break
+            if start >= len(req.block_table) * block_size:
+                num_preempted += self._preempt_for(req)
                 if req.state is not DECODING:
-                    break
+                    break                   # it preempted itself: every newer request is gone too
                 bm.append_slot(req.block_table, start + 1)
             req.num_scheduled_tokens = 1
             scheduled.append(req)
-            seqs.append(_new_tuple(SeqStep, (req.request_id, req.token_ids[start:], start, req.block_table, True,
+            seqs.append(_new_tuple(SeqStep, (req.request_id, (req.output_token_ids[-1],), start, req.block_table, True,
                                              req.params, req.seed, req.prompt_token_ids, req.output_token_ids)))
-            budget -= 1
-        return budget, num_preempted, prefilling
+            num_decodes += 1
+        return self.max_num_batched_tokens - num_decodes, num_preempted, prefilling
+
+    def _preempt_for(self, req: Request) -> int:
+        """Preempt the newest lowest-priority running requests until one block is free,
+        `req` itself last. -> preemptions"""
+        num_preempted = 0
+        while not self.block_manager.can_allocate(1):
+            victim = self.running[-1]
+            self._preempt(victim)
+            num_preempted += 1
+            if victim is req:
+                break
+        return num_preempted
 
     def _schedule_prefills(self, prefilling: list, budget: int, scheduled: list, seqs: list) -> tuple:
         """Chunks for PREFILLING requests, oldest first. -> (budget left, preemptions)"""
@@ -122,7 +129,7 @@ class Scheduler:
             if req.state is not PREFILLING:         # preempted earlier in this pass
                 continue
             start = req.num_computed_tokens
-            num_tokens = min(len(req.token_ids) - start, budget)
+            num_tokens = min(req.num_tokens - start, budget)
             num_preempted += self._free_blocks_for(req, bm.num_new_blocks(req.block_table, start + num_tokens))
             fits = (len(req.block_table) + bm.num_free_blocks) * bm.block_size - start
             num_tokens = min(num_tokens, fits)
@@ -151,7 +158,7 @@ class Scheduler:
         bm, waiting, running = self.block_manager, self.waiting, self.running
         while waiting and budget and len(running) < self.max_num_seqs:
             req = waiting[0][2]
-            num_tokens = min(len(req.token_ids), budget)
+            num_tokens = min(req.num_tokens, budget)
             reserve = self.watermark_blocks if running else 0
             if bm.num_blocks_for(num_tokens) + reserve > bm.num_free_blocks:
                 break
@@ -168,11 +175,11 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + num_tokens
         req.num_scheduled_tokens = num_tokens
-        self.num_samples += end == len(req.token_ids)
+        sample = end == req.num_tokens
+        self.num_samples += sample
         scheduled.append(req)
-        seqs.append(SeqStep(req.request_id, req.token_ids[start:end], start, req.block_table,
-                            end == len(req.token_ids), req.params, req.seed, req.prompt_token_ids,
-                            req.output_token_ids))
+        seqs.append(SeqStep(req.request_id, req.tokens(start, end), start, req.block_table, sample,
+                            req.params, req.seed, req.prompt_token_ids, req.output_token_ids))
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the request's cache, send it back to the waiting heap."""
@@ -196,46 +203,40 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update(self, scheduled: list, sampled_ids, logprobs, now_ns: int) -> list:
-        """Apply one step's results (hot path: once per step). `sampled_ids[k]` belongs to the
-        k-th scheduled request whose chunk reached its last token. -> list[RequestOutput]"""
+        """Apply one step's results (hot path: once per step; the loop body once per token).
+        `sampled_ids[k]` belongs to the k-th scheduled request whose chunk reached its last
+        token. -> list[RequestOutput]"""
         outputs, k, num_finished = [], 0, 0
         for req in scheduled:
-            req.num_computed_tokens += req.num_scheduled_tokens
+            num_computed = req.num_computed_tokens + req.num_scheduled_tokens
+            req.num_computed_tokens = num_computed
             req.num_scheduled_tokens = 0
-            if req.num_computed_tokens < len(req.token_ids):
+            output_ids = req.output_token_ids
+            if num_computed < req.num_prompt_tokens + len(output_ids):
                 continue                    # a prefill chunk short of the end: nothing sampled
             token_id = sampled_ids[k]
-            lp = logprobs[k] if logprobs is not None else None
+            lp = None if logprobs is None or logprobs[k] is None else (logprobs[k],)
             k += 1
-            out = self._append_token(req, token_id, lp, now_ns)
-            outputs.append(out)
-            if out.finish_reason is not None:
+            output_ids.append(token_id)
+            req.step_done_ns.append(now_ns)
+            if req.state is not DECODING:
+                req.transition(DECODING)
+            if token_id in req.stop_token_ids:
+                finish, text = FINISH_STOP, ""      # the stop token's own text is not output
+            else:
+                stream = req.text_stream
+                text = stream.push(token_id)
+                finish = FINISH_STOP if stream.stopped else \
+                    FINISH_LENGTH if num_computed >= req.max_total_tokens - 1 else None
+            if finish is not None:
+                text += req.text_stream.finish()
+                self._finish(req, RequestState.FINISHED, finish, now_ns)
                 num_finished += 1
+            outputs.append(_new_tuple(RequestOutput, (req.request_id, (token_id,), text, lp, finish,
+                                                      req.num_prompt_tokens, len(output_ids), now_ns, None)))
         if num_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
-
-    def _append_token(self, req: Request, token_id: int, lp, now_ns: int) -> RequestOutput:
-        """Hot path: once per generated token."""
-        req.token_ids.append(token_id)
-        req.output_token_ids.append(token_id)
-        if req.state is not DECODING:
-            req.transition(DECODING)
-        req.timeline.step_done_ns.append(now_ns)
-        finish = None
-        if token_id in req.stop_token_ids:
-            finish, text = FINISH_STOP, ""          # the stop token's own text is not output
-        else:
-            text = req.text_stream.push(token_id)
-            if req.text_stream.stopped:
-                finish = FINISH_STOP
-            elif len(req.token_ids) >= req.max_total_tokens:
-                finish = FINISH_LENGTH
-        if finish is not None:
-            text += req.text_stream.finish()
-            self._finish(req, RequestState.FINISHED, finish, now_ns)
-        return _new_tuple(RequestOutput, (req.request_id, (token_id,), text, None if lp is None else (lp,), finish,
-                                          req.num_prompt_tokens, len(req.output_token_ids), now_ns, None))
 
     def _finish(self, req: Request, state: RequestState, reason: str, now_ns: int,
                 error: Optional[str] = None) -> None:
@@ -244,6 +245,7 @@ class Scheduler:
         req.finish_reason = reason
         req.error = error
         req.timeline.finished_ns = now_ns
+        self.finished_ids.append(req.request_id)
 
     # ------------------------------------------------------------------ cancel / fail
 

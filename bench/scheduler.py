@@ -1,0 +1,155 @@
+"""`tokenwire bench scheduler`: what one engine step costs outside the model.
+
+Runs `EngineCore.step()` over the zero-cost mock executor with B requests decoding
+(B = 1, 16, 64, 256 by default) and subtracts the time spent inside `executor.step`.
+
+Included in the figure: taking the inbox and cancellations (lock), scheduling (decode
+slots, block accounting with a new block every `block_size` tokens, one SeqStep per
+request), and output processing (appending the token, EOS / stop-id / length checks,
+detokenization through the byte-table fast path, one RequestOutput per request, the
+per-token timeline stamp). Excluded: the executor (the mock's own work). Stop strings
+are off here; detokenization is also timed on its own, per token, for both decoders.
+
+Reference, measured in the same run: the bare cost of allocating B SeqStep + B
+RequestOutput records in a Python loop — the per-request floor of the record contracts
+on this machine, since NamedTuple construction dominates at large batch.
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+TARGET_US_AT_64 = 50.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=1000, help="timed steps per round (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per batch size, fresh engine each (default: %(default)s)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+class TimedExecutor:
+    """Wraps an executor and accumulates the nanoseconds spent inside its step()."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.config, self.block_size, self.num_blocks = inner.config, inner.block_size, inner.num_blocks
+        self.elapsed_ns = 0
+
+    def step(self, seqs):
+        t0 = time.perf_counter_ns()
+        out = self.inner.step(seqs)
+        self.elapsed_ns += time.perf_counter_ns() - t0
+        return out
+
+    def close(self):
+        self.inner.close()
+
+
+def make_engine(batch: int, max_tokens: int):
+    from tokenwire.core.engine_core import EngineCore
+    from tokenwire.core.mock_executor import MockExecutor
+    from tokenwire.core.outputs import Timeline
+    from tokenwire.core.sampling_params import SamplingParams
+    executor = TimedExecutor(MockExecutor(step_us=0, num_blocks=batch * (max_tokens // 16 + 4) + 64,
+                                          max_model_len=max_tokens + 64))
+    engine = EngineCore(executor, executor.inner.tokenizer, eos_token_ids=(1,), max_model_len=max_tokens + 64,
+                        max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch))
+    prompt = executor.inner.text_token_ids[:16]
+    for i in range(batch):
+        engine.add_request(i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), Timeline())
+    return engine, executor
+
+
+def time_steps(batch: int, num_steps: int) -> list:
+    """Per-step overhead in µs (step() minus executor) for one fresh engine."""
+    warmup = 20
+    engine, executor = make_engine(batch, num_steps + warmup + 8)
+    for _ in range(warmup):
+        engine.step()
+    samples = []
+    for _ in range(num_steps):
+        executor.elapsed_ns = 0
+        t0 = time.perf_counter_ns()
+        outputs = engine.step()
+        samples.append((time.perf_counter_ns() - t0 - executor.elapsed_ns) / 1e3)
+        assert len(outputs) == batch, "every request must produce a token each step"
+    return samples
+
+
+def record_floor_us(batch: int, repeats: int = 200) -> float:
+    """Median µs to build `batch` SeqSteps + `batch` RequestOutputs in a bare loop."""
+    from tokenwire.core.executor import SeqStep
+    from tokenwire.core.outputs import RequestOutput
+    from tokenwire.core.sampling_params import SamplingParams
+    new, params, ids = tuple.__new__, SamplingParams(), [1, 2, 3]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        seqs, outs = [], []
+        for i in range(batch):
+            seqs.append(new(SeqStep, (i, (3,), 2, ids, True, params, 7, ids, ids)))
+            outs.append(new(RequestOutput, (i, (3,), "x", None, None, 3, 1, t0, None)))
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(times)
+
+
+def detok_us_per_token(num_tokens: int = 20000) -> dict:
+    """Detokenization alone: both decoders over the mock story, µs per token."""
+    from tokenwire.core.detokenizer import Detokenizer, IncrementalDecoder
+    from tokenwire.core.mock_executor import build_mock_tokenizer, MOCK_TEXT
+    tokenizer = build_mock_tokenizer()
+    story = tokenizer.encode(MOCK_TEXT, add_special_tokens=False).ids
+    ids = (story * (num_tokens // len(story) + 1))[:num_tokens]
+    detok = Detokenizer(tokenizer)
+    out = {}
+    for name, decoder in (("byte_table", detok.decoder(story[:4])),
+                          ("generic", IncrementalDecoder(tokenizer, story[:4], True, detok.special_ids))):
+        n = num_tokens if name == "byte_table" else num_tokens // 10
+        t0 = time.perf_counter_ns()
+        text = "".join(decoder.push(i) for i in ids[:n]) + decoder.finish()
+        out[name] = (time.perf_counter_ns() - t0) / 1e3 / n
+        assert text == tokenizer.decode(ids[:n]), f"{name} decoder text differs from tokenizer.decode"
+    return out
+
+
+def percentile(xs: list, q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run(args) -> int:
+    batches = [int(b) for b in args.batches.split(",")]
+    print("tokenwire bench scheduler: EngineCore.step() minus executor time, zero-cost mock engine")
+    print("included: inbox/cancels, scheduling + SeqSteps, token append, stop/length checks, "
+          "detokenization (byte table), RequestOutputs; excluded: the executor")
+    print(f"gc enabled: {gc.isenabled()}; {args.rounds} rounds x {args.steps} steps per batch size\n")
+    print(f"{'batch':>6} {'median us/step':>15} {'p99 us/step':>12} {'best round':>11} "
+          f"{'us/request':>11} {'record floor us':>16}")
+    results = []
+    for batch in batches:
+        rounds = [time_steps(batch, args.steps) for _ in range(args.rounds)]
+        pooled = [x for r in rounds for x in r]
+        row = {"batch": batch, "median_us": statistics.median(pooled), "p99_us": percentile(pooled, 0.99),
+               "best_round_median_us": min(statistics.median(r) for r in rounds),
+               "record_floor_us": record_floor_us(batch)}
+        row["us_per_request"] = row["median_us"] / batch
+        results.append(row)
+        print(f"{batch:>6} {row['median_us']:>15.1f} {row['p99_us']:>12.1f} {row['best_round_median_us']:>11.1f} "
+              f"{row['us_per_request']:>11.2f} {row['record_floor_us']:>16.1f}")
+    detok = detok_us_per_token()
+    print(f"\ndetokenization alone, us/token: byte table {detok['byte_table']:.3f}, "
+          f"generic prefix/read-offset decoder {detok['generic']:.2f}")
+    at64 = next((r for r in results if r["batch"] == 64), None)
+    if at64 is not None:
+        verdict = "meets" if at64["median_us"] <= TARGET_US_AT_64 else "misses"
+        print(f"target: <= {TARGET_US_AT_64:.0f} us/step at batch 64 -> measured {at64['median_us']:.1f} us "
+              f"(best round {at64['best_round_median_us']:.1f}): {verdict} the target; "
+              f"the bare record floor at 64 is {at64['record_floor_us']:.1f} us on this machine")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"steps": results, "detok_us_per_token": detok, "target_us_at_64": TARGET_US_AT_64}, f, indent=2)
+    return 0
