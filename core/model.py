@@ -133,12 +133,13 @@ def paged_attention(q, k_cache, v_cache, block_table, context_len, positions, sl
     k = k_cache[blocks].reshape(-1, num_kv_heads, hd)[:context_len]       # [C, Hkv, hd]
     v = v_cache[blocks].reshape(-1, num_kv_heads, hd)[:context_len]       # [C, Hkv, hd]
     group = num_heads // num_kv_heads                                      # query heads per KV head (GQA)
-    qg = q.reshape(n, num_kv_heads, group, hd).transpose(1, 2, 0, 3)       # [Hkv, group, n, hd]
-    scores = qg @ k.transpose(1, 2, 0)[:, None] * scale                   # [Hkv, group, n, C]
+    # contiguous [Hkv, group*n, hd] @ [Hkv, hd, C]: one batched GEMM per KV head
+    qg = np.ascontiguousarray(q.reshape(n, num_kv_heads, group, hd).transpose(1, 2, 0, 3)).reshape(num_kv_heads, group * n, hd)
+    scores = (qg @ np.ascontiguousarray(k.transpose(1, 2, 0))) * scale   # [Hkv, group*n, C]
     mask = attention_mask(positions, context_len, sliding_window)         # [n, C]
-    probs = softmax(np.where(mask, scores, -np.inf))
-    out = probs @ v.transpose(1, 0, 2)[:, None]                           # [Hkv, group, n, hd]
-    return out.transpose(2, 0, 1, 3).reshape(n, num_heads * hd)
+    scores = np.where(np.tile(mask, (group, 1)), scores, -np.inf)         # rows are (group, n) pairs
+    out = softmax(scores) @ np.ascontiguousarray(v.transpose(1, 0, 2))   # [Hkv, group*n, hd]
+    return out.reshape(num_kv_heads, group, n, hd).transpose(2, 0, 1, 3).reshape(n, num_heads * hd)
 
 
 class ReferenceModel:

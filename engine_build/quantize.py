@@ -1,0 +1,397 @@
+"""INT4 weight-only quantizer: dense engine tensors in, the encodings of docs/ENGINE_FORMAT.md out.
+
+Contract:
+- Input: a ModelConfig and its canonical float tensors (engine_build/source.py: `embed`,
+  `layers.{i}.qkv_proj`, ... float [N, K]; norms and biases float32), as the importers
+  produce them.
+- `quantize_model(config, tensors, options, calibration_token_ids, progress)` returns
+  `(encoded_tensors, tensor_meta, report)`: the tensors to write, the manifest's "tensors"
+  entry, and a `QuantReport` (per-tensor errors; report.py adds perplexity).
+- Each weight goes through a chain of small pure steps, asserting shapes on the way:
+  `pad_k` -> `get_group_qparams` -> `quantize` -> `pack`. `kernels/reference.py` is the exact
+  inverse (`dequantize_int4`), and the tests round-trip through it.
+
+Algorithms (`QuantOptions.algorithm`):
+- "rtn":  round to nearest over each group's full [min, max] range.
+- "clip": per group, shrink the range by the ratio in CLIP_RATIOS that minimises the group's
+          output error on calibration activations, (w - w_hat)^T (X^T X) (w - w_hat);
+          plain weight MSE when no calibration data is given.
+- "awq":  activation-aware per-input-channel scaling first (AWQ): W' = W diag(s), with
+          s = mean|x|^alpha and alpha searched on the calibration activations to minimise
+          ||X W^T - (X/s) Q(W')^T||; 1/s is folded exactly into whatever produces x (the
+          RMSNorm weight for qkv and gate_up, the V rows for o_proj, the up rows for
+          down_proj), then "clip" on the scaled weight. Needs calibration tokens.
+"""
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from ..core.config import ModelConfig
+from ..core.model import linear_shapes, vector_shapes
+from ..kernels.reference import dequantize_int4, dequantize_int8
+from .calibration import capture_activations, fold_awq_layer
+from .errors import BuildError
+
+GROUP_SIZES = (32, 64, 128)
+# Default 64, from the stories260K sweep in report.py / the quant report: G=32 costs 0.5 bit
+# per weight more (5.0 vs 4.5 bits with fp16 scale + zero) for a small gain once AWQ is on;
+# G=128 pads a 64-wide model to 128 (no saving there) and loses clearly more perplexity.
+DEFAULT_GROUP_SIZE = 64
+ALGORITHMS = ("rtn", "clip", "awq")
+METHODS = ("none", "int4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")          # for embedding and lm_head
+CLIP_RATIOS = np.linspace(1.0, 0.5, 11)                # range kept: 100%, 95%, ..., 50%
+AWQ_ALPHAS = np.linspace(0.0, 1.0, 11)                 # alpha = 0 is plain RTN: the search never loses on its data
+FLOAT_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+@dataclass(frozen=True)
+class QuantOptions:
+    method: str = "int4"                 # "none": every matrix dense
+    group_size: int = DEFAULT_GROUP_SIZE
+    symmetric: bool = False              # True: zero point 8 everywhere, scale from max |w|
+    algorithm: str = "awq"
+    embedding: Optional[str] = None      # None: fp32 with method "none", fp16 with "int4"
+    lm_head: Optional[str] = None        # same; ignored when the embedding is tied
+
+    def __post_init__(self):
+        _check(self.method in METHODS, f"quantization method must be one of {METHODS}, got {self.method!r}")
+        _check(self.group_size in GROUP_SIZES, f"group size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+        _check(self.algorithm in ALGORITHMS, f"quantization algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        for part in ("embedding", "lm_head"):
+            value = getattr(self, part)
+            _check(value is None or value in PRECISIONS, f"{part} precision must be one of {PRECISIONS}, got {value!r}")
+
+    def precision(self, part: str) -> str:
+        """The encoding of "embedding" or "lm_head"."""
+        chosen = getattr(self, part)
+        return chosen or ("fp32" if self.method == "none" else "fp16")
+
+    def manifest(self) -> dict:
+        """engine.json "quantization"."""
+        return {"method": self.method, "group_size": self.group_size, "symmetric": self.symmetric,
+                "algorithm": "none" if self.method == "none" else self.algorithm,
+                "embedding": self.precision("embedding"), "lm_head": self.precision("lm_head")}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise BuildError(None, message)
+
+
+# ---------------------------------------------------------------------- the pure steps
+
+def pad_k(w: np.ndarray, group_size: int) -> np.ndarray:
+    """w: [N, K] -> float32 [N, Kp], K padded with zeros to a multiple of the group size."""
+    n, k = w.shape
+    kp = -(-k // group_size) * group_size
+    out = np.zeros((n, kp), dtype=np.float32)
+    out[:, :k] = w
+    return out
+
+
+def get_group_qparams(w: np.ndarray, group_size: int, symmetric: bool, clip=1.0):
+    """w: [N, Kp] -> (scales float16 [N, Kp/G], zeros float16 [N, Kp/G]).
+
+    `clip` (scalar or [N, Kp/G]) shrinks each group's range. Asymmetric: the range always
+    holds 0 and the zero point is an integer, so 0 (the K padding) is exact. Symmetric:
+    scale = max|w| / 7 and zero point 8. Scales are rounded to float16 here, once, so
+    `quantize` rounds against exactly the scale the kernels will multiply by.
+    """
+    n, kp = w.shape
+    assert kp % group_size == 0, f"K={kp} is not padded to a multiple of {group_size}"
+    g = w.reshape(n, kp // group_size, group_size)
+    if symmetric:
+        scales = np.max(np.abs(g), axis=-1) * clip / 7
+    else:
+        lo, hi = np.minimum(g.min(axis=-1), 0) * clip, np.maximum(g.max(axis=-1), 0) * clip
+        scales = (hi - lo) / 15
+    scales = _to_float16_scale(scales)
+    if symmetric:
+        zeros = np.full(scales.shape, 8, dtype=np.float16)
+    else:
+        zeros = np.clip(np.round(-lo / scales.astype(np.float32)), 0, 15).astype(np.float16)
+    return scales, zeros
+
+
+def _to_float16_scale(scales: np.ndarray) -> np.ndarray:
+    if not np.all(np.isfinite(scales)) or np.max(scales, initial=0) > 65504:
+        raise BuildError(None, "a weight group's range does not fit float16 scales (non-finite or huge weights)")
+    s16 = scales.astype(np.float16)
+    return np.where(s16 == 0, np.float16(1), s16)     # all-zero (or sub-fp16) group: every q is the zero point
+
+
+def quantize(w: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group_size: int) -> np.ndarray:
+    """w: [N, Kp] -> uint8 q [N, Kp] in 0..15, q = clamp(round(w / s) + z)."""
+    assert scales.shape == zeros.shape == (w.shape[0], w.shape[1] // group_size)
+    s = np.repeat(scales.astype(np.float32), group_size, axis=1)
+    z = np.repeat(zeros.astype(np.float32), group_size, axis=1)
+    return np.clip(np.round(w / s) + z, 0, 15).astype(np.uint8)
+
+
+def pack(q: np.ndarray) -> np.ndarray:
+    """uint8 [N, Kp] (values 0..15) -> uint8 [N, Kp/2]: even k in the low nibble, odd k in the high."""
+    assert q.dtype == np.uint8 and q.shape[1] % 2 == 0 and q.max(initial=0) <= 15
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+
+
+def quantize_int4(w: np.ndarray, group_size: int, symmetric: bool, clip=1.0) -> dict:
+    """float [N, K] -> {"qweight": uint8 [N, Kp/2], "scales": f16 [N, Kp/G], "zeros": f16 [N, Kp/G]}."""
+    wp = pad_k(w, group_size)
+    scales, zeros = get_group_qparams(wp, group_size, symmetric, clip)
+    return {"qweight": pack(quantize(wp, scales, zeros, group_size)), "scales": scales, "zeros": zeros}
+
+
+def quantize_int8(w: np.ndarray) -> dict:
+    """float [N, K] -> {"qweight": int8 [N, K], "scales": f16 [N]}, per-row absmax / 127."""
+    scales = _to_float16_scale(np.max(np.abs(w), axis=1) / 127)
+    q = np.clip(np.round(w / scales.astype(np.float32)[:, None]), -127, 127).astype(np.int8)
+    return {"qweight": q, "scales": scales}
+
+
+def dequantize(parts: dict, in_features: int) -> np.ndarray:
+    """The inverse, through kernels/reference.py. -> float32 [N, K]"""
+    if "zeros" in parts:
+        return dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], in_features)
+    return dequantize_int8(parts["qweight"], parts["scales"])
+
+
+# ---------------------------------------------------------------------- error-reducing searches
+
+def group_gram(x: Optional[np.ndarray], k: int, group_size: int) -> np.ndarray:
+    """Activations x: [T, K] (None: identity) -> float32 [Kp/G, G, G], each group's X^T X / T."""
+    kp = -(-k // group_size) * group_size
+    if x is None:
+        return np.broadcast_to(np.eye(group_size, dtype=np.float32), (kp // group_size, group_size, group_size))
+    xg = pad_k(x, group_size).reshape(len(x), kp // group_size, group_size)     # [T, ng, G]
+    return np.einsum("tgi,tgj->gij", xg, xg) / len(x)
+
+
+def search_clip(w: np.ndarray, gram: np.ndarray, group_size: int, symmetric: bool) -> np.ndarray:
+    """Per group, the CLIP_RATIOS entry with the least output error d^T C d. -> float32 [N, Kp/G]"""
+    wp = pad_k(w, group_size)
+    n, kp = wp.shape
+    best_err = np.full((n, kp // group_size), np.inf)
+    best = np.ones((n, kp // group_size), dtype=np.float32)
+    for ratio in CLIP_RATIOS:
+        scales, zeros = get_group_qparams(wp, group_size, symmetric, ratio)
+        q = quantize(wp, scales, zeros, group_size).astype(np.float32)
+        w_hat = (q - np.repeat(zeros.astype(np.float32), group_size, 1)) * np.repeat(scales.astype(np.float32), group_size, 1)
+        d = (wp - w_hat).reshape(n, kp // group_size, group_size)                  # [N, ng, G]
+        err = np.einsum("ngi,gij,ngj->ng", d, gram, d)
+        better = err < best_err
+        best_err, best = np.where(better, err, best_err), np.where(better, ratio, best)
+    return best
+
+
+def awq_input_scales(w: np.ndarray, x: np.ndarray, group_size: int, symmetric: bool,
+                     tie: Optional[tuple] = None) -> np.ndarray:
+    """Search alpha for s = mean|x|^alpha minimising ||x w^T - (x/s) Q(w s)^T||. -> float32 [K]
+
+    `tie` = (num_kv_heads, group, head_dim) for o_proj: the `group` query heads of one KV
+    head read the same V rows, so they must share one scale; mean|x| is averaged over them.
+    """
+    mean_abs = np.mean(np.abs(x), axis=0) + 1e-8                          # [K]
+    if tie is not None:
+        mean_abs = _tie_mean(mean_abs, tie)
+    y = x @ w.T
+    best_err, best = np.inf, np.ones_like(mean_abs, dtype=np.float32)
+    for alpha in AWQ_ALPHAS:
+        s = mean_abs ** alpha
+        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
+        w_hat = dequantize(quantize_int4(w * s, group_size, symmetric), w.shape[1]) / s
+        err = float(np.sum((x @ w_hat.T - y) ** 2))
+        if err < best_err:
+            best_err, best = err, s
+    return best
+
+
+def _tie_mean(mean_abs: np.ndarray, tie: tuple) -> np.ndarray:
+    """mean_abs [Hq*hd] -> [Hq*hd] where the `group` query heads of one KV head share their mean."""
+    num_kv_heads, group, hd = tie
+    m = mean_abs.reshape(num_kv_heads, group, hd).mean(axis=1, keepdims=True)
+    return np.broadcast_to(m, (num_kv_heads, group, hd)).reshape(-1)
+
+
+# ---------------------------------------------------------------------- the whole model
+
+@dataclass
+class TensorError:
+    name: str
+    encoding: str                        # "int4", "int8", "fp16" or "fp32"
+    shape: tuple                         # logical [N, K]
+    weight_rel_error: float              # ||W - W_hat|| / ||W||, W_hat mapped back to the original basis
+    output_rel_error: Optional[float]    # ||X W^T - X W_hat^T|| / ||X W^T|| on held-out calibration rows
+
+
+@dataclass
+class QuantReport:
+    quantization: dict                   # QuantOptions.manifest()
+    num_calibration_tokens: int
+    tensors: list = field(default_factory=list)      # [TensorError]
+    evaluation: Optional[dict] = None                # report.evaluate_model(...).to_dict(), when run
+
+    def mean_output_error(self) -> Optional[float]:
+        errs = [t.output_rel_error for t in self.tensors if t.encoding == "int4" and t.output_rel_error is not None]
+        return float(np.mean(errs)) if errs else None
+
+    def mean_weight_error(self) -> Optional[float]:
+        errs = [t.weight_rel_error for t in self.tensors if t.encoding == "int4"]
+        return float(np.mean(errs)) if errs else None
+
+    def to_dict(self) -> dict:
+        return {"quantization": self.quantization, "num_calibration_tokens": self.num_calibration_tokens,
+                "mean_weight_rel_error": self.mean_weight_error(), "mean_output_rel_error": self.mean_output_error(),
+                "tensors": {t.name: {"encoding": t.encoding, "weight_rel_error": t.weight_rel_error,
+                                     "output_rel_error": t.output_rel_error} for t in self.tensors},
+                "evaluation": self.evaluation}
+
+
+def quantize_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], options: QuantOptions = QuantOptions(),
+                   calibration_token_ids: Optional[Sequence[Sequence[int]]] = None, progress: bool = False,
+                   evaluation_token_ids: Optional[Sequence[Sequence[int]]] = None):
+    """Canonical float tensors (engine_build/source.py) -> (encoded_tensors, tensor_meta, QuantReport).
+
+    encoded_tensors: engine names and encodings of docs/ENGINE_FORMAT.md, ready to write.
+    tensor_meta: the manifest's "tensors" entry. calibration_token_ids: token sequences
+    (each at most max_position_embeddings long; see calibration.split_sequences) for "clip"
+    and "awq" ("awq" requires them); with "rtn" they only feed the report's output errors.
+    evaluation_token_ids: sequences of a different text; when given (int4 only), the report's
+    `evaluation` holds float vs quantized perplexity on it (report.evaluate_model).
+    """
+    if options.algorithm == "awq" and options.method == "int4" and not calibration_token_ids:
+        raise BuildError(None, "the awq algorithm needs calibration text (or choose the rtn or clip algorithm)")
+    acts = {}
+    if options.method == "int4" and calibration_token_ids:
+        acts = capture_activations(config, dense_engine_tensors(config, tensors), calibration_token_ids, progress)
+    encoded, meta, report = encode_model(config, tensors, options, acts, progress)
+    report.num_calibration_tokens = sum(len(s) for s in calibration_token_ids or ())
+    if evaluation_token_ids and options.method == "int4":
+        from .report import evaluate_model
+        report.evaluation = evaluate_model(config, dense_engine_tensors(config, tensors), encoded,
+                                           evaluation_token_ids, progress=progress).to_dict()
+    return encoded, meta, report
+
+
+def encode_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], options: QuantOptions,
+                 acts: Mapping, progress: bool = False):
+    """quantize_model with the calibration activations already captured (a sweep captures once).
+
+    Works one layer at a time: only one layer's float matrices are held at once.
+    """
+    from tqdm import tqdm
+    if options.algorithm == "awq" and options.method == "int4" and not acts:
+        raise BuildError(None, "the awq algorithm needs calibration activations")
+    vectors = {name: _read_vector(tensors, name, shape) for name, shape in vector_shapes(config).items()}
+    report = QuantReport(options.manifest(), 0)
+    encoded, meta = {}, {}
+    bar = tqdm(total=len(linear_shapes(config)), desc="quantizing", unit="tensor", disable=not progress)
+    for names in _matrix_groups(config):
+        weights = {name: _read_matrix(tensors, name, config) for name in names}
+        folded = {}
+        if options.method == "int4" and options.algorithm == "awq" and names[0].startswith("layers."):
+            folded = fold_awq_layer(config, int(names[0].split(".")[1]), weights, vectors, acts, _awq_search(options))
+        for name in names:
+            _encode_matrix(name, weights[name], folded.get(name, (None, None)), tensors, config, options,
+                           acts.get(name), encoded, meta, report)
+            bar.update()
+    bar.close()
+    encoded.update(vectors)
+    meta.update({name: {"kind": "dense", "shape": list(shape)} for name, shape in vector_shapes(config).items()})
+    return encoded, meta, report
+
+
+def dense_engine_tensors(config: ModelConfig, tensors: Mapping[str, np.ndarray]) -> dict:
+    """Canonical float tensors -> the engine names of a dense (method "none") engine, without converting."""
+    out = {f"{name}.weight": tensors[name] for name in linear_shapes(config)}
+    out.update({name: tensors[name] for name in vector_shapes(config)})
+    return out
+
+
+def _matrix_groups(config: ModelConfig) -> list:
+    """Matrices in the order they are quantized: embed, each layer's four together, lm_head."""
+    groups = [["embed"]] + [[f"layers.{i}.{n}" for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+                            for i in range(config.num_layers)]
+    return groups + ([] if config.tie_word_embeddings else [["lm_head"]])
+
+
+def _encode_matrix(name, w, scales, tensors, config, options, acts, encoded, meta, report) -> None:
+    """Encode one (possibly AWQ-scaled) matrix into `encoded`, and record its error."""
+    row, col = scales
+    shape = linear_shapes(config)[name]
+    encoding = _encoding(name, options)
+    parts = _encode(w, encoding, options, _gram(acts, col, shape[1], options))
+    encoded.update({f"{name}.{part}": a for part, a in parts.items()})
+    meta[name] = {"kind": "dense" if encoding in FLOAT_DTYPES else encoding, "shape": list(shape)}
+    w_hat = dequantize(parts, shape[1]) if "qweight" in parts else parts["weight"]
+    original = w if row is None and col is None else _read_matrix(tensors, name, config)
+    report.tensors.append(_tensor_error(name, encoding, original, _original_basis(w_hat, row, col), acts))
+
+
+def _read_matrix(tensors, name, config) -> np.ndarray:
+    shape = linear_shapes(config)[name]
+    if name not in tensors:
+        raise BuildError(None, f"source tensor {name!r} is missing")
+    w = np.array(tensors[name], dtype=np.float32)     # a copy: AWQ rescales it
+    if w.shape != tuple(shape):
+        raise BuildError(None, f"source tensor {name!r} has shape {list(w.shape)}, the config needs {list(shape)}")
+    if not np.all(np.isfinite(w)):
+        raise BuildError(None, f"source tensor {name!r} holds NaN or infinite values")
+    return w
+
+
+def _read_vector(tensors, name, shape) -> np.ndarray:
+    if name not in tensors:
+        raise BuildError(None, f"source tensor {name!r} is missing")
+    v = np.array(tensors[name], dtype=np.float32)
+    if v.shape != tuple(shape):
+        raise BuildError(None, f"source tensor {name!r} has shape {list(v.shape)}, the config needs {list(shape)}")
+    return v
+
+
+def _encoding(name: str, options: QuantOptions) -> str:
+    if name in ("embed", "lm_head"):
+        return options.precision("embedding" if name == "embed" else "lm_head")
+    return "int4" if options.method == "int4" else "fp32"
+
+
+def _encode(w: np.ndarray, encoding: str, options: QuantOptions, gram: Optional[np.ndarray]) -> dict:
+    if encoding in FLOAT_DTYPES:
+        return {"weight": w.astype(FLOAT_DTYPES[encoding])}
+    if encoding == "int8":
+        return quantize_int8(w)
+    clip = 1.0
+    if options.algorithm != "rtn":
+        clip = search_clip(w, gram, options.group_size, options.symmetric)
+    return quantize_int4(w, options.group_size, options.symmetric, clip)
+
+
+def _gram(acts, col, k: int, options: QuantOptions) -> np.ndarray:
+    """The clip search's per-group X^T X, in the basis of the stored (AWQ-scaled) weight."""
+    x = None if acts is None else (acts.fit if col is None else acts.fit / col)
+    return group_gram(x, k, options.group_size)
+
+
+def _awq_search(options: QuantOptions):
+    def search(w, x, tie=None):
+        return awq_input_scales(w, x, options.group_size, options.symmetric, tie)
+    return search
+
+
+def _original_basis(w_hat: np.ndarray, row, col) -> np.ndarray:
+    """Undo the AWQ fold: stored = diag(row) W diag(col)."""
+    w_hat = np.asarray(w_hat, dtype=np.float32)
+    if row is not None:
+        w_hat = w_hat / row[:, None]
+    return w_hat if col is None else w_hat / col
+
+
+def _tensor_error(name, encoding, w, w_hat, acts) -> TensorError:
+    weight_err = float(np.linalg.norm(w - w_hat) / max(np.linalg.norm(w), 1e-30))
+    output_err = None
+    if acts is not None:
+        y = acts.held_out @ w.T
+        output_err = float(np.linalg.norm(y - acts.held_out @ w_hat.T) / max(np.linalg.norm(y), 1e-30))
+    return TensorError(name, encoding, tuple(w.shape), weight_err, output_err)
