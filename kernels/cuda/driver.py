@@ -1,0 +1,260 @@
+"""A thin typed wrapper over cuda-python's driver API: the only module that calls it.
+
+Contract:
+- `CudaDriver(device_index)` initialises the driver, retains the device's primary context and
+  makes it current on the calling thread. Every method maps onto one driver call (or two),
+  checks the result and raises `CudaError` naming the call and the error.
+- Device pointers, streams, events, modules, functions and graphs are opaque handles to the
+  caller; host pinned buffers come back as numpy uint8 views.
+- Kernel arguments are packed once per launch from a `KernelSpec` (kernels/cuda/kernels.py):
+  its parameter types fix the C layout, so a launch costs one ctypes struct and one call.
+- `kernels/cuda/fake.py` implements the same interface without a GPU for host-side tests.
+
+cuda-python is imported lazily (`cuda.bindings.driver`, or `cuda.cuda` before 12.6), so a
+CPU-only install never needs it.
+"""
+
+import ctypes
+import logging
+import threading
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+class CudaError(RuntimeError):
+    """A driver call failed; the message names the call and the driver's error."""
+
+
+class CudaUnavailable(CudaError):
+    """cuda-python, the driver or a device is missing."""
+
+
+def import_driver():
+    """cuda-python's driver module, whichever layout is installed."""
+    try:
+        from cuda.bindings import driver
+        return driver
+    except ImportError:
+        pass
+    try:
+        from cuda import cuda as driver   # cuda-python < 12.6
+        return driver
+    except ImportError:
+        raise CudaUnavailable("the CUDA backend needs cuda-python: pip install 'tokenwire[cuda]'") from None
+
+
+# C types of kernel parameters, by the one-letter codes of kernels/cuda/kernels.py
+CTYPES = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
+HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class CudaDriver:
+    def __init__(self, device_index: int = 0):
+        self.cu = cu = import_driver()
+        try:
+            self._check("cuInit", cu.cuInit(0))
+        except CudaError:
+            raise
+        except Exception as exc:                  # cuda-python raises when libcuda.so is absent
+            raise CudaUnavailable(f"no usable NVIDIA driver ({type(exc).__name__}: {exc})") from None
+        count = self._check("cuDeviceGetCount", cu.cuDeviceGetCount())
+        if device_index >= count:
+            raise CudaUnavailable(f"CUDA device {device_index} requested, {count} present")
+        self.device = self._check("cuDeviceGet", cu.cuDeviceGet(device_index))
+        self.context = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.device))
+        self.make_current()
+        self._callbacks = {}                      # host-function key -> Python callable
+        self._next_key = 0
+        self._host_fn_lock = threading.Lock()
+        self._trampoline = HOST_FN(self._run_host_fn)
+
+    # ------------------------------------------------------------ errors and device facts
+
+    def _check(self, call: str, result):
+        err, *values = result if isinstance(result, tuple) else (result,)
+        if int(err) != 0:
+            _, name = self.cu.cuGetErrorName(err)
+            _, text = self.cu.cuGetErrorString(err)
+            raise CudaError(f"{call} failed: {name.decode() if name else err} ({text.decode() if text else ''})")
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else tuple(values)
+
+    def make_current(self) -> None:
+        """Bind the context to the calling thread (the engine thread calls this once)."""
+        self._check("cuCtxSetCurrent", self.cu.cuCtxSetCurrent(self.context))
+
+    def attribute(self, name: str) -> int:
+        attr = getattr(self.cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}")
+        return self._check("cuDeviceGetAttribute", self.cu.cuDeviceGetAttribute(attr, self.device))
+
+    @property
+    def name(self) -> str:
+        raw = self._check("cuDeviceGetName", self.cu.cuDeviceGetName(128, self.device))
+        return raw.split(b"\0", 1)[0].decode()
+
+    @property
+    def compute_capability(self) -> tuple:
+        return (self.attribute("COMPUTE_CAPABILITY_MAJOR"), self.attribute("COMPUTE_CAPABILITY_MINOR"))
+
+    @property
+    def num_sms(self) -> int:
+        return self.attribute("MULTIPROCESSOR_COUNT")
+
+    def mem_get_info(self) -> tuple:
+        """(free, total) bytes on the device."""
+        return self._check("cuMemGetInfo", self.cu.cuMemGetInfo())
+
+    # ------------------------------------------------------------ memory
+
+    def mem_alloc(self, nbytes: int) -> int:
+        return int(self._check("cuMemAlloc", self.cu.cuMemAlloc(max(int(nbytes), 1))))
+
+    def mem_free(self, ptr: int) -> None:
+        self._check("cuMemFree", self.cu.cuMemFree(ptr))
+
+    def host_alloc(self, nbytes: int) -> np.ndarray:
+        """Pinned, portable host memory as a uint8 view (its address: `view.ctypes.data`)."""
+        flags = self.cu.CU_MEMHOSTALLOC_PORTABLE
+        ptr = int(self._check("cuMemHostAlloc", self.cu.cuMemHostAlloc(max(int(nbytes), 1), flags)))
+        return np.ctypeslib.as_array((ctypes.c_uint8 * int(nbytes)).from_address(ptr))
+
+    def host_free(self, view: np.ndarray) -> None:
+        self._check("cuMemFreeHost", self.cu.cuMemFreeHost(view.ctypes.data))
+
+    def memset_async(self, ptr: int, nbytes: int, stream) -> None:
+        self._check("cuMemsetD8Async", self.cu.cuMemsetD8Async(ptr, 0, int(nbytes), stream))
+
+    def memcpy_htod_async(self, dst: int, src: np.ndarray, nbytes: int, stream) -> None:
+        """`src` must stay alive (and unchanged) until the copy ran: pinned staging, or a
+        pageable array followed by a stream synchronize."""
+        self._check("cuMemcpyHtoDAsync", self.cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, int(nbytes), stream))
+
+    def memcpy_dtoh_async(self, dst: np.ndarray, src: int, nbytes: int, stream) -> None:
+        self._check("cuMemcpyDtoHAsync", self.cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, int(nbytes), stream))
+
+    def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream) -> None:
+        self._check("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync(dst, src, int(nbytes), stream))
+
+    # ------------------------------------------------------------ streams and events
+
+    def stream_create(self):
+        return self._check("cuStreamCreate", self.cu.cuStreamCreate(self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
+    def stream_destroy(self, stream) -> None:
+        self._check("cuStreamDestroy", self.cu.cuStreamDestroy(stream))
+
+    def stream_synchronize(self, stream) -> None:
+        """Blocks the calling thread: setup, teardown and benchmarks only, never per step."""
+        self._check("cuStreamSynchronize", self.cu.cuStreamSynchronize(stream))
+
+    def stream_wait_event(self, stream, event) -> None:
+        self._check("cuStreamWaitEvent", self.cu.cuStreamWaitEvent(stream, event, 0))
+
+    def event_create(self, timing: bool = False, blocking: bool = False):
+        flags = 0 if timing else int(self.cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        if blocking:
+            flags |= int(self.cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
+        return self._check("cuEventCreate", self.cu.cuEventCreate(flags))
+
+    def event_destroy(self, event) -> None:
+        self._check("cuEventDestroy", self.cu.cuEventDestroy(event))
+
+    def event_record(self, event, stream) -> None:
+        self._check("cuEventRecord", self.cu.cuEventRecord(event, stream))
+
+    def event_query(self, event) -> bool:
+        """True once the work before the event has finished; never blocks."""
+        err, = self.cu.cuEventQuery(event)
+        if err == self.cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        self._check("cuEventQuery", (err,))
+        return True
+
+    def event_synchronize(self, event) -> None:
+        self._check("cuEventSynchronize", self.cu.cuEventSynchronize(event))
+
+    def event_elapsed_ms(self, start, end) -> float:
+        return float(self._check("cuEventElapsedTime", self.cu.cuEventElapsedTime(start, end)))
+
+    def launch_host_func(self, stream, fn: Callable[[], None]) -> None:
+        """Run `fn` on a driver thread once the stream reaches this point. `fn` must not call
+        CUDA; it should only hand off (e.g. loop.call_soon_threadsafe or an eventfd write)."""
+        with self._host_fn_lock:
+            self._next_key += 1
+            key = self._next_key
+            self._callbacks[key] = fn
+        host_fn = self.cu.CUhostFn(ctypes.cast(self._trampoline, ctypes.c_void_p).value)
+        self._check("cuLaunchHostFunc", self.cu.cuLaunchHostFunc(stream, host_fn, key))
+
+    def _run_host_fn(self, user_data) -> None:
+        """The one C callback for every host function (it lives as long as the driver)."""
+        with self._host_fn_lock:
+            fn = self._callbacks.pop(int(user_data or 0), None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:                     # never let an exception unwind into the driver
+                log.exception("CUDA host callback failed")
+
+    # ------------------------------------------------------------ modules and launches
+
+    def module_load(self, image: bytes):
+        return self._check("cuModuleLoadData", self.cu.cuModuleLoadData(image))
+
+    def module_unload(self, module) -> None:
+        self._check("cuModuleUnload", self.cu.cuModuleUnload(module))
+
+    def module_function(self, module, name: str):
+        return self._check(f"cuModuleGetFunction({name})", self.cu.cuModuleGetFunction(module, name.encode()))
+
+    def function_set_max_dynamic_smem(self, function, nbytes: int) -> None:
+        attr = self.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        self._check("cuFuncSetAttribute", self.cu.cuFuncSetAttribute(function, attr, int(nbytes)))
+
+    def launch(self, function, grid: Sequence[int], block: int, smem: int, stream,
+               param_types: str, args: Sequence, pdl: bool = False) -> None:
+        """One kernel launch. `param_types`: one code per parameter ("p" pointer, "i" int32,
+        "f" float32), in the kernel's order. `pdl`: programmatic dependent launch (sm_90)."""
+        values = [CTYPES[t](a) for t, a in zip(param_types, args, strict=True)]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        gx, gy, gz = grid
+        if not pdl:
+            self._check("cuLaunchKernel", self.cu.cuLaunchKernel(
+                function, gx, gy, gz, block, 1, 1, smem, stream, ctypes.addressof(params), 0))
+            return
+        config = self.cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+        config.sharedMemBytes, config.hStream = smem, stream
+        attr = self.cu.CUlaunchAttribute()
+        attr.id = self.cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [attr], 1
+        self._check("cuLaunchKernelEx", self.cu.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0))
+
+    # ------------------------------------------------------------ graphs
+
+    def begin_capture(self, stream) -> None:
+        mode = self.cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        self._check("cuStreamBeginCapture", self.cu.cuStreamBeginCapture(stream, mode))
+
+    def end_capture(self, stream):
+        """-> an executable graph of everything launched on `stream` since begin_capture."""
+        graph = self._check("cuStreamEndCapture", self.cu.cuStreamEndCapture(stream))
+        try:
+            return self._check("cuGraphInstantiate", self.cu.cuGraphInstantiate(graph, 0))
+        finally:
+            self._check("cuGraphDestroy", self.cu.cuGraphDestroy(graph))
+
+    def graph_launch(self, graph_exec, stream) -> None:
+        self._check("cuGraphLaunch", self.cu.cuGraphLaunch(graph_exec, stream))
+
+    def graph_destroy(self, graph_exec) -> None:
+        self._check("cuGraphExecDestroy", self.cu.cuGraphExecDestroy(graph_exec))
+
+    def close(self) -> None:
+        self._check("cuDevicePrimaryCtxRelease", self.cu.cuDevicePrimaryCtxRelease(self.device))

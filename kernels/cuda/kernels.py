@@ -1,0 +1,84 @@
+"""Every CUDA kernel's host-side signature: its name and parameters in order, with C types.
+
+One table is shared by the real driver (argument packing), the fake driver (which runs a
+numpy twin of each kernel by parameter name) and tests/test_cuda_build.py (which checks each
+entry against the compiled PTX, so host and device can never disagree on an argument).
+
+Type codes: "p" device pointer (u64), "i" int32, "f" float32.
+"""
+
+from typing import NamedTuple
+
+SOURCE_FILES = ("common.cuh", "activation.cu", "attention.cu", "dense_matmul.cu", "embed.cu",
+                "int4_matmul.cu", "rmsnorm.cu", "rope_kv.cu", "sampling.cu")
+
+_MATMUL_INT4 = "x:p ldx:i M:i qw:p sz:p num_units:i group_size:i bias:p y:p ldy:i N:i accumulate:i"
+_DENSE = "x:p ldx:i M:i w:p ldw:i row_scales:p bias:p y:p ldy:i N:i accumulate:i"
+_EMBED = "token_ids:p table:p scales:p zeros:p ldw:i group_size:i vocab_size:i D:i multiplier:f out:p ldo:i"
+_ROPE = ("qkv:p ldqkv:i positions:p slot_mapping:p cos_sin:p max_positions:i q_out:p ldq:i "
+         "k_cache:p v_cache:p num_heads:i num_kv_heads:i head_dim:i")
+_ATTENTION = ("q:p ldq:i k_cache:p v_cache:p block_tables:p ld_bt:i positions:p items:p out:p ldo:i "
+              "ws_ml:p ws_acc:p max_splits:i num_heads:i num_kv_heads:i head_dim:i block_size:i "
+              "heads_per_block:i sliding_window:i scale:f split_size:i")
+_GLU = "gate_up:p ldg:i out:p ldo:i I:i"
+
+SIGNATURES = {
+    "int4_gemv_tc_nt1": _MATMUL_INT4,
+    "int4_gemv_tc_nt2": _MATMUL_INT4,
+    "int4_gemv_tc_nt4": _MATMUL_INT4,
+    "int4_gemm_tc": _MATMUL_INT4,
+    "int4_mm_simt": ("x:p ldx:i M:i qweight:p scales:p zeros:p words_per_row:i group_size:i "
+                     "bias:p y:p ldy:i N:i accumulate:i"),
+    "int4_repack_tc": ("qweight:p scales:p zeros:p N:i Kb:i num_src_groups:i qw:p sz:p "
+                       "num_tiles:i num_chunks:i num_groups:i"),
+    "dense_mm_f32": _DENSE,
+    "dense_mm_f16": _DENSE,
+    "dense_mm_i8": _DENSE,
+    "embed_f32": _EMBED,
+    "embed_f16": _EMBED,
+    "embed_i8": _EMBED,
+    "embed_i4": _EMBED,
+    "rmsnorm": "x:p ldx:i rows:p w:p out:p ldo:i D:i eps:f",
+    "glu_silu": _GLU,
+    "glu_gelu_tanh": _GLU,
+    "rope_kv_append_f32": _ROPE,
+    "rope_kv_append_f16": _ROPE,
+    "attention_paged_f32": _ATTENTION,
+    "attention_paged_f16": _ATTENTION,
+    "attention_combine": "ws_ml:p ws_acc:p num_splits:i max_splits:i out:p ldo:i num_heads:i head_dim:i",
+    "apply_penalties": ("logits:p plogits:p ldl:i vocab_size:i fparams:p iparams:p row_ptr:p "
+                        "tokens:p out_counts:p"),
+    "argmax_rows": "logits:p ldl:i vocab_size:i tokens:p",
+    "sample_tokens": "logits:p plogits:p ldl:i vocab_size:i dparams:p iparams:p rng:p tokens:p",
+    "compute_logprobs": ("logits:p ldl:i vocab_size:i iparams:p tokens:p token_logprob:p "
+                         "top_ids:p top_logprobs:p"),
+}
+
+# launch constants the host must agree on with the sources
+GEMM_ROWS, GEMM_TOKENS = 128, 64        # int4_gemm_tc block tile
+SIMT_MT = DENSE_MT = 8                  # tokens per block of the SIMT / dense kernels
+ATT_PAIRS, ATT_TILE = 16, 32            # attention: (query, head) pairs per block, keys per tile
+SAMPLE_CAP = 2048                       # sample_tokens: candidates sorted in shared memory
+MAX_TOP_LOGPROBS = 20
+
+
+class KernelSpec(NamedTuple):
+    name: str
+    param_names: tuple
+    param_types: str                    # one code per parameter
+
+    def bind(self, **kwargs) -> tuple:
+        """Arguments in kernel order from keywords; a missing or unknown name is an error."""
+        unknown = set(kwargs) - set(self.param_names)
+        missing = [n for n in self.param_names if n not in kwargs]
+        if unknown or missing:
+            raise TypeError(f"kernel {self.name}: unknown arguments {sorted(unknown)}, missing {missing}")
+        return tuple(kwargs[n] for n in self.param_names)
+
+
+def _spec(name: str, text: str) -> KernelSpec:
+    names, types = zip(*(p.split(":") for p in text.split()))
+    return KernelSpec(name, tuple(names), "".join(types))
+
+
+SPECS = {name: _spec(name, text) for name, text in SIGNATURES.items()}
