@@ -177,12 +177,13 @@ def _dedup_eos(config: ModelConfig) -> ModelConfig:
 
 
 def _with_tokenizer(config: ModelConfig, tokenizer, origin) -> ModelConfig:
-    """Check the tokenizer fits the embedding; add its eos_token to the stop ids when the configs left it out."""
+    """Check the tokenizer fits the embedding; take its BOS; add its eos_token to the stop ids."""
     from dataclasses import replace
     if tokenizer.vocab_size > config.vocab_size:
         raise BuildError(origin, f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size "
                                  f"is {config.vocab_size}: ids past the embedding table")
-    config = replace(config, bos_token_id=config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id)
+    # the prompt's BOS is whatever the tokenizer calls its bos_token; the configs only fill a gap
+    config = replace(config, bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else config.bos_token_id)
     eos_id = tokenizer.eos_token_id
     if eos_id is None or eos_id in config.eos_token_ids:
         return config

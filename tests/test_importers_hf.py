@@ -48,7 +48,7 @@ def write_tiny_tokenizer(path, vocab_limit=SHAPE["vocab_size"], chat_template=No
     return tok
 
 
-def make_tiny_hf(path, family, dtype="float32", tie=None, shard=False, seed=0, **overrides):
+def make_tiny_hf(path, family, dtype="float32", tie=None, shard=False, seed=0, chat_template=None, **overrides):
     """Save a random-weight transformers model of `family` (plus a tokenizer) into `path`. -> the model."""
     config_name, model_name, extra = FAMILIES[family]
     kwargs = dict(SHAPE, **extra)
@@ -64,7 +64,7 @@ def make_tiny_hf(path, family, dtype="float32", tie=None, shard=False, seed=0, *
                 p.normal_(0.0, 0.5)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(path, max_shard_size="20KB" if shard else "10GB")
-    write_tiny_tokenizer(path)
+    write_tiny_tokenizer(path, chat_template=chat_template)
     return model
 
 
