@@ -1,10 +1,13 @@
 """Sans-IO HTTP/2 server session: `receive_data(bytes) -> list[Event]`, `data_to_send() -> bytes`.
 
-Rule 1: h2 owns the connection: SETTINGS, PING, HPACK, GOAWAY on protocol errors, stream
-        states, inbound flow control, response HEADERS, trailers and END_STREAM.
-Rule 2: response DATA frames are built here, from a 9-byte header packed by a precompiled
-        struct, because h2's per-frame work costs several microseconds and the hot path
-        writes one frame per token per stream. Everything else goes through h2.
+Rule 1: h2 owns the connection: SETTINGS, PING, request HPACK decoding, GOAWAY on protocol
+        errors, stream states, inbound flow control, RST_STREAM.
+Rule 2: response frames (HEADERS, DATA, trailers) are built here, from 9-byte headers packed
+        by a precompiled struct, because h2's per-frame work costs several microseconds and
+        the hot path writes one frame per token per stream. Header blocks use context-free
+        HPACK (hpack_plain.py), cached per session. Each frame drives h2's own connection and
+        stream state machines with the input h2's send methods would use (SEND_HEADERS,
+        SEND_END_STREAM), so h2 keeps knowing exactly which streams are open.
 Rule 3: the send windows are h2's own fields (`H2Connection.outbound_flow_control_window`,
         `H2Stream.outbound_flow_control_window`). Each DATA frame built here debits both by
         exactly its length, so h2's view of the windows never drifts from the bytes on the
@@ -32,12 +35,19 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+from h2.connection import ConnectionInputs
 from h2.errors import ErrorCodes
+from h2.stream import StreamInputs
 
 from .events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset
+from .hpack_plain import encode_block
 
-# DATA frame header: 24-bit length (as 8 + 16 bits), type 0x0, flags, 31-bit stream id
-DATA_HEADER = struct.Struct(">BHBBI")
+# frame header: 24-bit length (as 8 + 16 bits), type, flags, 31-bit stream id
+FRAME_HEADER = struct.Struct(">BHBBI")
+DATA_HEADER = FRAME_HEADER              # type 0x0 DATA
+TYPE_HEADERS = 0x1
+END_STREAM = 0x1
+END_HEADERS = 0x4
 GOAWAY = struct.Struct(">BHBBIII")      # header + last stream id + error code
 DRAIN_PING = b"tw-drain"                # PING payload that asks "have you read everything?"
 TYPE_GOAWAY = 0x7
@@ -67,7 +77,7 @@ class H2Session:
     """The server side of one HTTP/2 connection (prior knowledge, TLS ALPN `h2`, or after h2c upgrade)."""
 
     def __init__(self, limits: Limits, upgrade_settings: bytes | None = None):
-        config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+        config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True)
         self.conn = h2.connection.H2Connection(config)
         self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
@@ -79,6 +89,7 @@ class H2Session:
         self.streams: dict[int, _Stream] = {}
         self._blocked: dict[int, _Stream] = {}      # streams with queued bytes, oldest first
         self._out: list[bytes] = []
+        self._blocks: dict = {}                      # (status, headers) -> encoded header block
         self.goaway_last_id: int | None = None       # set once a graceful shutdown began: the last stream served
         self.goaway_sent = False
         self._drain_pinged = False
@@ -193,12 +204,35 @@ class H2Session:
         self._out = []
         return b"".join(out)
 
-    def start_response(self, stream_id: int, status: int, headers: list) -> None:
-        """Send the response HEADERS (through h2: HPACK and stream state)."""
+    def start_response(self, stream_id: int, status: int, headers) -> None:
+        """Send the response HEADERS (once per request). `headers`: (name, value) byte pairs;
+        pass the same tuple for every stream and its block is encoded once per connection."""
         st = self.streams[stream_id]
         st.responding = True
-        self.conn.send_headers(stream_id, [(b":status", str(status).encode())] + headers)
-        self._drain_h2()
+        self._send_headers(st, status, headers, 0)
+
+    def _send_headers(self, st: _Stream, status: int | None, headers, flags: int) -> None:
+        """One HEADERS frame (response or trailers), through h2's state machines but not its encoder."""
+        conn = self.conn
+        key = (status, headers if type(headers) is tuple else tuple(headers))
+        block = self._blocks.get(key)
+        if block is None:
+            block = encode_block(status, key[1])
+            if len(self._blocks) < 64:
+                self._blocks[key] = block
+        if conn.encoder.table_size_changes or len(block) > conn.max_outbound_frame_size:
+            # rare: the peer resized its HPACK table (the next block must say so) or a huge block
+            full = ([(b":status", str(status).encode())] if status is not None else []) + list(key[1])
+            conn.send_headers(st.id, full, end_stream=bool(flags & END_STREAM))
+            self._drain_h2()
+            return
+        conn.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
+        st.h2.state_machine.process_input(StreamInputs.SEND_HEADERS)
+        if flags & END_STREAM:
+            st.h2.state_machine.process_input(StreamInputs.SEND_END_STREAM)
+        n = len(block)
+        self._out.append(FRAME_HEADER.pack(n >> 16, n & 0xFFFF, TYPE_HEADERS, flags | END_HEADERS, st.id))
+        self._out.append(block)
 
     def send_data(self, stream_id: int, payload: bytes) -> None:
         """Queue `payload` as DATA on the stream (hot path: once per token per stream).
@@ -320,12 +354,14 @@ class H2Session:
             self._drain_stream(st)
 
     def _finish(self, st: _Stream) -> None:
+        """END_STREAM: on the trailers' HEADERS frame, or on an empty DATA frame."""
         del self.streams[st.id]
         if st.end_after:
-            self.conn.send_headers(st.id, st.end_after, end_stream=True)
+            self._send_headers(st, None, st.end_after, END_STREAM)
         else:
-            self.conn.end_stream(st.id)
-        self._drain_h2()
+            self.conn.state_machine.process_input(ConnectionInputs.SEND_DATA)
+            st.h2.state_machine.process_input(StreamInputs.SEND_END_STREAM)
+            self._out.append(FRAME_HEADER.pack(0, 0, 0, END_STREAM, st.id))
         self._maybe_goaway()
 
 

@@ -4,6 +4,7 @@ The peer is a real client-side h2 (or h11) connection in memory; no sockets, no 
 """
 
 import base64
+import collections
 import struct
 
 import h11
@@ -95,6 +96,36 @@ def test_data_frame_bytes_are_exact():
     s.send_data(1, b"hello")
     s.send_data(3 - 2, b"!")
     assert s.data_to_send() == b"\x00\x00\x05\x00\x00\x00\x00\x00\x01hello" + b"\x00\x00\x01\x00\x00\x00\x00\x00\x01!"
+
+
+def test_response_headers_are_context_free_hpack():
+    """HEADERS built here: static-table :status, literal fields, never the dynamic table."""
+    s, c = H2Session(Limits()), client()
+    handshake(c, s)
+    s.start_response(1, 200, ((b"content-type", b"text/event-stream"), (b"x-a", b"b")))
+    block = b"\x88" + b"\x0f\x10\x11text/event-stream" + b"\x00\x03x-a\x01b"
+    raw = s.data_to_send()
+    assert raw == struct.pack(">BHBBI", 0, len(block), 1, 4, 1) + block
+    s.end_response(1, [(b"server-timing", b"t;dur=1")])
+    events = c.receive_data(raw + s.data_to_send())
+    assert [type(e) for e in events] == [h2.events.ResponseReceived, h2.events.TrailersReceived,
+                                         h2.events.StreamEnded]
+    assert events[0].headers == [(b":status", b"200"), (b"content-type", b"text/event-stream"), (b"x-a", b"b")]
+    assert c.decoder.header_table.dynamic_entries == collections.deque()
+
+
+def test_peer_table_size_change_is_announced_before_our_next_block():
+    s, c = H2Session(Limits()), client()
+    handshake(c, s, streams=(1, 3))
+    s.respond(1, 200, [(b"content-type", b"application/json")], b"{}")
+    c.receive_data(s.data_to_send())
+    c.update_settings({h2.settings.SettingCodes.HEADER_TABLE_SIZE: 0})
+    s.receive_data(c.data_to_send())
+    s.respond(3, 404, [(b"content-type", b"application/json")], b"{}")
+    events = c.receive_data(s.data_to_send())
+    response = next(e for e in events if isinstance(e, h2.events.ResponseReceived))
+    assert response.headers[0] == (b":status", b"404")
+    assert s.conn.encoder.table_size_changes == []
 
 
 def test_one_frame_per_send_and_trailers_after_last_data():

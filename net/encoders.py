@@ -1,0 +1,237 @@
+"""Response body encoders: OpenAI SSE, native NDJSON, native binary; and stage timings.
+
+Each streamed request gets one encoder whose constant bytes (SSE `data: ` prefix with id,
+model and created; the per-chunk suffix) are formatted once when the request starts, so
+the per-token work is orjson on the token's text and two concatenations.
+
+SSE (OpenAI): `data: {json}\n\n` per chunk, then `data: [DONE]\n\n`. The last JSON chunk
+(the finish chunk, or the usage chunk with `stream_options.include_usage`) also carries
+`"timings"`: the request's stage durations in microseconds.
+
+NDJSON (`POST /generate`, the default): one line per token `{"id": 123, "text": "..."}`,
+then one final line `{"finish_reason": ..., "usage": {...}, "timings": {...}}` (plus
+`"error"` when the engine failed the request).
+
+Binary (`POST /generate` with `Accept: application/octet-stream`), all little-endian:
+    per token:  int32 token id (>= 0)
+    at the end: int32 -1, uint32 N, then N bytes of UTF-8 JSON: the NDJSON final object.
+A reader loops: read 4 bytes; a non-negative value is a token id; -1 means read the
+length and the summary, and the stream is over.
+"""
+
+import struct
+from typing import Callable
+
+import orjson
+
+from tokenwire.core.outputs import Timeline
+
+SSE_DONE = b"data: [DONE]\n\n"
+END_MARKER = struct.pack("<i", -1)
+_LEN = struct.Struct("<I")
+_TOKEN_STRUCTS = {n: struct.Struct(f"<{n}i") for n in range(1, 9)}
+
+
+def usage(num_prompt: int, num_output: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+            "total_tokens": num_prompt + num_output}
+
+
+def timings_us(t: Timeline, end_ns: int) -> dict:
+    """The request's stages in microseconds (0 where a stage was not reached)."""
+    def span(a, b):
+        return round((b - a) / 1000, 1) if a and b else 0.0
+    first_step = t.step_done_ns[0] if t.step_done_ns else 0
+    return {"tokenize_us": span(t.arrived_ns, t.tokenized_ns),
+            "queue_us": span(t.queued_ns, t.first_scheduled_ns),
+            "prefill_us": span(t.first_scheduled_ns, first_step),
+            "first_token_to_wire_us": span(first_step, t.first_token_emitted_ns),
+            "ttft_us": span(t.arrived_ns, t.first_token_emitted_ns),
+            "decode_us": span(first_step, t.finished_ns or end_ns),
+            "total_us": span(t.arrived_ns, end_ns)}
+
+
+def server_timing(timings: dict) -> bytes:
+    """`Server-Timing` value (durations in milliseconds, as the header's spec wants)."""
+    return ", ".join(f"{name[:-3]};dur={us / 1000:.3f}" for name, us in timings.items()).encode()
+
+
+# ------------------------------------------------------------------- SSE
+
+class _Sse:
+    content_type = b"text/event-stream"
+    response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
+    __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_head", "_include_usage",
+                 "_token_text", "_offset")
+
+    def __init__(self, head: bytes, include_usage: bool, token_text: Callable[[int], str]):
+        self._head = head                       # b'{"id":...,"model":...'  (no closing brace)
+        self._include_usage = include_usage
+        self._token_text = token_text
+        self._offset = 0                        # text offset (completions logprobs)
+
+    def token(self, out) -> bytes:
+        """One chunk for one step's output (hot path: once per token)."""
+        if out.logprobs is None:
+            prefix = self._first_prefix or self._prefix
+            self._first_prefix = None
+            return prefix + orjson.dumps(out.text) + self._null_tail
+        return self._token_with_logprobs(out)
+
+    def _token_with_logprobs(self, out) -> bytes:
+        prefix = self._first_prefix or self._prefix
+        self._first_prefix = None
+        lp = orjson.dumps(self._logprobs(out))
+        return prefix + orjson.dumps(out.text) + self._lp_mid + lp + self._tail
+
+    def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
+        """The finish chunk, the usage chunk if asked for, and [DONE]."""
+        chunk = self._finish_chunk(finish_reason)
+        if error is not None:
+            chunk["error"] = {"message": error, "type": "server_error", "param": None, "code": "engine_error"}
+        if self._include_usage:
+            chunk["usage"] = None
+            last = self._chunk([])
+            last["usage"] = use
+            last["timings"] = timings
+            parts = (chunk, last)
+        else:
+            chunk["timings"] = timings
+            parts = (chunk,)
+        return b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in parts) + SSE_DONE
+
+    def _chunk(self, choices: list) -> dict:
+        d = orjson.loads(self._head + b"}")
+        d["choices"] = choices
+        return d
+
+
+class CompletionSse(_Sse):
+    """`text_completion` chunks for POST /v1/completions."""
+    __slots__ = ()
+
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
+                 token_text: Callable[[int], str]):
+        head = orjson.dumps({"id": request_id, "object": "text_completion", "created": created, "model": model})[:-1]
+        super().__init__(head, include_usage, token_text)
+        usage_tail = b',"usage":null' if include_usage else b""
+        self._prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
+        self._first_prefix = None
+        self._lp_mid = b',"logprobs":'
+        self._tail = b',"finish_reason":null}]' + usage_tail + b"}\n\n"
+        self._null_tail = self._lp_mid + b"null" + self._tail
+
+    def _logprobs(self, out) -> dict:
+        text = self._token_text
+        tokens = [text(t) for t in out.token_ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(self._offset)
+            self._offset += len(tok)
+        return {"tokens": tokens,
+                "token_logprobs": [lp.token_logprob for lp in out.logprobs],
+                "top_logprobs": [{text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for lp in out.logprobs],
+                "text_offset": offsets}
+
+    def _finish_chunk(self, finish_reason: str) -> dict:
+        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}])
+
+
+class ChatSse(_Sse):
+    """`chat.completion.chunk` chunks for POST /v1/chat/completions; the first carries the role."""
+    __slots__ = ()
+
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
+                 token_text: Callable[[int], str]):
+        head = orjson.dumps({"id": request_id, "object": "chat.completion.chunk", "created": created,
+                             "model": model})[:-1]
+        super().__init__(head, include_usage, token_text)
+        usage_tail = b',"usage":null' if include_usage else b""
+        start = b"data: " + head + b',"choices":[{"index":0,"delta":{'
+        self._prefix = start + b'"content":'
+        self._first_prefix = start + b'"role":"assistant","content":'
+        self._lp_mid = b'},"logprobs":'
+        self._tail = b',"finish_reason":null}]' + usage_tail + b"}\n\n"
+        self._null_tail = self._lp_mid + b"null" + self._tail
+
+    def _logprobs(self, out) -> dict:
+        return {"content": chat_logprobs(out.token_ids, out.logprobs, self._token_text)}
+
+    def _finish_chunk(self, finish_reason: str) -> dict:
+        delta = {"role": "assistant", "content": ""} if self._first_prefix else {}
+        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+
+
+def chat_logprobs(token_ids, logprobs, token_text: Callable[[int], str]) -> list:
+    def entry(tid, value):
+        s = token_text(tid)
+        return {"token": s, "logprob": value, "bytes": list(s.encode())}
+    return [dict(entry(tid, lp.token_logprob),
+                 top_logprobs=[entry(i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)])
+            for tid, lp in zip(token_ids, logprobs)]
+
+
+# ------------------------------------------------------------- native
+
+class Ndjson:
+    """POST /generate, one JSON line per token."""
+    content_type = b"application/x-ndjson"
+    response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
+    __slots__ = ()
+
+    def token(self, out) -> bytes:
+        """Hot path: once per token."""
+        ids = out.token_ids
+        if len(ids) == 1:
+            return b'{"id":' + str(ids[0]).encode() + b',"text":' + orjson.dumps(out.text) + b"}\n"
+        lines = [b'{"id":' + str(t).encode() + b',"text":""}\n' for t in ids[:-1]]
+        return b"".join(lines) + self.token(out._replace(token_ids=ids[-1:])) if ids else b""
+
+    def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
+        return orjson.dumps(_summary(finish_reason, use, timings, error)) + b"\n"
+
+
+class BinaryTokens:
+    """POST /generate with Accept: application/octet-stream: int32 ids, then -1, length, JSON summary."""
+    content_type = b"application/octet-stream"
+    response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
+    __slots__ = ()
+
+    def token(self, out) -> bytes:
+        """Hot path: once per token."""
+        ids = out.token_ids
+        n = len(ids)
+        if n == 0:
+            return b""
+        packer = _TOKEN_STRUCTS.get(n) or struct.Struct(f"<{n}i")
+        return packer.pack(*ids)
+
+    def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
+        summary = orjson.dumps(_summary(finish_reason, use, timings, error))
+        return END_MARKER + _LEN.pack(len(summary)) + summary
+
+
+def _summary(finish_reason, use, timings, error) -> dict:
+    d = {"finish_reason": finish_reason, "usage": use, "timings": timings}
+    if error is not None:
+        d["error"] = error
+    return d
+
+
+# ------------------------------------------------------- whole responses
+
+def completion_body(request_id: str, created: int, model: str, text: str, finish_reason: str,
+                    use: dict, logprobs: dict | None) -> bytes:
+    return orjson.dumps({"id": request_id, "object": "text_completion", "created": created, "model": model,
+                         "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}],
+                         "usage": use})
+
+
+def chat_body(request_id: str, created: int, model: str, text: str, finish_reason: str,
+              use: dict, logprobs: list | None) -> bytes:
+    return orjson.dumps({"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None if logprobs is None else {"content": logprobs},
+                                      "finish_reason": finish_reason}],
+                         "usage": use})

@@ -1,0 +1,99 @@
+"""Build what the server serves: an `EngineCore` and the routes' `ModelInfo`, from a model
+spec and a backend name. Runs off the event loop (it may build the default model first).
+
+Backends: "mock" (core/mock_executor.py: a fixed story at a fixed step time), "cpu" (C
+kernels when built, else the numpy reference), "reference" (numpy), "cuda". The executor
+factory for the real backends lives in core/model_runner.py; engine directories come from
+engine_build (`resolve_model` for a path or hub name, the embedded default when no model
+is given).
+"""
+
+import json
+import time
+from collections import deque
+from pathlib import Path
+
+from .app import ModelInfo
+from .chat_template import CHATML, ChatTemplate
+
+BACKENDS = ("cpu", "reference", "mock", "cuda")
+
+
+def load_model(spec: str | None, backend: str, *, step_times: deque, served_model_name: str | None = None,
+               chat_template: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 256,
+               mock_step_us: float = 0.0, max_queued_requests: int = 1024):
+    """-> (EngineCore not yet started, ModelInfo)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    template_source = _read_template(chat_template) if chat_template else None
+    engine_kwargs = dict(max_num_seqs=max_num_seqs, max_queued_requests=max_queued_requests)
+    if backend == "mock":
+        return _load_mock(step_times, served_model_name, template_source, max_model_len, mock_step_us, engine_kwargs)
+    return _load_engine(spec, backend, step_times, served_model_name, template_source, max_model_len, engine_kwargs)
+
+
+def _read_template(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read the chat template {path!r}: {exc.strerror}") from None
+    if path.endswith(".json"):     # a tokenizer_config.json
+        try:
+            return json.loads(text)["chat_template"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path!r} has no \"chat_template\" string") from None
+    return text
+
+
+def _load_mock(step_times, name, template_source, max_model_len, step_us, engine_kwargs):
+    from tokenwire.core.engine_core import EngineCore
+    from tokenwire.core.mock_executor import BOS, EOS, MockExecutor
+
+    from .server import TimedExecutor
+    max_model_len = max_model_len or 4096
+    inner = MockExecutor(step_us=step_us, max_model_len=max_model_len)
+    tokenizer = inner.tokenizer
+    engine = EngineCore(TimedExecutor(inner, step_times), tokenizer, eos_token_ids=inner.config.eos_token_ids,
+                        max_model_len=max_model_len, **engine_kwargs)
+    template = ChatTemplate(template_source or CHATML, {"bos_token": BOS, "eos_token": EOS})
+    info = ModelInfo(name=name or "mock", tokenizer=tokenizer,
+                     encode=lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                     chat_template=template, max_model_len=max_model_len, created=int(time.time()),
+                     description=f"mock engine: a fixed story, {step_us:g} us per step", supports_logprobs=False)
+    return engine, info
+
+
+def _load_engine(spec, backend, step_times, name, template_source, max_model_len, engine_kwargs):
+    from tokenwire.core.engine_core import EngineCore
+    from tokenwire.core.model_runner import create_executor
+    from tokenwire.engine_build import default_engine_path, resolve_model
+    from tokenwire.engine_build.engine_format import load_engine
+
+    from .server import TimedExecutor
+    path = default_engine_path() if spec is None else resolve_model(spec)
+    engine_dir = load_engine(path)
+    max_model_len = min(max_model_len or engine_dir.config.max_position_embeddings,
+                        engine_dir.config.max_position_embeddings)
+    executor = TimedExecutor(create_executor(engine_dir, backend=backend, max_model_len=max_model_len), step_times)
+    engine = EngineCore(executor, engine_dir.tokenizer, eos_token_ids=engine_dir.eos_token_ids,
+                        max_model_len=max_model_len, **engine_kwargs)
+    source = template_source or engine_dir.chat_template
+    template = ChatTemplate(source, _special_tokens(engine_dir)) if source else None
+    info = ModelInfo(name=name or engine_dir.name, tokenizer=engine_dir.tokenizer, encode=engine_dir.encode_prompt,
+                     chat_template=template, max_model_len=max_model_len, created=int(time.time()),
+                     description=engine_dir.description)
+    return engine, info
+
+
+def _special_tokens(engine_dir) -> dict:
+    """bos/eos (and the other *_token entries) as the chat template sees them."""
+    tokens = {}
+    config_file = Path(engine_dir.path) / "tokenizer_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+        tokens = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, (str, dict))}
+    tok = engine_dir.manifest.get("tokenizer", {})
+    for key in ("bos_token", "eos_token"):
+        if tok.get(key):
+            tokens[key] = tok[key]
+    return tokens

@@ -1,0 +1,277 @@
+"""Request bodies of the three generation routes, parsed (orjson) and validated into a
+`GenerationRequest` with typed `core.sampling_params.SamplingParams`.
+
+- `POST /v1/completions`       OpenAI completions
+- `POST /v1/chat/completions`  OpenAI chat completions
+- `POST /generate`             tokenwire's native stream (NDJSON or binary token ids)
+
+Every parameter is type-checked here and range-checked by `SamplingParams`; a parameter
+this server does not implement (n > 1, echo, logit_bias, tools, ...) is a 400 naming it,
+and so is any key the route does not know, so nothing is ever silently ignored. The only
+accepted no-op is `user` (an end-user id for abuse tracking; it never affects output).
+"""
+
+from typing import NamedTuple
+
+import orjson
+
+from tokenwire.core.sampling_params import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
+
+from .errors import ApiError, bad_param, unsupported
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # the OpenAI completions default
+MAX_STOP_STRINGS = 16
+
+
+class GenerationRequest(NamedTuple):
+    """A validated generation request, before tokenization."""
+    route: str                          # "completions" | "chat" | "generate"
+    prompt: str | None                  # text prompt (completions, generate)
+    prompt_token_ids: list | None       # pre-tokenized prompt (completions, generate)
+    messages: list | None               # chat messages, for the chat template
+    params: SamplingParams
+    stream: bool
+    include_usage: bool                 # stream_options.include_usage
+    model: str | None                   # as the client named it (checked against the served name)
+
+
+def parse_json(body: bytes) -> dict:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        if "UTF-8" in str(exc) or "utf-8" in str(exc):
+            raise ApiError(400, f"request body is not valid UTF-8: {exc}", code="invalid_encoding") from None
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}", code="invalid_json")
+    return obj
+
+
+# ----------------------------------------------------------------- routes
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+           "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+           "skip_special_tokens", "stream", "stream_options", "n", "logit_bias", "user"}
+_COMPLETIONS_KEYS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+_CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+                        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
+_GENERATE_KEYS = {"prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                  "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop",
+                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "model"}
+
+
+def parse_completions(body: dict) -> GenerationRequest:
+    _check_keys(body, _COMPLETIONS_KEYS)
+    _check_common_unsupported(body)
+    if _opt(body, "echo", bool, False):
+        raise unsupported("echo", "echo=true is not supported")
+    best_of = _opt(body, "best_of", int, 1)
+    if best_of != 1:
+        raise unsupported("best_of", "best_of other than 1 is not supported")
+    if _opt(body, "suffix", str, None):
+        raise unsupported("suffix", "suffix (insertion) is not supported")
+    prompt, prompt_ids = _prompt(body)
+    logprobs = _opt(body, "logprobs", int, None)
+    params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, COMPLETIONS_DEFAULT_MAX_TOKENS),
+                       logprobs=logprobs)
+    stream, include_usage = _stream(body)
+    return GenerationRequest("completions", prompt, prompt_ids, None, params, stream, include_usage,
+                             _opt(body, "model", str, None))
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    _check_keys(body, _CHAT_KEYS)
+    _check_common_unsupported(body)
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise unsupported(name, f"{name} (tool calling) is not supported")
+    for name in ("tool_choice", "function_call", "parallel_tool_calls"):
+        if body.get(name) not in (None, "none", False):
+            raise unsupported(name, f"{name} is not supported: this server does no tool calling")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise unsupported("response_format", 'only response_format {"type": "text"} is supported')
+    messages = _messages(body)
+    max_tokens = _opt(body, "max_completion_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _opt(body, "max_tokens", int, None)
+    want_logprobs = _opt(body, "logprobs", bool, False)
+    top = _opt(body, "top_logprobs", int, None)
+    if top is not None and not want_logprobs:
+        raise bad_param("top_logprobs", "top_logprobs requires logprobs=true")
+    params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None)
+    stream, include_usage = _stream(body)
+    return GenerationRequest("chat", None, None, messages, params, stream, include_usage,
+                             _opt(body, "model", str, None))
+
+
+def parse_generate(body: dict) -> GenerationRequest:
+    _check_keys(body, _GENERATE_KEYS)
+    has_text, has_ids = body.get("prompt") is not None, body.get("prompt_token_ids") is not None
+    if has_text == has_ids:
+        raise bad_param("prompt", "give exactly one of prompt (a string) and prompt_token_ids (a list of ints)")
+    prompt = _opt(body, "prompt", str, None)
+    prompt_ids = _token_ids(body["prompt_token_ids"], "prompt_token_ids") if has_ids else None
+    params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, None), logprobs=None)
+    return GenerationRequest("generate", prompt, prompt_ids, None, params, True, True,
+                             _opt(body, "model", str, None))
+
+
+# ---------------------------------------------------------------- helpers
+
+def _check_keys(body: dict, known: set) -> None:
+    for key in body:
+        if key not in known:
+            raise unsupported(key, f"unknown or unsupported parameter {key!r}")
+
+
+def _check_common_unsupported(body: dict) -> None:
+    n = _opt(body, "n", int, 1)
+    if n != 1:
+        raise unsupported("n", f"n={n} is not supported: one choice per request (send {n} requests)")
+    if body.get("logit_bias"):
+        raise unsupported("logit_bias", "logit_bias is not supported")
+
+
+def _opt(body: dict, name: str, kind: type, default):
+    """body[name] when present and not null, checked to be of `kind` (bool is not an int here)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind is float:
+        ok = type(value) in (int, float)
+    else:
+        ok = type(value) is kind
+    if not ok:
+        raise bad_param(name, f"{name} must be {_KIND_NAMES[kind]}, got {_json_type(value)}")
+    return float(value) if kind is float else value
+
+
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
+               list: "an array", dict: "an object"}
+
+
+def _json_type(value) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _sampling(body: dict, *, max_tokens, logprobs) -> SamplingParams:
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP_STRINGS:
+            raise bad_param("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        stop = tuple(stop)
+    else:
+        raise bad_param("stop", "stop must be a string or an array of strings")
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        name = "top_logprobs" if "top_logprobs" in body else "logprobs"
+        raise bad_param(name, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    stop_ids = body.get("stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_opt(body, "temperature", float, 1.0),
+            top_p=_opt(body, "top_p", float, 1.0),
+            top_k=_opt(body, "top_k", int, 0),
+            min_p=_opt(body, "min_p", float, 0.0),
+            repetition_penalty=_opt(body, "repetition_penalty", float, 1.0),
+            frequency_penalty=_opt(body, "frequency_penalty", float, 0.0),
+            presence_penalty=_opt(body, "presence_penalty", float, 0.0),
+            seed=_opt(body, "seed", int, None),
+            stop=stop,
+            stop_token_ids=tuple(_token_ids(stop_ids, "stop_token_ids", allow_empty=True)) if stop_ids else (),
+            ignore_eos=_opt(body, "ignore_eos", bool, False),
+            logprobs=logprobs,
+            skip_special_tokens=_opt(body, "skip_special_tokens", bool, True),
+        )
+    except InvalidParameter as exc:
+        raise bad_param(exc.param, str(exc)) from None
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _opt(body, "stream", bool, False)
+    options = _opt(body, "stream_options", dict, None)
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_param("stream_options", "stream_options is only allowed with stream=true")
+    for key in options:
+        if key != "include_usage":
+            raise unsupported("stream_options", f"unknown stream_options key {key!r}")
+    include = options.get("include_usage", False)
+    if type(include) is not bool:
+        raise bad_param("stream_options", "stream_options.include_usage must be a boolean")
+    return stream, include
+
+
+def _prompt(body: dict) -> tuple[str | None, list | None]:
+    """OpenAI allows a string, a token list, or a batch of either; batches of more than one are refused."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_param("prompt", "prompt is required")
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return None, _token_ids(prompt, "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        inner = prompt[0]
+        if isinstance(inner, str):
+            return inner, None
+        if isinstance(inner, list):
+            return None, _token_ids(inner, "prompt")
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise unsupported("prompt", f"batched prompts are not supported ({len(prompt)} given); send one request each")
+    raise bad_param("prompt", "prompt must be a string, an array of token ids, or an array holding one of those")
+
+
+def _token_ids(value, name: str, allow_empty: bool = False) -> list:
+    if not isinstance(value, list) or not all(type(t) is int and t >= 0 for t in value):
+        raise bad_param(name, f"{name} must be an array of non-negative integers")
+    if not value and not allow_empty:
+        raise bad_param(name, f"{name} must not be empty")
+    return value
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _messages(body: dict) -> list:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_param("messages", "messages must be a non-empty array of {role, content} objects")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, m) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise bad_param("messages", f"{where} must be an object")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise bad_param("messages", f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}")
+    if m.get("tool_calls"):
+        raise unsupported("messages", f"{where}.tool_calls: tool calling is not supported")
+    content = m.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        content = "".join(_text_part(where, j, p) for j, p in enumerate(content))
+    elif not isinstance(content, str):
+        raise bad_param("messages", f"{where}.content must be a string or an array of text parts")
+    out = {"role": role, "content": content}
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def _text_part(where: str, j: int, part) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise unsupported("messages", f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
+    return part["text"]

@@ -1,0 +1,73 @@
+"""`tokenwire serve`: serve a model over HTTP/2 (h2c, TLS ALPN h2, h2c upgrade) and HTTP/1.1.
+
+    tokenwire serve                                   # the embedded default model, port 8000
+    tokenwire serve --model out/stories260K --port 8080
+    tokenwire serve --backend mock --mock-step-us 200 # the benchmark engine
+    curl --http2-prior-knowledge localhost:8000/v1/completions \\
+         -H 'content-type: application/json' -d '{"prompt": "Once upon a time", "stream": true}'
+
+SIGTERM or Ctrl-C: GOAWAY to every client, in-flight streams finish, exit 0.
+"""
+
+import logging
+import sys
+
+from .events import Limits
+
+BACKENDS = ("cpu", "reference", "mock", "cuda")
+
+
+def add_arguments(parser) -> None:
+    d = Limits()
+    parser.add_argument("--model", default=None, metavar="PATH|org/name",
+                        help="engine directory, Hugging Face model directory or hub name "
+                             "(default: the embedded default model, built on first use)")
+    parser.add_argument("--backend", default="cpu", choices=BACKENDS,
+                        help="cpu: C kernels (numpy if not built); reference: numpy; mock: fixed story at "
+                             "--mock-step-us per step; cuda: NVIDIA GPU (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any (default: %(default)s)")
+    parser.add_argument("--served-model-name", default=None, help="the model id in /v1/models and responses")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="a Jinja chat template (or a tokenizer_config.json) overriding the model's")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="largest running batch (default: %(default)s)")
+    parser.add_argument("--mock-step-us", type=float, default=0.0,
+                        help="mock backend: microseconds per engine step (default: %(default)s, zero cost)")
+    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
+    parser.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* and /generate")
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                        help="largest request body, else 413 (default: %(default)s)")
+    parser.add_argument("--max-concurrent-streams", type=int, default=d.max_concurrent_streams,
+                        help="HTTP/2 streams per connection (default: %(default)s)")
+    parser.add_argument("--max-header-list-size", type=int, default=d.max_header_list_size,
+                        help="largest request header block in bytes (default: %(default)s)")
+    parser.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, metavar="SECONDS",
+                        help="close connections idle this long (default: %(default)s)")
+    parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                        help="requests waiting for the engine before 429 (default: %(default)s)")
+    parser.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"),
+                        help="event loop (default: %(default)s)")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write per-request stage timelines as Chrome/Perfetto trace JSON")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        limits = Limits(max_body_bytes=args.max_body_bytes, max_concurrent_streams=args.max_concurrent_streams,
+                        max_header_list_size=args.max_header_list_size, idle_timeout_s=args.idle_timeout,
+                        max_queued_requests=args.max_queued_requests)
+        from .server import Server
+        server = Server(args.model, backend=args.backend, host=args.host, port=args.port, loop=args.loop,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key, api_key=args.api_key, limits=limits,
+                        served_model_name=args.served_model_name, chat_template=args.chat_template,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        mock_step_us=args.mock_step_us, trace=args.trace)
+        return server.run()
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"tokenwire serve: {exc}", file=sys.stderr)
+        return 2

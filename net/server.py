@@ -1,0 +1,272 @@
+"""`tokenwire.Server`: the whole server (listening sockets, app, engine) in one object.
+
+In-process use (tests, notebooks, benchmarks):
+
+    server = tokenwire.Server(backend="mock", port=0).start()   # own thread, own event loop
+    ... requests to server.url ...
+    server.stop()
+
+`tokenwire serve` calls `Server.run()` instead, which serves on the calling thread until
+SIGTERM or SIGINT, then shuts down gracefully and returns 0: GOAWAY on every HTTP/2
+connection (`Connection: close` on HTTP/1.1), in-flight streams run to their end, new
+streams and connections are refused, then the engine stops.
+
+The server listens before the model is loaded; until it is, /health and the generation
+routes answer 503. `start()` waits for the model unless `wait_ready=False`.
+"""
+
+import asyncio
+import logging
+import signal
+import ssl
+import threading
+import time
+from collections import deque
+
+from .app import App
+from .events import Limits
+from .metrics import Metrics
+from .protocol import ServerProtocol
+from .trace import TraceWriter
+
+log = logging.getLogger("tokenwire.net")
+
+LOOPS = ("uvloop", "asyncio")
+
+
+class TimedExecutor:
+    """Executor proxy recording each step's duration for `tokenwire_engine_step_seconds`."""
+
+    def __init__(self, inner, sink: deque):
+        self.inner = inner
+        self.config = inner.config
+        self.block_size = inner.block_size
+        self.num_blocks = inner.num_blocks
+        self._sink = sink
+
+    def step(self, seqs):
+        """Hot path: once per step, on the engine thread (deque.append is thread-safe)."""
+        t0 = time.monotonic_ns()
+        result = self.inner.step(seqs)
+        self._sink.append(time.monotonic_ns() - t0)
+        return result
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """TLS 1.2+ with ALPN offering h2 then http/1.1."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the TLS certificate {cert_file!r} / key {key_file!r}: {exc}") from None
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    ctx.options |= ssl.OP_NO_COMPRESSION
+    return ctx
+
+
+class Server:
+    """tokenwire's HTTP/2 + HTTP/1.1 server around one model.
+
+    model: engine directory, Hugging Face directory or hub name (`org/name`); None serves
+        the embedded default model (built on first use and cached). Ignored by the mock backend.
+    backend: "cpu" (C kernels when built, else numpy), "reference" (numpy), "mock", "cuda".
+    engine, model_info: serve an already built `EngineCore` and its `app.ModelInfo` instead
+        (the server starts and stops the engine).
+    """
+
+    def __init__(self, model: str | None = None, *, backend: str = "cpu", host: str = "127.0.0.1",
+                 port: int = 8000, loop: str = "uvloop", tls_cert: str | None = None, tls_key: str | None = None,
+                 api_key: str | None = None, limits: Limits | None = None, served_model_name: str | None = None,
+                 chat_template: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 256,
+                 mock_step_us: float = 0.0, trace: str | None = None, engine=None, model_info=None,
+                 reuse_port: bool = False):
+        if loop not in LOOPS:
+            raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("TLS needs both a certificate (--tls-cert) and a key (--tls-key)")
+        if (engine is None) != (model_info is None):
+            raise ValueError("pass engine and model_info together")
+        self.model = model
+        self.backend = backend
+        self.host = host
+        self.port = port
+        self.loop_kind = loop
+        self.limits = limits or Limits()
+        self.ssl = tls_context(tls_cert, tls_key) if tls_cert else None
+        self.load_options = dict(served_model_name=served_model_name, chat_template=chat_template,
+                                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, mock_step_us=mock_step_us,
+                                 max_queued_requests=self.limits.max_queued_requests)
+        self._prebuilt = (engine, model_info) if engine is not None else None
+        self.reuse_port = reuse_port
+        self.app = App(metrics=Metrics(), api_key=api_key, trace=TraceWriter(trace) if trace else None)
+        self.engine = None
+        self.loop = None
+        self._servers = []
+        self._thread = None
+        self._listening = threading.Event()
+        self._ready = threading.Event()
+        self._stop = None               # asyncio.Event, made on the server's loop
+        self._startup_error: BaseException | None = None
+        self._done = threading.Event()
+
+    # ------------------------------------------------------------ in-process
+
+    def start(self, timeout: float = 300.0, wait_ready: bool = True) -> "Server":
+        """Serve on a background thread; returns once listening (and, by default, the model is ready)."""
+        if self._thread is not None:
+            raise RuntimeError("the server is already started")
+        self._thread = threading.Thread(target=self._thread_main, name="tokenwire-loop", daemon=True)
+        self._thread.start()
+        event = self._ready if wait_ready else self._listening
+        if not event.wait(timeout) and self._startup_error is None:
+            raise TimeoutError(f"the server did not become ready within {timeout} s")
+        if self._startup_error is not None:
+            raise RuntimeError(f"the server failed to start: {self._startup_error}") from self._startup_error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Graceful stop: drain in-flight streams (at most `timeout` s), stop the engine, join the thread."""
+        if self._thread is None:
+            return
+        if self.loop is not None and not self._done.is_set():
+            self.loop.call_soon_threadsafe(self._request_stop, timeout)
+        self._thread.join(timeout + 10)
+        self._thread = None
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.ssl else "http"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}"
+
+    def _thread_main(self) -> None:
+        loop = new_event_loop(self.loop_kind)
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self.serve())
+        except BaseException as exc:
+            self._startup_error = self._startup_error or exc
+            self._listening.set()
+            self._ready.set()
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            self._done.set()
+
+    # ------------------------------------------------------------------ CLI
+
+    def run(self) -> int:
+        """Serve on this thread until SIGTERM/SIGINT, shut down gracefully, return the exit code."""
+        loop = new_event_loop(self.loop_kind)
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self.serve(install_signals=True))
+        finally:
+            loop.close()
+        return 1 if self._startup_error is not None else 0     # the error is logged where it happened
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def serve(self, install_signals: bool = False) -> None:
+        """Listen, load the model, serve until stopped, then drain."""
+        loop = asyncio.get_running_loop()
+        self.loop = loop
+        self._stop = asyncio.Event()
+        self._drain_timeout = 30.0
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._request_stop, self._drain_timeout)
+        await self._listen(loop)
+        self._listening.set()
+        sweeper = loop.call_later(self._sweep_interval(), self._sweep)
+        try:
+            if await self._load(loop):
+                self._ready.set()
+                await self._stop.wait()
+            await self._drain(self._drain_timeout)
+        finally:
+            sweeper.cancel()
+            self._close_everything()
+            self._ready.set()
+
+    async def _listen(self, loop) -> None:
+        limits = self.limits
+        app = self.app
+        server = await loop.create_server(lambda: ServerProtocol(app, limits), self.host, self.port,
+                                          ssl=self.ssl, backlog=1024, reuse_port=self.reuse_port or None)
+        self._servers.append(server)
+        self.port = server.sockets[0].getsockname()[1]
+        log.info("tokenwire listening on %s (HTTP/2 %s + HTTP/1.1)", self.url, "ALPN h2" if self.ssl else "h2c")
+
+    async def _load(self, loop) -> bool:
+        """Build the engine off the loop (the server already answers 503 meanwhile)."""
+        try:
+            if self._prebuilt is not None:
+                engine, info = self._prebuilt
+            else:
+                from .model_loader import load_model
+                engine, info = await loop.run_in_executor(
+                    None, lambda: load_model(self.model, self.backend, step_times=self.app.step_times_ns,
+                                             **self.load_options))
+        except Exception as exc:
+            self.app.load_error = str(exc)
+            self._startup_error = exc
+            log.error("the model failed to load: %s", exc)
+            return False
+        self.engine = engine
+        self.app.attach(engine, info, loop)
+        engine.start()
+        log.info("serving %s (%s backend)", info.name, self.backend if self._prebuilt is None else "prebuilt")
+        return True
+
+    def _request_stop(self, timeout: float) -> None:
+        self._drain_timeout = timeout
+        if self._stop is not None:
+            self._stop.set()
+
+    async def _drain(self, timeout: float) -> None:
+        """Refuse new work, let in-flight streams finish (bounded by `timeout`)."""
+        for server in self._servers:
+            server.close()
+        self.app.begin_shutdown()
+        deadline = time.monotonic() + timeout
+        while (self.app.exchanges or self.app.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        for proto in list(self.app.connections):
+            proto.close()
+
+    def _close_everything(self) -> None:
+        for server in self._servers:
+            server.close()
+        if self.engine is not None:
+            self.engine.shutdown(timeout=10)
+        if self.app.trace is not None:
+            self.app.trace.close()
+
+    def _sweep_interval(self) -> float:
+        return max(0.05, min(self.limits.idle_timeout_s / 4, 5.0))
+
+    def _sweep(self) -> None:
+        self.app.close_idle(self.limits.idle_timeout_s)
+        if not self._stop.is_set():
+            self.loop.call_later(self._sweep_interval(), self._sweep)
+
+
+def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        import uvloop
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
