@@ -26,6 +26,8 @@ def fmt_us(value: float) -> str:
     """A microsecond figure for a table: 3 significant digits, 'ms' past 10 ms, '-' for NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if value >= 1_000_000:
+        return f"{value / 1e6:.2f} s"
     if value >= 10_000:
         return f"{value / 1000:.1f} ms"
     if value >= 100:
@@ -33,12 +35,12 @@ def fmt_us(value: float) -> str:
     return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain fixed-width text table, right-aligned except the first column."""
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[int] = (0,)) -> str:
+    """A plain fixed-width text table; columns in `left` are left-aligned, the rest right-aligned."""
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
               for i, h in enumerate(headers)]
 
     def line(cells):
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])

@@ -1,0 +1,261 @@
+"""The pipeline's stages as small timed functions, each calling the real module that does the work.
+
+Every builder takes the shared `Setup` and returns `Stage`s: a name, a group (request,
+engine, stream, wire, in the order a request meets them), a zero-argument function that
+does the stage once, and how many tokens one call handles (the per-token column; 0 when
+the stage is per request). A stage whose `fn` returns an int reports that as its own
+duration in ns (for waits that the caller cannot time around: a cross-thread wake-up).
+"""
+
+import asyncio
+import socket
+import threading
+import time
+from typing import Callable, NamedTuple, Optional
+
+import numpy as np
+import orjson
+
+from tokenwire.core.executor import SeqStep
+from tokenwire.core.outputs import RequestOutput, Timeline
+from tokenwire.core.sampling_params import SamplingParams
+
+
+class Stage(NamedTuple):
+    name: str
+    group: str                  # "request" | "engine" | "stream" | "wire"
+    fn: Optional[Callable[[], object]]  # one call; an int result is its own duration (ns); None: skipped (note says why)
+    num_tokens: int = 0         # tokens one call handles; 0: a per-request stage
+    note: str = ""
+
+
+class Setup(NamedTuple):
+    """What the stages share: the loaded engine, its text, and the sizes to time at."""
+    engine: object              # engine_build Engine (tokenizer, chat template, tensors)
+    executors: dict             # backend name -> Executor over the engine
+    prompt_text: str
+    prompt_ids: list
+    batch_sizes: tuple          # streams per step for the scheduler, sampling and HTTP/2 stages
+    engine_batch_sizes: tuple   # sequences per engine decode step
+    payload: bytes              # one streamed chunk, as the SSE encoder writes it
+
+
+# ---------------------------------------------------------------- request
+
+def request_stages(s: Setup) -> list:
+    from tokenwire.net.chat_template import CHATML, ChatTemplate
+    from tokenwire.net.openai_api import parse_chat, parse_completions, parse_json
+    completions = orjson.dumps({"model": "m", "prompt": s.prompt_text, "max_tokens": 128, "temperature": 0.7,
+                                "top_p": 0.9, "stream": True, "stream_options": {"include_usage": True}})
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": s.prompt_text}]
+    chat = orjson.dumps({"model": "m", "messages": messages, "max_tokens": 128, "stream": True})
+    source = s.engine.chat_template or CHATML
+    template = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"})
+    note = "" if s.engine.chat_template else "the engine has no chat template: ChatML"
+    return [
+        Stage("parse + validate /v1/completions", "request", lambda: parse_completions(parse_json(completions)),
+              note=f"{len(completions)} B body"),
+        Stage("parse + validate /v1/chat/completions", "request", lambda: parse_chat(parse_json(chat)),
+              note=f"{len(chat)} B body"),
+        Stage("chat template (2 messages)", "request", lambda: template.render(messages), note=note),
+        Stage(f"tokenize prompt ({len(s.prompt_ids)} tokens)", "request",
+              lambda: s.engine.encode_prompt(s.prompt_text), num_tokens=len(s.prompt_ids)),
+    ]
+
+
+# ----------------------------------------------------------------- engine
+
+def scheduler_stages(s: Setup) -> list:
+    """EngineCore.step over the mock executor (zero-cost step): scheduler + bookkeeping + detokenizer."""
+    from tokenwire.core.mock_executor import build_mock_engine_core
+    out = []
+    for batch in s.batch_sizes:
+        core = build_mock_engine_core(0.0, max_model_len=1 << 16, num_blocks=batch * 4200, max_num_seqs=batch)
+        prompt = core.tokenizer.encode(s.prompt_text, add_special_tokens=False).ids[:16]
+        for i in range(batch):
+            core.add_request(i, prompt, SamplingParams(ignore_eos=True), Timeline())
+        core.step()                                     # prefill every request: later steps are decode steps
+        out.append(Stage(f"scheduler step, mock executor ({batch} running)", "engine", _stepper(core),
+                         num_tokens=batch, note="EngineCore.step: schedule, mock step, append, detokenize"))
+    return out
+
+
+def _stepper(core):
+    def step():
+        outputs = core.step()
+        if len(outputs) and outputs[0].finish_reason is not None:
+            raise RuntimeError("a scheduler-stage request finished: raise max_model_len")
+    return step
+
+
+def engine_stages(s: Setup) -> list:
+    out = []
+    greedy = SamplingParams(temperature=0.0)
+    for backend, executor in s.executors.items():
+        bs = executor.block_size
+        prompt = s.prompt_ids[: min(len(s.prompt_ids), executor.config.max_position_embeddings - 2)]
+        blocks = list(range(-(-(len(prompt) + 1) // bs)))
+        prefill = [SeqStep(0, prompt, 0, blocks, True, greedy, 0, prompt, [])]
+        out.append(Stage(f"engine prefill [{backend}] ({len(prompt)} tokens)", "engine",
+                         lambda e=executor, p=prefill: e.step(p), num_tokens=len(prompt)))
+        for batch in s.engine_batch_sizes:
+            seqs = _decode_batch(executor, prompt, batch, greedy)
+            if seqs is None:
+                out.append(Stage(f"engine decode step [{backend}] (batch {batch})", "engine", None,
+                                 note=f"skipped: {batch} contexts do not fit the executor's KV cache"))
+                continue
+            out.append(Stage(f"engine decode step [{backend}] (batch {batch})", "engine",
+                             lambda e=executor, q=seqs: e.step(q), num_tokens=batch,
+                             note=f"context {len(prompt) + 1}"))
+    return out
+
+
+def _decode_batch(executor, prompt: list, batch: int, params: SamplingParams):
+    """`batch` sequences each decoding one token after `prompt` (their own KV blocks), or None if they don't fit."""
+    bs = executor.block_size
+    per_seq = -(-(len(prompt) + 1) // bs)
+    if per_seq * batch > executor.num_blocks:
+        return None
+    return [SeqStep(i, [prompt[-1]], len(prompt), list(range(i * per_seq, (i + 1) * per_seq)), True, params, i,
+                    prompt, [prompt[-1]]) for i in range(batch)]
+
+
+def sampling_stages(s: Setup) -> list:
+    from tokenwire.core.sampling import sample
+    vocab = s.engine.config.vocab_size
+    rng = np.random.default_rng(0)
+    out = []
+    for batch in s.batch_sizes:
+        logits = rng.standard_normal((batch, vocab), dtype=np.float32) * 3
+        for label, params in (("greedy", SamplingParams(temperature=0.0)),
+                              ("T=0.8 top_p=0.9", SamplingParams(temperature=0.8, top_p=0.9))):
+            seqs = [SeqStep(i, [1], 10, [0], True, params, i, [1], [1] * 5) for i in range(batch)]
+            out.append(Stage(f"sampling {label} (batch {batch})", "engine", lambda lg=logits, q=seqs: sample(lg, q),
+                             num_tokens=batch, note=f"vocab {vocab}"))
+    return out
+
+
+# ----------------------------------------------------------------- stream
+
+def detokenize_stages(s: Setup) -> list:
+    from tokenwire.core.detokenizer import Detokenizer
+    detok = Detokenizer(s.engine.tokenizer)
+    ids = s.prompt_ids or [1]
+    state = {"stream": detok.stream(ids[:1], SamplingParams()), "i": 0}
+
+    def push():
+        i = state["i"]
+        state["i"] = i + 1
+        if i % 4096 == 4095:                             # bound the stream's history
+            state["stream"] = detok.stream(ids[:1], SamplingParams())
+        return state["stream"].push(ids[i % len(ids)]) and None
+
+    return [Stage("detokenize (incremental, per token)", "stream", push, num_tokens=1)]
+
+
+def encode_stages(s: Setup) -> list:
+    from tokenwire.net import encoders
+    out = RequestOutput(7, [1234], " the", None, None, 16, 3, 0)
+    text = lambda token_id: " the"  # noqa: E731 (only the logprobs path calls it)
+    sse = encoders.CompletionSse("cmpl-7", 1700000000, "model", False, text)
+    chat = encoders.ChatSse("chatcmpl-7", 1700000000, "model", False, text)
+    ndjson, binary = encoders.Ndjson(), encoders.BinaryTokens()
+    return [Stage("encode SSE chunk (completions)", "stream", lambda: sse.token(out), num_tokens=1),
+            Stage("encode SSE chunk (chat)", "stream", lambda: chat.token(out), num_tokens=1),
+            Stage("encode NDJSON line", "stream", lambda: ndjson.token(out), num_tokens=1),
+            Stage("encode binary token", "stream", lambda: binary.token(out), num_tokens=1)]
+
+
+# ------------------------------------------------------------------- wire
+
+def session_stages(s: Setup) -> list:
+    out = []
+    for batch in s.batch_sizes:
+        session, stream_ids = _open_h2_session(batch)
+        payload = s.payload
+
+        def write_step(session=session, stream_ids=stream_ids):
+            for sid in stream_ids:
+                session.send_data(sid, payload)
+            return len(session.data_to_send()) and None
+
+        out.append(Stage(f"HTTP/2 DATA frames via H2Session ({batch} streams)", "wire", write_step,
+                         num_tokens=batch, note=f"{len(payload)} B chunks, one data_to_send per step"))
+    return out
+
+
+def _open_h2_session(num_streams: int):
+    """A server H2Session with `num_streams` requests open and responding, fed by h2's client side
+    with windows of 2**31 - 1 so flow control never queues the timed writes."""
+    import h2.config
+    import h2.connection
+    import h2.settings
+    from tokenwire.net.events import Limits
+    from tokenwire.net.http2 import H2Session
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+    client.increment_flow_control_window(2**31 - 1 - 65535)
+    session = H2Session(Limits(max_concurrent_streams=max(num_streams, 1)))
+    stream_ids = [2 * i + 1 for i in range(num_streams)]
+    for sid in stream_ids:
+        client.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "bench"),
+                                  (":path", "/v1/completions")], end_stream=True)
+    session.receive_data(client.data_to_send())
+    client.receive_data(session.data_to_send())
+    session.receive_data(client.data_to_send())         # SETTINGS ACK
+    for sid in stream_ids:
+        session.start_response(sid, 200, [(b"content-type", b"text/event-stream")])
+    session.data_to_send()
+    return session, stream_ids
+
+
+def socket_stages(s: Setup) -> list:
+    """send() of one chunk on a loopback TCP connection; a thread drains the other end."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = socket.create_connection(listener.getsockname())
+    receiver, _ = listener.accept()
+    listener.close()
+    sender.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    threading.Thread(target=_drain, args=(receiver,), daemon=True).start()
+    payload = s.payload
+    return [Stage(f"loopback socket send ({len(payload)} B)", "wire", lambda: sender.send(payload) and None,
+                  note="TCP_NODELAY; a thread drains the peer")]
+
+
+def _drain(sock: socket.socket) -> None:
+    with sock:
+        while sock.recv(1 << 20):
+            pass
+
+
+def handoff_stages(s: Setup) -> list:
+    """Engine thread -> event loop: call_soon_threadsafe until the callback runs (the per-step hand-off)."""
+    try:
+        import uvloop                                   # the server's loop
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    ran = threading.Event()
+    stamp = [0]
+
+    def on_loop():
+        stamp[0] = time.perf_counter_ns()
+        ran.set()
+
+    def handoff():
+        ran.clear()
+        t0 = time.perf_counter_ns()
+        loop.call_soon_threadsafe(on_loop)
+        ran.wait()
+        return stamp[0] - t0
+
+    return [Stage("engine -> loop hand-off (call_soon_threadsafe)", "stream", handoff,
+                  note="until the callback runs on the loop thread; once per step")]
+
+
+# in the order a token meets them: the engine thread detokenizes, then hands the step to the loop
+BUILDERS = (request_stages, scheduler_stages, engine_stages, sampling_stages, detokenize_stages, handoff_stages,
+            encode_stages, session_stages, socket_stages)
