@@ -5,7 +5,8 @@
 
 Stages, each one call: an importer (hf.py, llama2c.py) gives a `SourceModel`; the quant
 teammate's `quantize.quantize_model(config, tensors, options, calibration_ids, progress)`
-encodes every tensor and measures its error; `engine_format.write_engine` writes it all atomically.
+encodes every tensor and measures its error; with `evaluate`, `report.evaluate_model` adds the
+float-vs-quantized perplexity on held-out text; `engine_format.write_engine` writes it all atomically.
 """
 
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,7 @@ class BuildOptions:
     quant: QuantOptions = field(default_factory=QuantOptions)
     tokenizer: Optional[str] = None      # llama2.c: the vocabulary (.bin or .model); default: beside the checkpoint
     calibration: Optional[str] = None    # calibration text file; default: engine_build/data/calibration.txt
+    evaluate: bool = False               # also score float vs quantized on the shipped eval text (report.py)
 
     def cache_key(self) -> dict:
         """What changes the engine's bytes (for resolve.py's cache)."""
@@ -61,6 +63,8 @@ def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOpti
     calibration = calibration_sequences(source, options) if _needs_calibration(options) else None
     log(f"quantizing {source.name}: {options.quant.manifest()}")
     encoded, meta, report = quantize_model(config, source.tensors, options.quant, calibration, progress)
+    if options.evaluate and options.quant.method != "none":
+        report.evaluation = evaluate(source, encoded, progress)
     manifest_source = {"path": str(source.path), "kind": source.kind,
                        "sha256": source.checksum or sha256_files(source.files),
                        "files": [file_stamp(p) for p in source.files]}
@@ -89,6 +93,22 @@ def calibration_sequences(source: SourceModel, options: BuildOptions) -> list:
     return split_sequences(ids, window)
 
 
+def evaluate(source: SourceModel, encoded: dict, progress: bool) -> dict:
+    """Perplexity of the float and the quantized model on the shipped eval text (numpy reference forward:
+    minutes for a model of a few hundred million parameters). -> Evaluation.to_dict()"""
+    from .calibration import default_eval_text, split_sequences
+    from .quantize import dense_engine_tensors
+    from .report import evaluate_model
+    tok = _tokenizer(source)
+    window = min(CALIBRATION_WINDOW, source.config.max_position_embeddings)
+    sequences = split_sequences(tok.encode(default_eval_text(), add_special_tokens=False).ids, window)
+    prompt = sequences[0][:16]
+    if source.tokenizer.add_bos and source.tokenizer.bos_token_id is not None:
+        prompt = [source.tokenizer.bos_token_id] + prompt
+    fp = dense_engine_tensors(source.config, source.tensors)
+    return evaluate_model(source.config, fp, encoded, sequences, prompt, num_greedy=32, progress=progress).to_dict()
+
+
 def _tokenizer(source: SourceModel):
     from tokenizers import Tokenizer
     return Tokenizer.from_str(source.tokenizer.files["tokenizer.json"].decode("utf-8"))
@@ -113,10 +133,11 @@ def format_report(report: dict, max_rows: int = 40) -> str:
     lines.append(f"mean INT4 weight rel err {_num(report.get('mean_weight_rel_error'))}, "
                  f"output rel err {_num(report.get('mean_output_rel_error'))} "
                  f"({report.get('num_calibration_tokens', 0)} calibration tokens)")
-    evaluation = report.get("evaluation")
-    if evaluation:
-        lines.append("perplexity: " + ", ".join(f"{k} {_num(v)}" for k, v in evaluation.items()
-                                                if isinstance(v, (int, float))))
+    ev = report.get("evaluation")
+    if ev:
+        lines.append(f"perplexity on {ev['num_eval_tokens']} held-out tokens: float {ev['fp_perplexity']:.4f}, "
+                     f"quantized {ev['quant_perplexity']:.4f} ({100 * ev['perplexity_change']:+.2f}%); "
+                     f"top-1 agreement {ev['top1_agreement']:.3f}, greedy prefix {ev['greedy_prefix']}/{ev['num_greedy']}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokenizer", metavar="PATH", help="llama2.c vocabulary (tok*.bin or SentencePiece .model); "
                                                             "default: the one beside the checkpoint")
     parser.add_argument("--calibration", metavar="FILE", help="calibration text (default: the shipped sample)")
+    parser.add_argument("--eval", action="store_true", help="also measure the perplexity change on held-out text "
+                                                             "(numpy reference forward; slow for large models)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no report")
 
@@ -50,7 +52,7 @@ def _build(args) -> int:
         raise BuildError(out, "already exists (use --force to replace an engine directory)")
     options = BuildOptions(QuantOptions(method=args.quant, group_size=args.group_size, symmetric=args.sym,
                                         algorithm=args.algorithm, embedding=args.embedding, lm_head=args.lm_head),
-                           tokenizer=args.tokenizer, calibration=args.calibration)
+                           tokenizer=args.tokenizer, calibration=args.calibration, evaluate=args.eval)
     say = (lambda line: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
     t0 = time.perf_counter()
     source = open_source(args.source, tokenizer=args.tokenizer)

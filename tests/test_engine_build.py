@@ -36,7 +36,7 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stories_engine(tmp_path_factory, stories260k_dir):
     out = tmp_path_factory.mktemp("eng") / "stories"
-    assert build(stories260k_dir / "stories260K.bin", out, "--algorithm", "rtn") == 0
+    assert build(stories260k_dir / "stories260K.bin", out, "--algorithm", "rtn", "--eval") == 0
     return out
 
 
@@ -103,6 +103,17 @@ def test_stories260k_both_tokenizer_formats(tmp_path, stories260k_dir, stories_e
     from tokenwire.engine_build.source import sha256_files
     assert a.manifest["source"]["sha256"] == sha256_files([stories260k_dir / "stories260K.bin", stories260k_dir / "tok512.bin"])
     assert a.manifest["source"]["sha256"] != b.manifest["source"]["sha256"]   # different tokenizer file read
+
+
+def test_build_report_with_perplexity(stories_engine):
+    """--eval: the quant report's float-vs-INT4 perplexity on held-out text lands in engine.json."""
+    report = load_engine(stories_engine).manifest["report"]
+    ev = report["evaluation"]
+    assert ev["num_eval_tokens"] > 500 and 1.0 < ev["fp_perplexity"] < 50.0
+    assert ev["quant_perplexity"] >= ev["fp_perplexity"] * 0.9 and ev["perplexity_change"] == pytest.approx(
+        ev["quant_perplexity"] / ev["fp_perplexity"] - 1)
+    from tokenwire.engine_build.build import format_report
+    assert "perplexity on" in format_report(report) and "layers.4.down_proj" in format_report(report)
 
 
 # ---- the loader -------------------------------------------------------------------------
