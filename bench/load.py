@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-pid", type=int, default=None,
                         help="server process for CPU accounting (default: whoever listens on the port, if local)")
     parser.add_argument("--core", type=int, default=None, help="pin the load generator to this CPU core")
+    parser.add_argument("--h2load", action="store_true",
+                        help="after each level, run h2load (nghttp2) with the same requests and compare requests/s")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
     parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput against concurrency")
 
@@ -56,6 +58,9 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"tokenwire bench load: {exc}", file=sys.stderr)
         return 2
+    if args.h2load and args.protocol != "h2":
+        print("tokenwire bench load: --h2load compares HTTP/2 runs only (--protocol h2)", file=sys.stderr)
+        return 2
     if args.core is not None and not pin_to_core(args.core):
         print(f"tokenwire bench load: cannot pin to core {args.core}", file=sys.stderr)
         return 2
@@ -66,6 +71,8 @@ def run(args) -> int:
         print(f"tokenwire bench load: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
     print(format_table(rows))
+    if args.h2load:
+        print(h2load_table(rows))
     print_notes(rows, server_pid)
     write_outputs(args, rows, {"url": args.url, "protocol": args.protocol, "framing": framing,
                                "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "mode": args.mode,
@@ -135,8 +142,33 @@ async def measure(target, levels, args, server_pid) -> list:
                               num_connections=args.connections, mode=args.mode, rate=rate,
                               server_pid=server_pid, expected_tokens=args.max_tokens)
         row["server"] = args.url
+        if args.h2load:
+            row.update(compare_h2load(args.url, target, num_requests, concurrency, row))
         rows.append(row)
     return rows
+
+
+def compare_h2load(url: str, target, num_requests: int, concurrency: int, row: dict) -> dict:
+    """h2load's requests/s for the same level (it runs in a child process, pinned like this one)."""
+    from .h2load import run_h2load
+    headers = (("content-type", target.content_type), *target.headers)
+    result = run_h2load(url, target.body, headers, num_requests, concurrency, row["num_connections"])
+    if result is None:
+        return {"h2load_requests_per_s": None, "h2load_error": "h2load is not installed (apt install nghttp2-client)"}
+    return {"h2load_requests_per_s": result.requests_per_s, "h2load_succeeded": result.num_succeeded,
+            "h2load_error": None if result.num_succeeded == result.num_requests else
+            f"{result.num_requests - result.num_succeeded} of {result.num_requests} failed"}
+
+
+def h2load_table(rows: list) -> str:
+    from .stats import table
+    body = []
+    for r in rows:
+        theirs = r.get("h2load_requests_per_s")
+        body.append([r["concurrency"], f"{r['requests_per_s']:,.0f}", f"{theirs:,.0f}" if theirs else "-",
+                     f"{r['requests_per_s'] / theirs:.2f}" if theirs else "-", r.get("h2load_error") or ""])
+    return table(["conc", "lean client req/s", "h2load req/s", "ratio", "h2load note"], body, left=(4,)) + \
+        "\n(same requests, same connections; a ratio near 1 means the lean client is not the bottleneck)"
 
 
 def run_event_loop(coro):

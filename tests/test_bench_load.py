@@ -275,6 +275,27 @@ def test_bench_load_command(mock_server, tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load (nghttp2-client) is not installed")
+def test_bench_load_compares_with_h2load(mock_server, tmp_path):
+    out = _bench("--url", f"{mock_server.url}/generate", "--framing", "binary", "--concurrency", "2",
+                 "--requests", "10", "--max-tokens", "4", "--h2load", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "h2load req/s" in out.stdout
+    (row,) = json.loads((tmp_path / "r.json").read_text())["levels"]
+    assert row["h2load_requests_per_s"] > 0 and row["h2load_succeeded"] == 10 and row["h2load_error"] is None
+
+
+def test_h2load_output_parser():
+    from tokenwire.bench.h2load import parse_output
+    text = ("finished in 251.34ms, 795.74 req/s, 1.19MB/s\n"
+            "requests: 200 total, 200 started, 200 done, 199 succeeded, 1 failed, 0 errored, 0 timeout\n")
+    r = parse_output(text)
+    assert r.num_requests == 200 and r.num_succeeded == 199
+    assert r.wall_s == pytest.approx(0.25134) and r.requests_per_s == pytest.approx(795.74)
+    with pytest.raises(RuntimeError, match="h2load"):
+        parse_output("connect: Connection refused")
+
+
 @pytest.mark.parametrize("args,message", [
     (["--url", "https://127.0.0.1:1/v1/completions"], "http://"),
     (["--url", "http://127.0.0.1:1/x", "--mode", "open"], "--rate"),
