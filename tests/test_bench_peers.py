@@ -109,3 +109,15 @@ def test_bench_peers_rejects_unknown_server():
     out = subprocess.run([sys.executable, "-m", "tokenwire", "bench", "peers", "--servers", "tokenwire,nginx"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "nginx" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_peers_trace_writes_tokenwires_timelines(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenwire", "bench", "peers", "--servers", "tokenwire", "--concurrency", "1",
+         "--requests", "3", "--warmup", "0", "--max-tokens", "4", "--floor-round-trips", "20",
+         "--trace", str(tmp_path / "trace.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    events = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert {"tokenize", "queue", "prefill", "decode", "request"} <= {e["name"] for e in spans}
+    assert len({e["tid"] for e in spans}) >= 4          # the readiness probe and 3 measured requests
