@@ -45,6 +45,11 @@ class H1ClientConnection(asyncio.Protocol):
             rec, self._rec = self._rec, None
             failed(rec, self.closed_reason)
 
+    @property
+    def reusable(self) -> bool:
+        """The server keeps the connection open for another request."""
+        return self.closed_reason is None and self._keep_alive
+
     def start(self, request: bytes, done: Callable[[StreamRecord], None]) -> StreamRecord:
         """Send one request (hot path: per request); the connection must be idle."""
         rec = StreamRecord(0)

@@ -64,6 +64,10 @@ class H2Pool:
     def num_queued(self) -> int:
         return sum(c.num_queued for c in self._conns)
 
+    @property
+    def num_connections(self) -> int:
+        return len(self._conns)
+
     def close(self):
         for conn in self._conns:
             conn.close()
@@ -87,8 +91,12 @@ class H1Pool:
         conn = self._idle.pop()
         return conn.start(self._request, lambda rec: self._release(conn, rec, done))
 
+    @property
+    def num_connections(self) -> int:
+        return len(self._all)
+
     def _release(self, conn, rec, done):
-        if conn.closed_reason is None and conn._keep_alive:
+        if conn.reusable:
             self._idle.append(conn)
         done(rec)
         if self._pending and self._idle:
@@ -217,7 +225,7 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
     server_ns = cpu_delta_ns(server_before, server_after) if server_before and server_after else None
     row = summarize_level(records, wall_ns, client_ns, server_ns, expected_tokens)
     row.update(concurrency=concurrency, mode=mode, rate=rate, protocol=target.protocol,
-               num_connections=len(getattr(pool, "_conns", getattr(pool, "_all", []))), num_queued=num_queued)
+               num_connections=pool.num_connections, num_queued=num_queued)
     if lag_us:
         row.update(summarize(lag_us, "send_lag_us"))
     return row
