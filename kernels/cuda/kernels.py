@@ -46,8 +46,7 @@ SIGNATURES = {
     "attention_paged_f32": _ATTENTION,
     "attention_paged_f16": _ATTENTION,
     "attention_combine": "ws_ml:p ws_acc:p num_splits:i max_splits:i out:p ldo:i num_heads:i head_dim:i",
-    "apply_penalties": ("logits:p plogits:p ldl:i vocab_size:i fparams:p iparams:p row_ptr:p "
-                        "tokens:p out_counts:p"),
+    "apply_penalties": "logits:p plogits:p ldl:i vocab_size:i fparams:p iparams:p row_ptr:p entries:p",
     "argmax_rows": "logits:p ldl:i vocab_size:i tokens:p",
     "sample_tokens": "logits:p plogits:p ldl:i vocab_size:i dparams:p iparams:p rng:p tokens:p",
     "compute_logprobs": ("logits:p ldl:i vocab_size:i iparams:p tokens:p token_logprob:p "

@@ -48,11 +48,12 @@ __device__ __forceinline__ double request_uniform(u64 seed, u64 counter) {
 // ------------------------------------------------------------------ penalties
 
 // grid (S), block 256. Rows with penalized == 0 are left alone (the sampler reads `logits`).
-// entries: row_ptr int [S + 1] into tokens / out_counts / flags; flags bit 0: token in prompt or output.
+// entries int [E, 2]: (token, times it occurs in the output) for every distinct token of the
+// row's prompt and output; row s owns entries row_ptr[s] .. row_ptr[s + 1].
 extern "C" __global__ void apply_penalties(
     const float* __restrict__ logits, float* __restrict__ plogits, int ldl, int vocab_size,
     const float* __restrict__ fparams, const int* __restrict__ iparams,
-    const int* __restrict__ row_ptr, const int* __restrict__ tokens, const int* __restrict__ out_counts) {
+    const int* __restrict__ row_ptr, const int* __restrict__ entries) {
     pdl_wait();
     const int s = blockIdx.x;
     if (!iparams[4 * s + 2]) return;
@@ -62,11 +63,11 @@ extern "C" __global__ void apply_penalties(
     __syncthreads();
     const float rep = fparams[4 * s], freq = fparams[4 * s + 1], pres = fparams[4 * s + 2];
     for (int e = row_ptr[s] + threadIdx.x; e < row_ptr[s + 1]; e += blockDim.x) {
-        const int tok = tokens[e];
+        const int tok = entries[2 * e];
         if (tok < 0 || tok >= vocab_size) continue;
         float v = dst[tok];
         if (rep != 1.0f) v = v > 0.0f ? __fdiv_rn(v, rep) : __fmul_rn(v, rep);
-        const int count = out_counts[e];
+        const int count = entries[2 * e + 1];
         if (count > 0 && (freq != 0.0f || pres != 0.0f))
             v = __fsub_rn(v, __fadd_rn(__fmul_rn(freq, (float)count), __fmul_rn(pres, 1.0f)));
         dst[tok] = v;

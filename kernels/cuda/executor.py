@@ -1,0 +1,399 @@
+"""The CUDA backend's Executor (core/executor.py): SeqSteps in, sampled ids out, on one GPU.
+
+Contract:
+- `CudaExecutor(config, tensors, options)` takes one context on the device, makes a compute
+  and a copy stream, loads the kernels (kernels/cuda/build.py) and allocates everything once:
+  weights (kernels/cuda/weights.py), the paged KV cache (`num_blocks` of `block_size`, plus
+  one scratch block for graph padding), activations for the largest step, step metadata,
+  and a pinned host ring of `ring_slots` slots. No device allocation happens after __init__.
+- `launch(seqs) -> StepHandle` enqueues a step and returns at once: the metadata goes from
+  the slot's pinned staging to the device in one async copy; a decode step (one token per
+  sequence, all sampling) replays the CUDA graph of its batch-size bucket, any other step
+  launches the kernels eagerly; sampling runs on the device; the ids are copied
+  asynchronously (copy stream) into the slot's pinned buffer and an event marks them ready,
+  and `on_ready(slot)` is called from a CUDA host function when given.
+- `wait(handle) -> StepOutput` waits for that event on the calling thread (the engine
+  thread; never the event loop's) and reads the slot. `step(seqs)` is launch + wait.
+- Ring slots are used in order; at most `ring_slots` steps may be launched and not yet
+  waited, and they must be waited in launch order.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from ...core.config import ModelConfig
+from ...core.executor import SeqStep, StepOutput, TopLogprobs
+from .build import kernel_image
+from .device import Device
+from .forward import (LARGE_SPLIT, KVCache, StepGeometry, launch_forward, launch_sampler, make_activations,
+                      plan_activations, queries_per_item)
+from .kernels import MAX_TOP_LOGPROBS
+from .meta import (count_items, decode_layout, eager_layout, fill_decode, fill_eager, fill_sampling,
+                   needs_full_sampler)
+from .weights import upload_weights
+
+KV_DTYPES = {"float32": 4, "float16": 2}
+
+
+@dataclass(frozen=True)
+class CudaOptions:
+    block_size: int = 16
+    num_blocks: Optional[int] = None        # None: kv_memory_fraction of the memory left after the rest
+    kv_memory_fraction: float = 0.85
+    kv_dtype: str = "float32"               # "float16" halves the cache; float32 matches the reference
+    max_batch: int = 256                    # sequences per step
+    max_num_tokens: int = 2048              # tokens per eager step (prefill chunk budget)
+    max_model_len: Optional[int] = None     # None: min(max_position_embeddings, 8192)
+    use_graphs: bool = True
+    graph_batch_sizes: Optional[tuple] = None   # None: 1, 2, 4, ... up to max_batch
+    capture_at_start: bool = True           # capture the greedy decode graphs in __init__
+    matmul: str = "auto"                    # "tc" (sm_80+), "simt", or auto
+    pdl: bool = False                       # programmatic dependent launch (sm_90)
+    split_size: int = 512                   # keys per attention split (multiple of 32)
+    ring_slots: int = 4
+    max_penalty_tokens: int = 1 << 18       # distinct prompt+output tokens of penalized rows per step
+    wait: str = "spin"                      # "spin": poll the event; "block": sleep in the driver
+    timing_events: bool = False             # events that can be timed (benchmarks)
+    device: int = 0
+
+    def __post_init__(self):
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.matmul not in ("auto", "tc", "simt"):
+            raise ValueError(f"matmul must be auto, tc or simt, got {self.matmul!r}")
+        if self.wait not in ("spin", "block"):
+            raise ValueError(f"wait must be spin or block, got {self.wait!r}")
+        if self.split_size % 32 or self.split_size <= 0:
+            raise ValueError(f"split_size must be a positive multiple of 32, got {self.split_size}")
+        for name in ("block_size", "max_batch", "max_num_tokens", "ring_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class StepHandle(NamedTuple):
+    slot: int
+    number: int                 # steps launched before this one
+    num_rows: int               # sampled ids this step returns
+    logprobs: Optional[tuple]   # per row: N top logprobs asked for, or None; None when no row asked
+    graph: bool                 # replayed a decode graph
+    launched_ns: int
+
+
+@dataclass
+class _Slot:
+    staging: np.ndarray         # pinned uint8: the step's metadata
+    out: np.ndarray             # pinned uint8: ids, then logprobs (same offsets as on the device)
+    done: object                # event: the step's kernels finished
+    ready: object               # event: its ids are in `out`
+    in_flight: bool = False
+    views: dict = field(default_factory=dict)   # graph bucket -> metadata views into `staging`
+
+
+class CudaExecutor:
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], options: CudaOptions = CudaOptions(),
+                 driver=None, image_fn: Callable[[str], bytes] = kernel_image,
+                 on_ready: Optional[Callable[[int], None]] = None):
+        from .driver import CudaDriver
+        o = self.options = options
+        self.config = c = config
+        self.drv = drv = driver if driver is not None else CudaDriver(o.device)
+        self.dev = Device(drv, image_fn, pdl=o.pdl, max_head_dim=c.head_dim)
+        self.matmul = ("tc" if self.dev.tensor_cores else "simt") if o.matmul == "auto" else o.matmul
+        self.block_size = o.block_size
+        self.max_model_len = o.max_model_len or min(c.max_position_embeddings, 8192)
+        self.max_blocks = -(-self.max_model_len // o.block_size)         # block table width
+        self.max_splits = -(-self.max_model_len // o.split_size)
+        self.max_tokens = max(o.max_num_tokens, o.max_batch)
+        self.on_ready = on_ready
+        self.qpi = queries_per_item(c)
+        self.weights = upload_weights(self.dev, c, tensors, self.matmul, self.max_model_len)
+        self.acts = self._alloc_activations()
+        self.meta_bytes, self.meta = self._alloc_meta()
+        self.kv = self._alloc_kv()
+        self.num_blocks = self.kv.num_blocks
+        self.ring = [self._make_slot() for _ in range(o.ring_slots)]
+        self.buckets = self._buckets()
+        self.graphs = {}                        # (bucket, mode) -> executable graph
+        self.num_launched = self.num_waited = 0
+        self._last_handle: Optional[StepHandle] = None
+        self.drv.stream_synchronize(self.dev.copy_stream)
+        if o.use_graphs and o.capture_at_start:
+            for b in self.buckets:
+                self._graph(b, "greedy")
+
+    # ------------------------------------------------------------ allocation (once)
+
+    def _alloc_activations(self):
+        o, drv = self.options, self.drv
+        plan = plan_activations(self.config, self.max_tokens, o.max_batch, self.max_splits)
+        base = drv.mem_alloc(plan["_total"])
+        drv.memset_async(base, plan["_total"], self.dev.copy_stream)     # padding columns stay zero
+        return make_activations(plan, base, self.max_tokens, o.max_batch, self.max_splits)
+
+    def _alloc_meta(self) -> tuple:
+        o = self.options
+        worst = eager_layout(self.max_tokens, o.max_batch, o.max_batch, self.max_blocks,
+                             self.max_tokens + o.max_batch, o.max_penalty_tokens)
+        graph = decode_layout(o.max_batch, self.max_blocks, o.max_penalty_tokens)
+        nbytes = max(worst.nbytes, graph.nbytes)
+        base = self.drv.mem_alloc(nbytes + 12 * o.max_batch)
+        # static attention work items of the decode graphs: row i is sequence i's one query
+        self.static_items = base + nbytes
+        items = np.stack([np.arange(o.max_batch), np.arange(o.max_batch), np.ones(o.max_batch)], 1).astype(np.int32)
+        self._static_items_host = items
+        self.drv.memcpy_htod_async(self.static_items, items, items.nbytes, self.dev.copy_stream)
+        return nbytes, base
+
+    def _alloc_kv(self) -> KVCache:
+        c, o, drv = self.config, self.options, self.drv
+        per_layer_block = o.block_size * c.num_kv_heads * c.head_dim * KV_DTYPES[o.kv_dtype]
+        per_block = 2 * c.num_layers * per_layer_block
+        num_blocks = o.num_blocks
+        if num_blocks is None:
+            free, _ = drv.mem_get_info()
+            num_blocks = int(free * o.kv_memory_fraction) // per_block - 1
+        if num_blocks < self.max_blocks:
+            raise ValueError(f"a KV cache of {num_blocks} blocks of {o.block_size} tokens cannot hold one context "
+                             f"of {self.max_model_len}; lower max_model_len or give the cache more memory")
+        slots = (num_blocks + 1) * o.block_size                          # + the scratch block
+        layer_bytes = slots * c.num_kv_heads * c.head_dim * KV_DTYPES[o.kv_dtype]
+        base = drv.mem_alloc(2 * c.num_layers * layer_bytes)
+        drv.memset_async(base, 2 * c.num_layers * layer_bytes, self.dev.copy_stream)
+        k = tuple(base + (2 * i) * layer_bytes for i in range(c.num_layers))
+        v = tuple(base + (2 * i + 1) * layer_bytes for i in range(c.num_layers))
+        return KVCache(k, v, o.kv_dtype, o.block_size, num_blocks, num_blocks, base, 2 * c.num_layers * layer_bytes)
+
+    def _make_slot(self) -> _Slot:
+        drv, o = self.drv, self.options
+        out_bytes = self._out_bytes(o.max_batch, logprobs=True)
+        return _Slot(drv.host_alloc(self.meta_bytes), drv.host_alloc(out_bytes),
+                     drv.event_create(timing=o.timing_events), drv.event_create(timing=o.timing_events,
+                                                                              blocking=o.wait == "block"))
+
+    def _out_bytes(self, rows: int, logprobs: bool) -> int:
+        """Bytes from acts.tokens to copy back: the ids, or the ids and every logprob array."""
+        a = self.acts
+        return rows * 4 if not logprobs else (a.top_logprobs - a.tokens) + self.options.max_batch * MAX_TOP_LOGPROBS * 8
+
+    def _buckets(self) -> tuple:
+        o = self.options
+        if o.graph_batch_sizes:
+            sizes = sorted(set(int(b) for b in o.graph_batch_sizes))
+            if sizes[0] < 1 or sizes[-1] > o.max_batch:
+                raise ValueError(f"graph_batch_sizes must lie in [1, max_batch={o.max_batch}], got {sizes}")
+            return tuple(sizes)
+        sizes, b = [], 1
+        while b < o.max_batch:
+            sizes.append(b)
+            b *= 2
+        return tuple(sizes + [o.max_batch])
+
+    # ------------------------------------------------------------ the step (hot path)
+
+    def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
+        """Run one engine step (hot path: once per step). Called from the engine thread only."""
+        return self.wait(self.launch(seqs))
+
+    def launch(self, seqs: Sequence[SeqStep]) -> StepHandle:
+        """Enqueue one step and return without waiting for the GPU (hot path)."""
+        start_ns = time.perf_counter_ns()
+        slot_index = self.num_launched % len(self.ring)
+        slot = self.ring[slot_index]
+        if slot.in_flight:
+            raise RuntimeError(f"all {len(self.ring)} ring slots hold steps not yet waited; wait() the oldest first")
+        if self._last_handle is not None and self.num_waited < self.num_launched:
+            # the previous step's ids may still be on their way to the host: keep acts.tokens
+            self.drv.stream_wait_event(self.dev.compute_stream, self.ring[self._last_handle.slot].ready)
+        rows = [s for s in seqs if s.sample]
+        bucket = self._decode_bucket(seqs)
+        logprobs = None
+        if any(s.sampling.logprobs is not None for s in rows):
+            logprobs = tuple(s.sampling.logprobs for s in rows)
+        if bucket:
+            self._launch_decode(slot, seqs, bucket)
+        elif seqs:
+            self._launch_eager(slot, seqs, rows)
+        self._finish(slot, slot_index, len(rows), logprobs is not None)
+        handle = StepHandle(slot_index, self.num_launched, len(rows), logprobs, bool(bucket), start_ns)
+        self.num_launched += 1
+        self._last_handle = handle
+        return handle
+
+    def _decode_bucket(self, seqs: Sequence[SeqStep]) -> int:
+        """The graph bucket for an all-decode step, or 0 for an eager step."""
+        if not self.options.use_graphs or not seqs or len(seqs) > self.buckets[-1]:
+            return 0
+        if any(len(s.token_ids) != 1 or not s.sample for s in seqs):
+            return 0
+        return next(b for b in self.buckets if b >= len(seqs))
+
+    def _launch_decode(self, slot: _Slot, seqs: Sequence[SeqStep], bucket: int) -> None:
+        o = self.options
+        layout = decode_layout(bucket, self.max_blocks, o.max_penalty_tokens)
+        views = slot.views.get(bucket)
+        if views is None:
+            views = slot.views[bucket] = layout.views(slot.staging)
+        fill_decode(views, seqs, bucket, self.max_blocks, o.block_size, self.kv.scratch_block)
+        self._check_decode(views, len(seqs), bucket)
+        full = needs_full_sampler(seqs)
+        entries = fill_sampling(views, seqs, o.max_penalty_tokens) if full else 0
+        stream = self.dev.compute_stream
+        self.drv.memcpy_htod_async(self.meta, slot.staging, layout.used_bytes(full, entries), stream)
+        self.drv.graph_launch(self._graph(bucket, "full" if full else "greedy"), stream)
+
+    def _launch_eager(self, slot: _Slot, seqs: Sequence[SeqStep], rows: Sequence[SeqStep]) -> None:
+        o, c = self.options, self.config
+        T = sum(len(s.token_ids) for s in seqs)
+        self._check_eager(seqs, T)
+        ld_bt = max(1, max(len(s.block_table) for s in seqs))
+        num_items = count_items(seqs, self.qpi)
+        layout = eager_layout(T, len(seqs), len(rows), ld_bt, num_items, o.max_penalty_tokens)
+        views = layout.views(slot.staging)
+        fill_eager(views, seqs, ld_bt, o.block_size, self.qpi)
+        full = needs_full_sampler(rows)
+        entries = fill_sampling(views, rows, o.max_penalty_tokens) if rows and full else 0
+        stream = self.dev.compute_stream
+        self.drv.memcpy_htod_async(self.meta, slot.staging, layout.used_bytes(bool(rows) and full, entries), stream)
+        max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs)
+        splits = 1
+        if T <= self.acts.max_rows and max_ctx > o.split_size:
+            splits = min(self.max_splits, -(-max_ctx // o.split_size))
+        g = self._geometry(layout.ptrs(self.meta), T, len(rows), ld_bt, num_items, splits,
+                           items=None, logits_rows=True)
+        launch_forward(self.dev, c, self.weights, self.acts, self.kv, g, stream)
+        if rows:
+            launch_sampler(self.dev, c, self.acts, g, "full" if full else "greedy", stream)
+
+    def _finish(self, slot: _Slot, slot_index: int, num_rows: int, logprobs: bool) -> None:
+        """Ids to the slot's pinned buffer on the copy stream, then the events (hot path)."""
+        drv, compute, copy = self.drv, self.dev.compute_stream, self.dev.copy_stream
+        drv.event_record(slot.done, compute)
+        drv.stream_wait_event(copy, slot.done)
+        if num_rows:
+            drv.memcpy_dtoh_async(slot.out, self.acts.tokens, self._out_bytes(num_rows, logprobs), copy)
+        drv.event_record(slot.ready, copy)
+        if self.on_ready is not None:
+            drv.launch_host_func(copy, lambda i=slot_index: self.on_ready(i))
+        slot.in_flight = True
+
+    def wait(self, handle: StepHandle) -> StepOutput:
+        """Block the calling (engine) thread until the step's ids are in the host ring."""
+        if handle.number != self.num_waited:
+            raise RuntimeError(f"steps must be waited in launch order: expected step {self.num_waited}, got {handle.number}")
+        slot = self.ring[handle.slot]
+        if self.options.wait == "spin":
+            while not self.drv.event_query(slot.ready):
+                pass
+        else:
+            self.drv.event_synchronize(slot.ready)
+        out = self._read(slot, handle)
+        slot.in_flight = False
+        self.num_waited += 1
+        return out
+
+    def _read(self, slot: _Slot, h: StepHandle) -> StepOutput:
+        R, a = h.num_rows, self.acts
+        ids = slot.out[:4 * R].view(np.int32).tolist()
+        if not h.logprobs:
+            return StepOutput(ids)
+        base = a.tokens
+        tl = slot.out[a.token_logprob - base:][:8 * R].view(np.float64)
+        top_ids = slot.out[a.top_ids - base:][:4 * R * MAX_TOP_LOGPROBS].view(np.int32).reshape(R, -1)
+        top_lp = slot.out[a.top_logprobs - base:][:8 * R * MAX_TOP_LOGPROBS].view(np.float64).reshape(R, -1)
+        rows = [None if n is None else TopLogprobs(float(tl[r]), top_ids[r, :n].tolist(), top_lp[r, :n].tolist())
+                for r, n in enumerate(h.logprobs)]
+        return StepOutput(ids, rows)
+
+    # ------------------------------------------------------------ graphs
+
+    def _geometry(self, ptrs: dict, T: int, R: int, ld_bt: int, num_items: int, splits: int,
+                  items: Optional[int], logits_rows: bool) -> StepGeometry:
+        return StepGeometry(
+            num_tokens=T, num_rows=R, token_ids=ptrs["token_ids"], positions=ptrs["positions"],
+            slot_mapping=ptrs["slot_mapping"], block_tables=ptrs["block_tables"], ld_bt=ld_bt,
+            items=ptrs["items"] if items is None else items, num_items=num_items,
+            logits_rows=ptrs["logits_rows"] if logits_rows else 0, num_splits=splits,
+            split_size=self.options.split_size if splits > 1 else LARGE_SPLIT,
+            dparams=ptrs["dparams"], fparams=ptrs["fparams"], iparams=ptrs["iparams"], rng=ptrs["rng"],
+            pen_row_ptr=ptrs["pen_row_ptr"], pen_entries=ptrs["pen_entries"])
+
+    def _graph(self, bucket: int, mode: str):
+        """The decode graph of a bucket and sampler mode, captured on first use (once)."""
+        graph = self.graphs.get((bucket, mode))
+        if graph is not None:
+            return graph
+        o, drv, stream = self.options, self.drv, self.dev.compute_stream
+        layout = decode_layout(bucket, self.max_blocks, o.max_penalty_tokens)
+        g = self._geometry(layout.ptrs(self.meta), bucket, bucket, self.max_blocks, bucket, self.max_splits,
+                           items=self.static_items, logits_rows=False)
+        g = g._replace(split_size=o.split_size)
+        # one eager run first: every row a padding row (scratch block), so nothing real is touched,
+        # and every kernel has run once before capture
+        pad = np.zeros(layout.nbytes, dtype=np.uint8)
+        views = layout.views(pad)
+        fill_decode(views, [], bucket, self.max_blocks, o.block_size, self.kv.scratch_block)
+        fill_sampling(views, [], o.max_penalty_tokens)
+        drv.memcpy_htod_async(self.meta, pad, layout.used_bytes(True, 0), stream)
+        launch_forward(self.dev, self.config, self.weights, self.acts, self.kv, g, stream)
+        launch_sampler(self.dev, self.config, self.acts, g, mode, stream)
+        drv.stream_synchronize(stream)                      # once per bucket, at capture time
+        drv.begin_capture(stream)
+        try:
+            launch_forward(self.dev, self.config, self.weights, self.acts, self.kv, g, stream)
+            launch_sampler(self.dev, self.config, self.acts, g, mode, stream)
+        finally:
+            graph = drv.end_capture(stream)
+        self.graphs[(bucket, mode)] = graph
+        return graph
+
+    # ------------------------------------------------------------ checks (clear errors, cheap)
+
+    def _check_decode(self, v: dict, n: int, bucket: int) -> None:
+        tok, pos = v["token_ids"][:n], v["positions"][:n]
+        if n and (tok.min() < 0 or tok.max() >= self.config.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+        if n and pos.max() >= self.max_model_len:
+            raise ValueError(f"position {int(pos.max())} is past the CUDA executor's max_model_len {self.max_model_len}")
+        if v["block_tables"][:n * self.max_blocks].max(initial=0) > self.kv.num_blocks:
+            raise ValueError(f"block id out of range: the cache has {self.kv.num_blocks} blocks")
+
+    def _check_eager(self, seqs: Sequence[SeqStep], T: int) -> None:
+        o = self.options
+        if T > self.max_tokens:
+            raise ValueError(f"a step of {T} tokens exceeds the CUDA executor's max_num_tokens {self.max_tokens}")
+        if len(seqs) > o.max_batch:
+            raise ValueError(f"a step of {len(seqs)} sequences exceeds the CUDA executor's max_batch {o.max_batch}")
+        for s in seqs:
+            end = s.start_pos + len(s.token_ids)
+            if end > self.max_model_len:
+                raise ValueError(f"sequence {s.seq_id} reaches position {end}, past max_model_len {self.max_model_len}")
+            if len(s.block_table) * o.block_size < end or len(s.block_table) > self.max_blocks:
+                raise ValueError(f"sequence {s.seq_id}: {len(s.block_table)} KV blocks for {end} tokens")
+            if s.block_table and max(s.block_table) >= self.kv.num_blocks or min(s.block_table, default=0) < 0:
+                raise ValueError(f"sequence {s.seq_id}: block id out of range [0, {self.kv.num_blocks})")
+            if s.token_ids and (min(s.token_ids) < 0 or max(s.token_ids) >= self.config.vocab_size):
+                raise ValueError(f"sequence {s.seq_id}: token id out of range [0, {self.config.vocab_size})")
+
+    # ------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Free everything (waits for the device first)."""
+        if self.drv is None:
+            return
+        drv = self.drv
+        drv.stream_synchronize(self.dev.compute_stream)
+        drv.stream_synchronize(self.dev.copy_stream)
+        for graph in self.graphs.values():
+            drv.graph_destroy(graph)
+        for slot in self.ring:
+            drv.host_free(slot.staging)
+            drv.host_free(slot.out)
+            drv.event_destroy(slot.done)
+            drv.event_destroy(slot.ready)
+        for ptr in (self.weights.arena, self.acts.base, self.meta, self.kv.base):
+            drv.mem_free(ptr)
+        self.dev.close()
+        self.graphs, self.ring, self.drv = {}, [], None

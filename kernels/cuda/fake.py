@@ -1,0 +1,554 @@
+"""A driver with CudaDriver's interface and no GPU: for host-side tests of the CUDA backend.
+
+Contract:
+- Device memory is numpy byte arrays behind fake addresses; copies and memsets move real
+  bytes; every kernel of kernels/cuda/kernels.py runs as a numpy twin (`EMULATORS`) that
+  reads its arguments by name, so the executor's pointers, strides and grids are exercised
+  end to end and its results can be compared with core/model.py.
+- Every call is logged in `calls` as (method, thread id); tests assert on the log (one
+  allocation phase, graphs captured once and replayed, no synchronize while stepping...).
+- Streams execute at once by default. With `deferred=True` work queues until an event is
+  waited on or `run_pending()` is called, so a test can see that `launch` returns before
+  the work ran and that host staging is read when the copy executes, not when it is queued.
+- Stream capture records the launches into a graph instead of running them; replaying the
+  graph runs them again against the memory of that moment.
+The emulators follow the kernels' rules (layouts, padding, split attention) rather than
+their arithmetic order; numerics are checked on a real GPU by tests/test_cuda_kernels.py.
+"""
+
+import bisect
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from ...core import sampling as ref_sampling
+from ..reference import dequantize_int4
+from .kernels import MAX_TOP_LOGPROBS, SPECS
+from .layout import TcShape, dequantize_tc, pack_tc, round_up
+
+BASE_ADDRESS = 0x7F0000000000
+
+
+class FakeError(RuntimeError):
+    """A call the real driver would reject (bad address, capture misuse, ...)."""
+
+
+class _Stream:
+    def __init__(self, name):
+        self.name = name
+        self.capture = None          # list of ops while capturing
+
+
+class _Event:
+    def __init__(self, timing, blocking):
+        self.timing, self.blocking = timing, blocking
+        self.done = True             # never recorded: complete, as in CUDA
+        self.time = 0.0
+
+
+class FakeDriver:
+    def __init__(self, compute_capability=(9, 0), total_memory=8 << 30, deferred=False, name="Fake GPU"):
+        self.name = name
+        self.compute_capability = tuple(compute_capability)
+        self.num_sms = 132
+        self.total_memory = total_memory
+        self.deferred = deferred
+        self.calls = []              # (method, thread id)
+        self.launches = []           # kernel names, in execution order
+        self._allocs = {}            # base -> bytearray view (np.uint8)
+        self._bases = []
+        self._next = BASE_ADDRESS
+        self._pending = []           # (stream, op) in enqueue order (deferred mode)
+        self._weights_cache = {}
+        self.smem_limits = {}
+
+    def _log(self, method):
+        self.calls.append((method, threading.get_ident()))
+
+    def count(self, method) -> int:
+        return sum(1 for m, _ in self.calls if m == method)
+
+    # ------------------------------------------------------------ memory
+
+    def mem_alloc(self, nbytes):
+        self._log("mem_alloc")
+        nbytes = max(int(nbytes), 1)
+        if self.used_memory + nbytes > self.total_memory:
+            raise FakeError(f"out of fake device memory: {nbytes} more bytes")
+        base = self._next
+        self._next += round_up(nbytes, 1 << 16)
+        self._allocs[base] = np.zeros(nbytes, dtype=np.uint8)
+        bisect.insort(self._bases, base)
+        return base
+
+    @property
+    def used_memory(self) -> int:
+        return sum(a.nbytes for a in self._allocs.values())
+
+    def mem_free(self, ptr):
+        self._log("mem_free")
+        if ptr not in self._allocs:
+            raise FakeError(f"mem_free of {ptr:#x}, which is not an allocation")
+        del self._allocs[ptr]
+        self._bases.remove(ptr)
+
+    def mem_get_info(self):
+        self._log("mem_get_info")
+        return self.total_memory - self.used_memory, self.total_memory
+
+    def bytes(self, ptr, nbytes) -> np.ndarray:
+        """The device bytes [ptr, ptr + nbytes) as a writable uint8 view."""
+        i = bisect.bisect_right(self._bases, ptr) - 1
+        if i < 0:
+            raise FakeError(f"address {ptr:#x} is not device memory")
+        base = self._bases[i]
+        buf = self._allocs[base]
+        off = ptr - base
+        if off + nbytes > buf.nbytes:
+            raise FakeError(f"access [{ptr:#x}, +{nbytes}) runs past its allocation of {buf.nbytes} bytes")
+        return buf[off:off + nbytes]
+
+    def view(self, ptr, dtype, count) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        if ptr % dtype.itemsize:
+            raise FakeError(f"address {ptr:#x} is misaligned for {dtype}")
+        return self.bytes(ptr, dtype.itemsize * int(count)).view(dtype)
+
+    def host_alloc(self, nbytes):
+        self._log("host_alloc")
+        return np.zeros(int(nbytes), dtype=np.uint8)
+
+    def host_free(self, view):
+        self._log("host_free")
+
+    def memset_async(self, ptr, nbytes, stream):
+        self._log("memset_async")
+        self._enqueue(stream, lambda: self.bytes(ptr, nbytes).fill(0))
+
+    def memcpy_htod_async(self, dst, src, nbytes, stream):
+        self._log("memcpy_htod_async")
+        src_bytes = src.reshape(-1).view(np.uint8)
+        self._enqueue(stream, lambda: self.bytes(dst, nbytes).__setitem__(slice(None), src_bytes[:nbytes]))
+
+    def memcpy_dtoh_async(self, dst, src, nbytes, stream):
+        self._log("memcpy_dtoh_async")
+        dst_bytes = dst.reshape(-1).view(np.uint8)
+        self._enqueue(stream, lambda: dst_bytes.__setitem__(slice(0, nbytes), self.bytes(src, nbytes)))
+
+    def memcpy_dtod_async(self, dst, src, nbytes, stream):
+        self._log("memcpy_dtod_async")
+        self._enqueue(stream, lambda: self.bytes(dst, nbytes).__setitem__(slice(None), self.bytes(src, nbytes).copy()))
+
+    # ------------------------------------------------------------ streams, events, ordering
+
+    def stream_create(self):
+        self._log("stream_create")
+        return _Stream(f"stream{self.count('stream_create')}")
+
+    def stream_destroy(self, stream):
+        self._log("stream_destroy")
+
+    def _enqueue(self, stream, op):
+        if stream.capture is not None:
+            stream.capture.append(op)
+        elif self.deferred:
+            self._pending.append(op)
+        else:
+            op()
+
+    def run_pending(self, upto=None) -> None:
+        """Execute queued work in enqueue order (deferred mode), through `upto` if given."""
+        while self._pending:
+            op = self._pending.pop(0)
+            op()
+            if upto is not None and op is upto:
+                return
+
+    def stream_synchronize(self, stream):
+        self._log("stream_synchronize")
+        if stream.capture is not None:
+            raise FakeError("stream_synchronize on a capturing stream")
+        self.run_pending()
+
+    def stream_wait_event(self, stream, event):
+        self._log("stream_wait_event")
+
+    def event_create(self, timing=False, blocking=False):
+        self._log("event_create")
+        return _Event(timing, blocking)
+
+    def event_destroy(self, event):
+        self._log("event_destroy")
+
+    def event_record(self, event, stream):
+        self._log("event_record")
+        event.done = False
+
+        def op():
+            event.done, event.time = True, time.perf_counter()
+        event.op = op
+        self._enqueue(stream, op)
+
+    def event_query(self, event):
+        self._log("event_query")
+        return event.done
+
+    def event_synchronize(self, event):
+        self._log("event_synchronize")
+        if not event.done:
+            self.run_pending(upto=event.op)
+
+    def event_elapsed_ms(self, start, end):
+        self._log("event_elapsed_ms")
+        if not (start.timing and end.timing):
+            raise FakeError("event_elapsed_ms on events created without timing")
+        return (end.time - start.time) * 1e3
+
+    def launch_host_func(self, stream, fn):
+        self._log("launch_host_func")
+        self._enqueue(stream, fn)
+
+    # ------------------------------------------------------------ kernels and graphs
+
+    def module_load(self, image):
+        self._log("module_load")
+        return "module"
+
+    def module_unload(self, module):
+        self._log("module_unload")
+
+    def module_function(self, module, name):
+        self._log("module_function")
+        if name not in SPECS:
+            raise FakeError(f"no kernel named {name!r}")
+        return name
+
+    def function_set_max_dynamic_smem(self, function, nbytes):
+        self._log("function_set_max_dynamic_smem")
+        if nbytes > 227 * 1024:
+            raise FakeError(f"{function}: {nbytes} bytes of shared memory exceed the 227 KB a block can have")
+        self.smem_limits[function] = nbytes
+
+    def launch(self, function, grid, block, smem, stream, param_types, args, pdl=False):
+        self._log("launch")
+        spec = SPECS[function]
+        if param_types != spec.param_types or len(args) != len(spec.param_names):
+            raise FakeError(f"{function}: launched with {param_types!r}, the kernel takes {spec.param_types!r}")
+        if smem > 48 * 1024 and smem > self.smem_limits.get(function, 0):
+            raise FakeError(f"{function}: {smem} bytes of dynamic shared memory without raising the limit")
+        if min(grid) < 1 or block < 1 or block > 1024:
+            raise FakeError(f"{function}: bad launch shape grid={grid} block={block}")
+        kwargs = dict(zip(spec.param_names, args))
+        emulate = EMULATORS[function]
+
+        def op():
+            self.launches.append(function)
+            emulate(self, tuple(grid), **kwargs)
+        self._enqueue(stream, op)
+
+    def begin_capture(self, stream):
+        self._log("begin_capture")
+        if stream.capture is not None:
+            raise FakeError("begin_capture on a stream already capturing")
+        stream.capture = []
+
+    def end_capture(self, stream):
+        self._log("end_capture")
+        ops, stream.capture = stream.capture, None
+        return SimpleNamespace(ops=ops)
+
+    def graph_launch(self, graph, stream):
+        self._log("graph_launch")
+        for op in graph.ops:
+            self._enqueue(stream, op)
+
+    def graph_destroy(self, graph):
+        self._log("graph_destroy")
+
+    def make_current(self):
+        self._log("make_current")
+
+    def close(self):
+        self._log("close")
+
+
+# ------------------------------------------------------------------ numpy twins of the kernels
+
+def _f32(d, ptr, rows, ld):
+    return d.view(ptr, np.float32, rows * ld).reshape(rows, ld)
+
+
+def _store(d, y, ldy, out: np.ndarray, accumulate):
+    M, N = out.shape
+    dst = _f32(d, y, M, ldy)[:, :N]
+    dst[...] = (dst + out) if accumulate else out
+
+
+def _int4_tc(d, grid, x, ldx, M, qw, sz, num_units, group_size, bias, y, ldy, N, accumulate, nt=None):
+    Np, Kp = round_up(N, 128), num_units * 128
+    if nt is not None:
+        assert grid[0] * 16 >= N and grid[1] * 4 * nt >= M, f"grid {grid} does not cover M={M} N={N}"
+    else:
+        assert grid[0] * 128 >= N and grid[1] * 64 >= M, f"grid {grid} does not cover M={M} N={N}"
+    assert ldx >= Kp and ldx % 4 == 0, f"activation width {ldx} vs padded K {Kp}"
+    key = (qw, sz, N, num_units, group_size)
+    w = d._weights_cache.get(key)
+    if w is None:
+        shape = TcShape(N, Kp, group_size, Np, Kp, Np // 16, Kp // 64, Kp // group_size, num_units)
+        w = d._weights_cache[key] = dequantize_tc(d.view(qw, np.uint32, shape.qw_words),
+                                                   d.view(sz, np.uint32, shape.sz_words), shape)
+    out = _f32(d, x, M, ldx)[:, :Kp] @ w.T
+    if bias:
+        out = out + d.view(bias, np.float32, N)
+    _store(d, y, ldy, out.astype(np.float32), accumulate)
+
+
+def _int4_repack_tc(d, grid, qweight, scales, zeros, N, Kb, num_src_groups, qw, sz, num_tiles, num_chunks, num_groups):
+    q = d.view(qweight, np.uint8, N * Kb).reshape(N, Kb)
+    s = d.view(scales, np.float16, N * num_src_groups).reshape(N, -1)
+    z = d.view(zeros, np.float16, N * num_src_groups).reshape(N, -1)
+    words, pairs, shape = pack_tc(q, s, z, 2 * Kb)
+    assert (shape.num_tiles, shape.num_chunks, shape.num_groups) == (num_tiles, num_chunks, num_groups)
+    assert grid[0] * 256 >= len(words) + len(pairs)
+    d.view(qw, np.uint32, len(words))[:] = words
+    d.view(sz, np.uint32, len(pairs))[:] = pairs
+
+
+def _int4_mm_simt(d, grid, x, ldx, M, qweight, scales, zeros, words_per_row, group_size, bias, y, ldy, N, accumulate):
+    Kp = words_per_row * 8
+    q = d.view(qweight, np.uint8, N * Kp // 2).reshape(N, -1)
+    G = Kp // group_size
+    w = dequantize_int4(q, d.view(scales, np.float16, N * G).reshape(N, G), d.view(zeros, np.float16, N * G).reshape(N, G), Kp)
+    out = _f32(d, x, M, ldx)[:, :Kp] @ w.T
+    if bias:
+        out = out + d.view(bias, np.float32, N)
+    _store(d, y, ldy, out.astype(np.float32), accumulate)
+
+
+def _dense(dtype):
+    def run(d, grid, x, ldx, M, w, ldw, row_scales, bias, y, ldy, N, accumulate):
+        assert grid[0] * 4 >= N and grid[1] * 8 >= M and ldx >= ldw and ldw % 8 == 0
+        W = d.view(w, dtype, N * ldw).reshape(N, ldw).astype(np.float32)
+        out = _f32(d, x, M, ldx)[:, :ldw] @ W.T
+        if row_scales:
+            out = out * d.view(row_scales, np.float16, N).astype(np.float32)
+        if bias:
+            out = out + d.view(bias, np.float32, N)
+        _store(d, y, ldy, out.astype(np.float32), accumulate)
+    return run
+
+
+def _embed(kind):
+    def run(d, grid, token_ids, table, scales, zeros, ldw, group_size, vocab_size, D, multiplier, out, ldo):
+        T = grid[0]
+        ids = d.view(token_ids, np.int32, T)
+        ok = (ids >= 0) & (ids < vocab_size)
+        safe = np.where(ok, ids, 0)
+        if kind == "i4":
+            q = d.view(table, np.uint8, vocab_size * ldw).reshape(vocab_size, ldw)[safe]
+            G = ldw * 2 // group_size
+            s = d.view(scales, np.float16, vocab_size * G).reshape(vocab_size, G)[safe]
+            z = d.view(zeros, np.float16, vocab_size * G).reshape(vocab_size, G)[safe]
+            rows = dequantize_int4(q, s, z, D)
+        else:
+            dt = {"f32": np.float32, "f16": np.float16, "i8": np.int8}[kind]
+            rows = d.view(table, dt, vocab_size * ldw).reshape(vocab_size, ldw)[safe, :D].astype(np.float32)
+            if kind == "i8":
+                rows = rows * d.view(scales, np.float16, vocab_size).astype(np.float32)[safe, None]
+        _f32(d, out, T, ldo)[:, :D] = np.where(ok[:, None], rows * np.float32(multiplier), 0.0)
+    return run
+
+
+def _rmsnorm(d, grid, x, ldx, rows, w, out, ldo, D, eps):
+    R = grid[0]
+    idx = d.view(rows, np.int32, R) if rows else np.arange(R)
+    src = _f32(d, x, int(idx.max()) + 1, ldx)[idx, :D]
+    res = src / np.sqrt(np.mean(src * src, axis=-1, keepdims=True) + np.float32(eps)) * d.view(w, np.float32, D)
+    _f32(d, out, R, ldo)[:, :D] = res
+
+
+def _glu(gelu):
+    def run(d, grid, gate_up, ldg, out, ldo, I):
+        T = grid[1]
+        assert grid[0] * 256 >= I
+        gu = _f32(d, gate_up, T, ldg)
+        g, u = gu[:, :I], gu[:, I:2 * I]
+        if gelu:
+            act = 0.5 * g * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (g + np.float32(0.044715) * g * g * g)))
+        else:
+            act = g / (1.0 + np.exp(-g))
+        _f32(d, out, T, ldo)[:, :I] = act * u
+    return run
+
+
+def _rope(cache_dtype):
+    def run(d, grid, qkv, ldqkv, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, k_cache, v_cache,
+            num_heads, num_kv_heads, head_dim):
+        T, half = grid[0], head_dim // 2
+        pos = np.clip(d.view(positions, np.int32, T), 0, max_positions - 1)
+        slots = d.view(slot_mapping, np.int32, T)
+        cs = d.view(cos_sin, np.float32, max_positions * half * 2).reshape(max_positions, half, 2)[pos]
+        c, s = cs[:, None, :, 0], cs[:, None, :, 1]
+        rows = _f32(d, qkv, T, ldqkv)
+        qk = rows[:, :(num_heads + num_kv_heads) * head_dim].reshape(T, -1, head_dim)
+        x1, x2 = qk[..., :half], qk[..., half:]
+        rot = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+        _f32(d, q_out, T, ldq)[:, :num_heads * head_dim] = rot[:, :num_heads].reshape(T, -1)
+        per_slot = num_kv_heads * head_dim
+        num_slots = int(slots.max()) + 1
+        kc = d.view(k_cache, cache_dtype, num_slots * per_slot).reshape(num_slots, per_slot)
+        vc = d.view(v_cache, cache_dtype, num_slots * per_slot).reshape(num_slots, per_slot)
+        kc[slots] = rot[:, num_heads:].reshape(T, -1)
+        vc[slots] = rows[:, (num_heads + num_kv_heads) * head_dim:(num_heads + 2 * num_kv_heads) * head_dim]
+    return run
+
+
+def _attention(cache_dtype):
+    def run(d, grid, q, ldq, k_cache, v_cache, block_tables, ld_bt, positions, items, out, ldo, ws_ml, ws_acc,
+            max_splits, num_heads, num_kv_heads, head_dim, block_size, heads_per_block, sliding_window, scale,
+            split_size):
+        num_items, _, num_splits = grid
+        group = num_heads // num_kv_heads
+        assert grid[1] == num_kv_heads * (group // heads_per_block) and num_splits <= max_splits
+        it = d.view(items, np.int32, 3 * num_items).reshape(-1, 3)
+        for seq, t0, nq in it:
+            assert 1 <= nq <= 16 // heads_per_block, f"work item of {nq} queries"
+            pos = d.view(positions, np.int32, t0 + nq)[t0:t0 + nq]
+            table = d.view(block_tables, np.int32, (seq + 1) * ld_bt)[seq * ld_bt:]
+            lo = max(0, int(pos[0]) - sliding_window + 1) if sliding_window > 0 else 0
+            keys = np.arange(lo, int(pos[-1]) + 1)
+            slots = table[keys // block_size] * block_size + keys % block_size
+            per_slot = num_kv_heads * head_dim
+            kc = d.view(k_cache, cache_dtype, (int(slots.max()) + 1) * per_slot).reshape(-1, num_kv_heads, head_dim)
+            vc = d.view(v_cache, cache_dtype, (int(slots.max()) + 1) * per_slot).reshape(-1, num_kv_heads, head_dim)
+            qs = _f32(d, q, t0 + nq, ldq)[t0:t0 + nq, :num_heads * head_dim].reshape(nq, num_heads, head_dim)
+            for z in range(num_splits):
+                in_split = (keys >= lo + z * split_size) & (keys < lo + (z + 1) * split_size)
+                for h in range(num_heads):
+                    kh = h // group
+                    k = kc[slots, kh].astype(np.float32)
+                    v = vc[slots, kh].astype(np.float32)
+                    sc = (qs[:, h] @ k.T) * np.float32(scale)                 # [nq, C]
+                    vis = (keys[None] <= pos[:, None]) & in_split[None]
+                    if sliding_window > 0:
+                        vis &= keys[None] > pos[:, None] - sliding_window
+                    sc = np.where(vis, sc, -np.inf)
+                    m = sc.max(axis=1, initial=-np.inf)
+                    e = np.where(vis, np.exp(sc - np.where(np.isinf(m), 0, m)[:, None]), 0.0)
+                    l, acc = e.sum(axis=1), e @ v
+                    for i in range(nq):
+                        t = t0 + i
+                        if num_splits == 1:
+                            _f32(d, out, t + 1, ldo)[t, h * head_dim:(h + 1) * head_dim] = acc[i] / l[i]
+                        else:
+                            w = (t * num_heads + h) * max_splits + z
+                            d.view(ws_ml, np.float32, 2 * (w + 1))[2 * w:2 * w + 2] = (m[i], l[i])
+                            d.view(ws_acc, np.float32, (w + 1) * head_dim)[w * head_dim:] = acc[i]
+    return run
+
+
+def _combine(d, grid, ws_ml, ws_acc, num_splits, max_splits, out, ldo, num_heads, head_dim):
+    T, H, _ = grid
+    ml = d.view(ws_ml, np.float32, 2 * T * H * max_splits).reshape(T, H, max_splits, 2)[:, :, :num_splits]
+    acc = d.view(ws_acc, np.float32, T * H * max_splits * head_dim).reshape(T, H, max_splits, head_dim)[:, :, :num_splits]
+    m, l = ml[..., 0], ml[..., 1]
+    wts = np.where(l > 0, np.exp(m - m.max(axis=2, keepdims=True)), 0.0)
+    res = (acc * wts[..., None]).sum(axis=2) / (l * wts).sum(axis=2)[..., None]
+    _f32(d, out, T, ldo)[:, :H * head_dim] = res.reshape(T, -1)
+
+
+def _penalties(d, grid, logits, plogits, ldl, vocab_size, fparams, iparams, row_ptr, entries):
+    R = grid[0]
+    fp = d.view(fparams, np.float32, 4 * R).reshape(R, 4)
+    ip = d.view(iparams, np.int32, 4 * R).reshape(R, 4)
+    rp = d.view(row_ptr, np.int32, R + 1)
+    ent = d.view(entries, np.int32, 2 * int(rp[R])).reshape(-1, 2)
+    src, dst = _f32(d, logits, R, ldl), _f32(d, plogits, R, ldl)
+    for r in range(R):
+        if not ip[r, 2]:
+            continue
+        row = src[r, :vocab_size].copy()
+        for tok, count in ent[rp[r]:rp[r + 1]]:
+            if not 0 <= tok < vocab_size:
+                continue
+            v = row[tok]
+            if fp[r, 0] != 1.0:
+                v = v / fp[r, 0] if v > 0 else v * fp[r, 0]
+            if count > 0:
+                v = v - (fp[r, 1] * np.float32(count) + fp[r, 2])
+            row[tok] = v
+        dst[r, :vocab_size] = row
+
+
+def _argmax(d, grid, logits, ldl, vocab_size, tokens):
+    R = grid[0]
+    d.view(tokens, np.int32, R)[:] = np.argmax(_f32(d, logits, R, ldl)[:, :vocab_size], axis=1)
+
+
+def _sample(d, grid, logits, plogits, ldl, vocab_size, dparams, iparams, rng, tokens):
+    R = grid[0]
+    dp = d.view(dparams, np.float64, 4 * R).reshape(R, 4)
+    ip = d.view(iparams, np.int32, 4 * R).reshape(R, 4)
+    seeds = d.view(rng, np.uint64, 2 * R).reshape(R, 2)
+    raw, pen = _f32(d, logits, R, ldl), _f32(d, plogits, R, ldl)
+    out = d.view(tokens, np.int32, R)
+    for r in range(R):
+        row = (pen if ip[r, 2] else raw)[r, :vocab_size]
+        if dp[r, 0] == 0.0:
+            out[r] = int(np.argmax(row))
+            continue
+        x = row.astype(np.float64)[None] / dp[r, 0]
+        u = ref_sampling.request_uniform(seeds[r:r + 1, 0], seeds[r:r + 1, 1])
+        p = SimpleNamespace(top_k=int(ip[r, 0]), top_p=float(dp[r, 1]), min_p=float(dp[r, 2]))
+        if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
+            out[r] = int(ref_sampling.sample_filtered(x, u, [p])[0])
+        else:
+            out[r] = int(ref_sampling.invert_cdf(ref_sampling.softmax(x), u)[0])
+
+
+def _logprobs(d, grid, logits, ldl, vocab_size, iparams, tokens, token_logprob, top_ids, top_logprobs):
+    R = grid[0]
+    ip = d.view(iparams, np.int32, 4 * R).reshape(R, 4)
+    toks = d.view(tokens, np.int32, R)
+    raw = _f32(d, logits, R, ldl)
+    for r in range(R):
+        n = int(ip[r, 1])
+        if n < 0:
+            continue
+        x = raw[r, :vocab_size].astype(np.float64)
+        lp = x - (np.log(np.exp(x - x.max()).sum()) + x.max())
+        d.view(token_logprob, np.float64, R)[r] = lp[toks[r]]
+        order = np.argsort(-lp, kind="stable")[:min(n, MAX_TOP_LOGPROBS)]
+        d.view(top_ids, np.int32, R * MAX_TOP_LOGPROBS)[r * MAX_TOP_LOGPROBS:][:len(order)] = order
+        d.view(top_logprobs, np.float64, R * MAX_TOP_LOGPROBS)[r * MAX_TOP_LOGPROBS:][:len(order)] = lp[order]
+
+
+EMULATORS = {
+    "int4_gemv_tc_nt1": lambda d, g, **k: _int4_tc(d, g, **k, nt=1),
+    "int4_gemv_tc_nt2": lambda d, g, **k: _int4_tc(d, g, **k, nt=2),
+    "int4_gemv_tc_nt4": lambda d, g, **k: _int4_tc(d, g, **k, nt=4),
+    "int4_gemm_tc": _int4_tc,
+    "int4_mm_simt": _int4_mm_simt,
+    "int4_repack_tc": _int4_repack_tc,
+    "dense_mm_f32": _dense(np.float32),
+    "dense_mm_f16": _dense(np.float16),
+    "dense_mm_i8": _dense(np.int8),
+    "embed_f32": _embed("f32"),
+    "embed_f16": _embed("f16"),
+    "embed_i8": _embed("i8"),
+    "embed_i4": _embed("i4"),
+    "rmsnorm": _rmsnorm,
+    "glu_silu": _glu(False),
+    "glu_gelu_tanh": _glu(True),
+    "rope_kv_append_f32": _rope(np.float32),
+    "rope_kv_append_f16": _rope(np.float16),
+    "attention_paged_f32": _attention(np.float32),
+    "attention_paged_f16": _attention(np.float16),
+    "attention_combine": _combine,
+    "apply_penalties": _penalties,
+    "argmax_rows": _argmax,
+    "sample_tokens": _sample,
+    "compute_logprobs": _logprobs,
+}

@@ -1,0 +1,218 @@
+"""The forward pass and the sampler as sequences of kernel launches on one stream.
+
+Contract:
+- `Activations` (planned by `plan_activations`, one device allocation made by the executor)
+  holds every intermediate buffer, sized once for the largest step: rows of `max_tokens`
+  for the layers, `max_rows` for logits. Widths are padded to 128 columns and the padding
+  is zero from the start and never written, as the INT4 kernels require.
+- `launch_forward(dev, weights, acts, kv, geom, stream)` enqueues one whole step (embedding,
+  every layer, final norm and lm_head for the rows that sample) without a host sync: the
+  same code runs eager prefill steps and is captured into the decode CUDA graphs.
+- `launch_sampler(dev, acts, geom, mode, stream)` enqueues sampling ("greedy": argmax only;
+  "full": penalties, every sampling rule, logprobs) into `acts.tokens` etc.
+Shapes follow core/model.py: h [T, D] residual stream, qkv [T, Hq*hd + 2 Hkv*hd], ...
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ...core.config import ModelConfig
+from .device import attention_smem_bytes, sample_smem_bytes
+from .kernels import DENSE_MT, GEMM_ROWS, GEMM_TOKENS, MAX_TOP_LOGPROBS, SIMT_MT
+from .layout import round_up
+from .weights import ALIGN, DeviceWeights, Linear
+
+LARGE_SPLIT = 1 << 30              # split_size when a step runs attention unsplit
+
+
+class KVCache(NamedTuple):
+    k: tuple                        # per layer: [num_slots, Hkv, hd] device pointer
+    v: tuple
+    dtype: str                      # "float32" | "float16"
+    block_size: int
+    num_blocks: int                 # usable blocks (the scheduler's)
+    scratch_block: int              # one more block, written by padding rows of a graph bucket
+    base: int                       # the one allocation
+    num_bytes: int
+
+
+class Activations(NamedTuple):
+    base: int
+    num_bytes: int
+    max_tokens: int
+    max_rows: int
+    max_splits: int
+    h: int; ld_h: int               # noqa: E702  fp32 [T, D]  residual stream
+    xn: int; ld_xn: int             # noqa: E702  fp32 [T, D]  normed input of a projection
+    qkv: int; ld_qkv: int           # noqa: E702  fp32 [T, q + 2kv]
+    q: int; ld_q: int               # noqa: E702  fp32 [T, Hq*hd] rotated queries
+    attn: int; ld_attn: int         # noqa: E702  fp32 [T, Hq*hd] attention output
+    gu: int; ld_gu: int             # noqa: E702  fp32 [T, 2I]
+    act: int; ld_act: int           # noqa: E702  fp32 [T, I]
+    hn: int; ld_hn: int             # noqa: E702  fp32 [R, D]  final-normed rows that sample
+    logits: int; plogits: int; ld_logits: int   # noqa: E702  fp32 [R, V] raw / penalized
+    tokens: int                     # int32 [R]
+    token_logprob: int              # float64 [R]
+    top_ids: int                    # int32 [R, 20]
+    top_logprobs: int               # float64 [R, 20]
+    ws_ml: int                      # float2 [max_rows, Hq, max_splits]
+    ws_acc: int                     # fp32 [max_rows, Hq, max_splits, hd]
+
+
+class StepGeometry(NamedTuple):
+    """Device pointers and sizes of one step's metadata (hot path: built once per step)."""
+    num_tokens: int                 # T
+    num_rows: int                   # R: rows that sample (0: no lm_head)
+    token_ids: int                  # int32 [T]
+    positions: int                  # int32 [T]
+    slot_mapping: int               # int32 [T]
+    block_tables: int               # int32 [S, ld_bt]
+    ld_bt: int
+    items: int                      # int32 [num_items, 3] attention work items
+    num_items: int
+    logits_rows: int                # int32 [R] rows of T that sample, or 0: rows 0..R-1
+    num_splits: int                 # attention splits along the sequence
+    split_size: int
+    dparams: int = 0                # sampler parameters (kernels/cuda/sampling.cu)
+    fparams: int = 0
+    iparams: int = 0
+    rng: int = 0
+    pen_row_ptr: int = 0            # int32 [R + 1]
+    pen_entries: int = 0            # int32 [E, 2] (token, count in the output)
+
+
+def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, max_splits: int) -> dict:
+    """name -> (offset, width) of every activation buffer; '_total' -> bytes."""
+    w = lambda n: round_up(n, 128)                                      # noqa: E731
+    rows = [("h", max_tokens, w(c.hidden_size), 4), ("xn", max_tokens, w(c.hidden_size), 4),
+            ("qkv", max_tokens, w(c.q_size + 2 * c.kv_size), 4), ("q", max_tokens, w(c.q_size), 4),
+            ("attn", max_tokens, w(c.q_size), 4), ("gu", max_tokens, w(2 * c.intermediate_size), 4),
+            ("act", max_tokens, w(c.intermediate_size), 4), ("hn", max_rows, w(c.hidden_size), 4),
+            ("logits", max_rows, w(c.vocab_size), 4), ("plogits", max_rows, w(c.vocab_size), 4),
+            ("tokens", max_rows, 1, 4), ("token_logprob", max_rows, 1, 8),
+            ("top_ids", max_rows, MAX_TOP_LOGPROBS, 4), ("top_logprobs", max_rows, MAX_TOP_LOGPROBS, 8),
+            ("ws_ml", max_rows * c.num_heads * max_splits, 2, 4),
+            ("ws_acc", max_rows * c.num_heads * max_splits, c.head_dim, 4)]
+    plan, offset = {}, 0
+    for name, n, width, itemsize in rows:
+        plan[name] = (offset, width)
+        offset += round_up(n * width * itemsize, ALIGN)
+    plan["_total"] = offset
+    return plan
+
+
+def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, max_splits: int) -> Activations:
+    buffers = {name: v for name, v in plan.items() if name != "_total"}
+    p = {name: base + off for name, (off, _) in buffers.items()}
+    ld = {name: width for name, (_, width) in buffers.items()}
+    return Activations(base, plan["_total"], max_tokens, max_rows, max_splits,
+                       p["h"], ld["h"], p["xn"], ld["xn"], p["qkv"], ld["qkv"], p["q"], ld["q"],
+                       p["attn"], ld["attn"], p["gu"], ld["gu"], p["act"], ld["act"], p["hn"], ld["hn"],
+                       p["logits"], p["plogits"], ld["logits"], p["tokens"], p["token_logprob"],
+                       p["top_ids"], p["top_logprobs"], p["ws_ml"], p["ws_acc"])
+
+
+def heads_per_block(c: ModelConfig) -> int:
+    """Query heads of one KV head that an attention block takes together (<= 16, divides the group)."""
+    group = c.num_heads // c.num_kv_heads
+    return max(d for d in range(1, min(group, 16) + 1) if group % d == 0)
+
+
+def queries_per_item(c: ModelConfig) -> int:
+    return 16 // heads_per_block(c)
+
+
+# ------------------------------------------------------------------ launches
+
+def launch_matmul(dev, lin: Linear, x: int, ldx: int, M: int, y: int, ldy: int, accumulate: bool, stream) -> None:
+    """y[M, N] (+)= x[M, K] W^T (+ bias) with the kernel for the weight's kind and M."""
+    assert ldx >= lin.Kp, f"{lin.name}: activation width {ldx} < padded K {lin.Kp}"
+    common = dict(x=x, ldx=ldx, M=M, bias=lin.bias, y=y, ldy=ldy, N=lin.N, accumulate=int(accumulate))
+    if lin.kind == "int4_tc":
+        Np, num_units = round_up(lin.N, GEMM_ROWS), lin.Kp // 128
+        tc = dict(common, qw=lin.w, sz=lin.aux, num_units=num_units, group_size=lin.group_size)
+        if M <= 16:
+            nt = 1 if M <= 4 else 2 if M <= 8 else 4
+            dev.launch(f"int4_gemv_tc_nt{nt}", (Np // 16, -(-M // (4 * nt))), 256, stream, **tc)
+        else:
+            dev.launch("int4_gemm_tc", (Np // GEMM_ROWS, -(-M // GEMM_TOKENS)), 256, stream, **tc)
+    elif lin.kind == "int4_simt":
+        dev.launch("int4_mm_simt", (-(-lin.N // 4), -(-M // SIMT_MT)), 128, stream, **common,
+                   qweight=lin.w, scales=lin.aux, zeros=lin.zeros, words_per_row=lin.Kp // 8,
+                   group_size=lin.group_size)
+    else:
+        name = {"dense_f32": "dense_mm_f32", "dense_f16": "dense_mm_f16", "dense_i8": "dense_mm_i8"}[lin.kind]
+        dev.launch(name, (-(-lin.N // 4), -(-M // DENSE_MT)), 128, stream, **common,
+                   w=lin.w, ldw=round_up(lin.K, 8), row_scales=lin.aux)
+
+
+def launch_embed(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, g: StepGeometry, stream) -> None:
+    e = w.embed
+    dev.launch(f"embed_{e.kind}", (g.num_tokens,), 256, stream, token_ids=g.token_ids, table=e.table,
+               scales=e.scales, zeros=e.zeros, ldw=e.ldw, group_size=e.group_size, vocab_size=c.vocab_size,
+               D=c.hidden_size, multiplier=c.embedding_multiplier, out=acts.h, ldo=acts.ld_h)
+
+
+def launch_rmsnorm(dev, c: ModelConfig, x: int, ldx: int, weight: int, out: int, ldo: int, rows: int,
+                   num_rows: int, stream) -> None:
+    dev.launch("rmsnorm", (num_rows,), 256, stream, x=x, ldx=ldx, rows=rows, w=weight, out=out, ldo=ldo,
+               D=c.hidden_size, eps=c.rms_norm_eps)
+
+
+def launch_attention(dev, c: ModelConfig, w: DeviceWeights, i: int, acts: Activations, kv: KVCache,
+                     g: StepGeometry, stream) -> None:
+    hpb = heads_per_block(c)
+    group = c.num_heads // c.num_kv_heads
+    suffix = "f32" if kv.dtype == "float32" else "f16"
+    dev.launch(f"rope_kv_append_{suffix}", (g.num_tokens,), 128, stream, qkv=acts.qkv, ldqkv=acts.ld_qkv,
+               positions=g.positions, slot_mapping=g.slot_mapping, cos_sin=w.cos_sin, max_positions=w.max_positions,
+               q_out=acts.q, ldq=acts.ld_q, k_cache=kv.k[i], v_cache=kv.v[i], num_heads=c.num_heads,
+               num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    dev.launch(f"attention_paged_{suffix}", (g.num_items, c.num_kv_heads * (group // hpb), g.num_splits), 128, stream,
+               smem=attention_smem_bytes(c.head_dim), q=acts.q, ldq=acts.ld_q, k_cache=kv.k[i], v_cache=kv.v[i],
+               block_tables=g.block_tables, ld_bt=g.ld_bt, positions=g.positions, items=g.items, out=acts.attn,
+               ldo=acts.ld_attn, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc, max_splits=acts.max_splits,
+               num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=kv.block_size,
+               heads_per_block=hpb, sliding_window=c.sliding_window or 0, scale=float(np.float32(c.head_dim ** -0.5)),
+               split_size=g.split_size)
+    if g.num_splits > 1:
+        dev.launch("attention_combine", (g.num_tokens, c.num_heads), 128, stream, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc,
+                   num_splits=g.num_splits, max_splits=acts.max_splits, out=acts.attn, ldo=acts.ld_attn,
+                   num_heads=c.num_heads, head_dim=c.head_dim)
+
+
+def launch_forward(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, kv: KVCache,
+                   g: StepGeometry, stream) -> None:
+    """One step of the model (hot path: once per eager step, or once per graph capture)."""
+    T, a = g.num_tokens, acts
+    launch_embed(dev, c, w, a, g, stream)
+    glu = "glu_silu" if c.activation == "silu" else "glu_gelu_tanh"
+    for i, layer in enumerate(w.layers):
+        launch_rmsnorm(dev, c, a.h, a.ld_h, layer.attn_norm, a.xn, a.ld_xn, 0, T, stream)
+        launch_matmul(dev, layer.qkv, a.xn, a.ld_xn, T, a.qkv, a.ld_qkv, False, stream)
+        launch_attention(dev, c, w, i, a, kv, g, stream)
+        launch_matmul(dev, layer.o, a.attn, a.ld_attn, T, a.h, a.ld_h, True, stream)
+        launch_rmsnorm(dev, c, a.h, a.ld_h, layer.mlp_norm, a.xn, a.ld_xn, 0, T, stream)
+        launch_matmul(dev, layer.gate_up, a.xn, a.ld_xn, T, a.gu, a.ld_gu, False, stream)
+        dev.launch(glu, (-(-c.intermediate_size // 256), T), 256, stream, gate_up=a.gu, ldg=a.ld_gu,
+                   out=a.act, ldo=a.ld_act, I=c.intermediate_size)
+        launch_matmul(dev, layer.down, a.act, a.ld_act, T, a.h, a.ld_h, True, stream)
+    if g.num_rows:
+        launch_rmsnorm(dev, c, a.h, a.ld_h, w.norm, a.hn, a.ld_hn, g.logits_rows, g.num_rows, stream)
+        launch_matmul(dev, w.lm_head, a.hn, a.ld_hn, g.num_rows, a.logits, a.ld_logits, False, stream)
+
+
+def launch_sampler(dev, c: ModelConfig, acts: Activations, g: StepGeometry, mode: str, stream) -> None:
+    """Sampled ids into acts.tokens (and logprobs) for g.num_rows rows (hot path)."""
+    R, a, V = g.num_rows, acts, c.vocab_size
+    if mode == "greedy":
+        dev.launch("argmax_rows", (R,), 1024, stream, logits=a.logits, ldl=a.ld_logits, vocab_size=V, tokens=a.tokens)
+        return
+    dev.launch("apply_penalties", (R,), 256, stream, logits=a.logits, plogits=a.plogits, ldl=a.ld_logits,
+               vocab_size=V, fparams=g.fparams, iparams=g.iparams, row_ptr=g.pen_row_ptr, entries=g.pen_entries)
+    dev.launch("sample_tokens", (R,), 1024, stream, smem=sample_smem_bytes(), logits=a.logits, plogits=a.plogits,
+               ldl=a.ld_logits, vocab_size=V, dparams=g.dparams, iparams=g.iparams, rng=g.rng, tokens=a.tokens)
+    dev.launch("compute_logprobs", (R,), 1024, stream, logits=a.logits, ldl=a.ld_logits, vocab_size=V,
+               iparams=g.iparams, tokens=a.tokens, token_logprob=a.token_logprob, top_ids=a.top_ids,
+               top_logprobs=a.top_logprobs)
