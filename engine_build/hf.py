@@ -16,6 +16,7 @@ Both spellings of RoPE settings are understood: transformers < 5 writes `rope_th
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -172,13 +173,11 @@ def _first_id(value) -> Optional[int]:
 
 
 def _dedup_eos(config: ModelConfig) -> ModelConfig:
-    from dataclasses import replace
     return replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids)))
 
 
 def _with_tokenizer(config: ModelConfig, tokenizer, origin) -> ModelConfig:
     """Check the tokenizer fits the embedding; take its BOS; add its eos_token to the stop ids."""
-    from dataclasses import replace
     if tokenizer.vocab_size > config.vocab_size:
         raise BuildError(origin, f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size "
                                  f"is {config.vocab_size}: ids past the embedding table")

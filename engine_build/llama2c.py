@@ -20,6 +20,7 @@ that: with no tokenizer next to the checkpoint the build asks for `--tokenizer`.
 
 import json
 import struct
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -50,7 +51,6 @@ def import_llama2c(path, tokenizer: Optional[str] = None, name: Optional[str] = 
     generation = {"bos_token_id": vocab.bos_id, "eos_token_id": [vocab.eos_id, vocab.bos_id]}
     files = make_tokenizer_files(tok_json, tok_config, tok_path,
                                  extra_files={"generation_config.json": json.dumps(generation, indent=2).encode()})
-    from dataclasses import replace
     config = replace(config, bos_token_id=vocab.bos_id, eos_token_ids=(vocab.bos_id, vocab.eos_id))
     tensors = LazyTensors(canonical_shapes(config), _loaders(arrays, config), path)
     return SourceModel(kind="llama2c", path=str(path), name=name or path.stem, config=config,

@@ -18,9 +18,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Callable, Optional
-
-from .errors import BuildError
+from typing import Callable
 
 
 def cache_root(cache_dir=None) -> Path:

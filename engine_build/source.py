@@ -30,11 +30,6 @@ def canonical_shapes(config: ModelConfig) -> dict:
     return {**linear_shapes(config), **vector_shapes(config)}
 
 
-def is_vector(name: str) -> bool:
-    """Norm weights and biases: always float32, never quantized."""
-    return name == "norm" or name.endswith(("_norm", "_bias"))
-
-
 class LazyTensors(Mapping):
     """name -> array, each produced by its loader on every access (nothing is cached)."""
 

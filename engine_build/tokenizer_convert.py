@@ -50,7 +50,7 @@ def read_llama2c_vocab(path, vocab_size: int = None) -> Vocab:
     data = _read_bytes(path)
     if len(data) < 4:
         raise BuildError(path, f"truncated llama2.c tokenizer: {len(data)} bytes")
-    pieces, scores, types, pos = [], [], [], 4
+    pieces, scores, pos = [], [], 4
     while pos < len(data) and (vocab_size is None or len(pieces) < vocab_size):
         if pos + 8 > len(data):
             raise BuildError(path, f"truncated llama2.c tokenizer: entry {len(pieces)} header cut at byte {pos}")
