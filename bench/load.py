@@ -73,6 +73,10 @@ def run(args) -> int:
     print(format_table(rows))
     if args.h2load:
         print(h2load_table(rows))
+    from .peers.report import server_stages_table
+    stages = server_stages_table(rows)
+    if stages:
+        print(stages)
     print_notes(rows, server_pid)
     write_outputs(args, rows, {"url": args.url, "protocol": args.protocol, "framing": framing,
                                "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "mode": args.mode,

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from . import h1client, h2client
 from .proc import cpu_delta_ns, read_cpu
-from .stats import summarize
+from .stats import percentile, summarize
 from .wire import now_ns
 
 PROTOCOLS = ("h2", "h1", "grpc")
@@ -255,4 +255,14 @@ def summarize_level(records: list, wall_ns: int, client_ns: int, server_ns: Opti
     row.update(summarize(itl, "itl_us"))
     row.update(summarize(e2e, "e2e_us"))
     row["ttft_p50_us"], row["ttft_p99_us"] = row["ttft_us_p50"], row["ttft_us_p99"]
+    row["server_timings_us_p50"] = server_timings_p50(ok)
     return row
+
+
+def server_timings_p50(records: list) -> Optional[dict]:
+    """Median of each stage timing the server reported in its streams (tokenwire does), or None."""
+    reported = [r.timings for r in records if r.timings]
+    if not reported:
+        return None
+    keys = [k for k, v in reported[0].items() if isinstance(v, (int, float))]
+    return {k: percentile(sorted(t[k] for t in reported if isinstance(t.get(k), (int, float))), 50) for k in keys}

@@ -20,7 +20,7 @@ now_ns = time.perf_counter_ns
 
 class StreamRecord:
     """One request's clock and counts, filled by a client connection."""
-    __slots__ = ("start_ns", "end_ns", "token_ns", "status", "error", "num_bytes", "refill_at", "left", "head", "done")
+    __slots__ = ("start_ns", "end_ns", "token_ns", "status", "error", "num_bytes", "refill_at", "left", "head", "timings", "done")
 
     def __init__(self, start_ns: int):
         self.start_ns = start_ns        # request handed to the transport (perf_counter_ns)
@@ -32,6 +32,7 @@ class StreamRecord:
         self.refill_at = 2**30          # HTTP/2: body bytes at which the stream window is handed back
         self.left = 0                   # gRPC: bytes of the message to come; binary: 1 past the end; SSE: see count_sse
         self.head = b""                 # bytes of a message cut by a payload boundary (SSE, NDJSON, binary, gRPC)
+        self.timings = None             # the server's own stage timings (µs) when its stream reports them
         self.done = None                # completion callback, set by the client
 
     @property
@@ -54,7 +55,7 @@ def count_sse(rec: StreamRecord, buf: bytes, start: int, end: int) -> int:
     n = buf.count(b"\n\n", start, end)
     if end - start >= 2 and buf[end - 1] == 10 and buf[end - 2] == 10:
         if buf[end - 3] == 93 and buf.endswith(SSE_DONE, start, end):  # 93: "]"
-            n -= 1 + _non_token_events(buf[start:end])
+            n -= 1 + _non_token_events(rec, buf[start:end])
     else:
         rec.head, rec.left = buf[start:end], n
     return n
@@ -70,7 +71,7 @@ def _count_sse_joined(rec: StreamRecord, payload: bytes) -> int:
     joined = rec.head + payload
     n = joined.count(b"\n\n") - rec.left
     if joined.endswith(SSE_DONE):
-        n -= 1 + _non_token_events(joined)
+        n -= 1 + _non_token_events(rec, joined)
     if joined.endswith(b"\n\n"):
         rec.head, rec.left = b"", 0
     else:
@@ -81,21 +82,25 @@ def _count_sse_joined(rec: StreamRecord, payload: bytes) -> int:
     return n
 
 
-def _non_token_events(payload: bytes) -> int:
+def _non_token_events(rec: StreamRecord, payload: bytes) -> int:
     """Events that close a stream without a token: a finish chunk with empty text, a usage chunk.
 
     Servers write them together with [DONE] (tokenwire does), so only the payload holding
     [DONE] is parsed (once per stream); such an event in an earlier payload stays counted,
-    which the load report shows as a token-count mismatch.
+    which the load report shows as a token-count mismatch. A server's stage `timings`
+    (tokenwire puts them in its last chunk) are kept in the record.
     """
     n = 0
     for event in payload.split(b"\n\n"):
         if not event.startswith(b"data: {"):
             continue
         try:
-            choices = orjson.loads(event[6:]).get("choices")
+            chunk = orjson.loads(event[6:])
         except orjson.JSONDecodeError:
             continue
+        if isinstance(chunk.get("timings"), dict):
+            rec.timings = chunk["timings"]
+        choices = chunk.get("choices")
         if not choices:
             n += 1
             continue
@@ -117,7 +122,7 @@ def count_ndjson(rec: StreamRecord, buf: bytes, start: int, end: int) -> int:
     n = buf.count(b"\n", start, end)
     if buf[end - 1] == 10:
         if end - start >= 3 and buf[end - 2] == 125 and buf[end - 3] == 125:  # 125: "}"
-            n -= _ends_with_summary(buf, start, end)
+            n -= _ends_with_summary(rec, buf, start, end)
     else:
         rec.head, rec.left = buf[start:end], n
     return n
@@ -127,16 +132,26 @@ def _count_ndjson_joined(rec: StreamRecord, payload: bytes) -> int:
     joined = rec.head + payload
     n = joined.count(b"\n") - rec.left
     if joined.endswith(b"\n"):
-        n -= _ends_with_summary(joined, 0, len(joined))
+        n -= _ends_with_summary(rec, joined, 0, len(joined))
         rec.head, rec.left = b"", 0
     else:
         rec.head, rec.left = joined, rec.left + n
     return n
 
 
-def _ends_with_summary(buf: bytes, start: int, end: int) -> bool:
+def _ends_with_summary(rec: StreamRecord, buf: bytes, start: int, end: int) -> bool:
+    """The last line is the summary (once per stream: its timings are kept)."""
     line_start = buf.rfind(b"\n", start, end - 1) + 1 or start
-    return buf.startswith(NDJSON_SUMMARY, line_start, end)
+    if not buf.startswith(NDJSON_SUMMARY, line_start, end):
+        return False
+    try:
+        timings = orjson.loads(buf[line_start:end]).get("timings")
+    except orjson.JSONDecodeError:
+        return True
+    if isinstance(timings, dict):
+        rec.timings = timings
+    return True
+
 
 
 def count_binary(rec: StreamRecord, buf: bytes, start: int, end: int) -> int:

@@ -106,6 +106,10 @@ def _versions() -> str:
 def _print_report(rows, servers, floor, failures) -> None:
     print()
     print(report.levels_table(rows))
+    stages = report.server_stages_table(rows)
+    if stages:
+        print("\nserver-side stages (reported by the server in each stream's last chunk)")
+        print(stages)
     summary = report.summarize_servers(rows, [s for s in servers if s not in failures])
     print("\nside by side (ping-pong floor p50 %.0f µs, p99 %.0f µs)" % (floor.p50_us, floor.p99_us))
     print(report.side_by_side(summary, floor.p50_us))

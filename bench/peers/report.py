@@ -58,6 +58,19 @@ def levels_table(rows: list) -> str:
     return table(headers, body)
 
 
+def server_stages_table(rows: list) -> str:
+    """The medians of the stage timings a server reported in its own streams, next to the client's TTFT."""
+    mine = [r for r in rows if r.get("server_timings_us_p50")]
+    if not mine:
+        return ""
+    keys = list(mine[0]["server_timings_us_p50"])
+    body = [[r["server"], r["concurrency"], *(fmt_us(r["server_timings_us_p50"].get(k)) for k in keys),
+             fmt_us(r["ttft_us_p50"])] for r in mine]
+    headers = ["server", "conc", *(k.removesuffix("_us") for k in keys), "client ttft"]
+    return (table(headers, body) + "\n(medians in µs as the server timed them, from request headers "
+            "complete (its ttft) to the end; client ttft: from the request's write to the first token's read)")
+
+
 def side_by_side(summary: list, floor_p50_us: float) -> str:
     headers = ["server", "TTFT p50", "TTFT p99", "CPU µs/token", "max tokens/s (1 core)", "TTFT p50 / floor"]
     body = [[s["server"], _at(s["ttft_p50_us"], s["ttft_p50_concurrency"]),
