@@ -214,6 +214,9 @@ def test_clients_against_tokenwire(mock_server, protocol, path, framing):
     assert row["num_tokens"] == 9 * 7 and row["num_count_mismatches"] == 0
     assert 0 < row["ttft_us_p50"] <= row["ttft_us_p99"] <= row["e2e_us_p99"]
     assert row["cpu_us_per_token"] > 0 and row["client_cpu_us_per_token"] > 0
+    if framing in ("sse", "ndjson"):        # tokenwire's last chunk carries its stage timings
+        timings = row["server_timings_us_p50"]
+        assert 0 < timings["ttft_us"] <= timings["total_us"]
 
 
 def test_open_loop_sends_at_the_rate(mock_server):
