@@ -208,27 +208,35 @@ class IncrementalDecoder:
     """Any tokenizer: decode a short window of ids and emit what grew past the window's prefix.
 
     `ids[prefix_offset:read_offset]` decoded is `prefix_text`, text already emitted; each push
-    decodes `ids[prefix_offset:]`. The window is re-anchored every few tokens (one extra
-    decode), pending ids are capped, and skipped special tokens never enter it, so each
-    token costs at most ~1.25 decode calls over at most MAX_WINDOW + MAX_PENDING ids.
+    decodes `ids[prefix_offset:]`. Every few tokens the window is re-anchored (one extra
+    decode) to a recent character boundary — a point where the emitted text was complete —
+    because a window starting inside a multi-byte character decodes differently (byte
+    fallback turns a whole broken run into U+FFFD). Pending ids are capped and skipped special
+    tokens never enter the window, so a token costs about 1.25 decode calls over at most
+    MAX_WINDOW + MAX_PENDING ids, whatever the stream.
     """
 
     MAX_PENDING = 6     # ids held while the text ends in U+FFFD (a UTF-8 character is at most 4 bytes)
-    MAX_WINDOW = 8      # re-anchor once the emitted part of the window is this long ...
-    KEEP = 4            # ... keeping this many ids of context (SentencePiece spaces, merges)
+    MAX_WINDOW = 8      # re-anchor once the emitted part of the window is longer ...
+    KEEP = 4            # ... keeping about this many ids of context (SentencePiece spaces, merges)
 
     __slots__ = ("tokenizer", "skip_special_tokens", "special_ids", "ids", "prefix_offset",
-                 "read_offset", "prefix_text")
+                 "read_offset", "prefix_text", "boundaries")
     stopped = False
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool, special_ids: set):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.special_ids = special_ids if skip_special_tokens else frozenset()
-        self.ids = [i for i in prompt_ids[-self.KEEP * 2:] if i not in self.special_ids][-self.KEEP:]
+        tail = [i for i in prompt_ids[-self.KEEP * 2:] if i not in self.special_ids]
+        start = max(0, len(tail) - self.KEEP)
+        while start > 0 and REPLACEMENT in tokenizer.decode(tail[start:start + 1], skip_special_tokens=False):
+            start -= 1                       # begin the context on a whole character
+        self.ids = tail[start:]
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.prefix_text = self._decode(0, self.read_offset)
+        self.boundaries = [self.read_offset] if not self.prefix_text.endswith(REPLACEMENT) else []
 
     def _decode(self, start: int, stop: Optional[int] = None) -> str:
         return self.tokenizer.decode(self.ids[start:stop], skip_special_tokens=self.skip_special_tokens)
@@ -247,14 +255,26 @@ class IncrementalDecoder:
         delta = text[len(self.prefix_text):]
         self.read_offset = len(self.ids)
         self.prefix_text = text
+        if not text.endswith(REPLACEMENT):
+            self.boundaries.append(self.read_offset)
         if self.read_offset - self.prefix_offset > self.MAX_WINDOW:
-            self.prefix_offset = self.read_offset - self.KEEP
-            self.prefix_text = self._decode(self.prefix_offset, self.read_offset)
-            if self.prefix_offset > 1024:    # drop ids no window will see again
-                del self.ids[:self.prefix_offset]
-                self.read_offset -= self.prefix_offset
-                self.prefix_offset = 0
+            self._reanchor()
         return delta
+
+    def _reanchor(self) -> None:
+        """Move the window start to the boundary nearest KEEP ids back (or KEEP ids back when a
+        run of broken bytes left none within MAX_WINDOW)."""
+        read, target = self.read_offset, self.read_offset - self.KEEP
+        near = [b for b in self.boundaries if read - self.MAX_WINDOW < b < read]
+        start = max((b for b in near if b <= target), default=min(near, default=target))
+        self.boundaries = [b for b in self.boundaries if b > start]
+        self.prefix_offset = start
+        self.prefix_text = self._decode(start, read)
+        if start > 1024:                     # drop ids no window will see again
+            del self.ids[:start]
+            self.read_offset -= start
+            self.prefix_offset = 0
+            self.boundaries = [b - start for b in self.boundaries]
 
     def finish(self) -> str:
         if len(self.ids) == self.read_offset:

@@ -54,7 +54,8 @@ class EngineCore:
         self.detokenizer = Detokenizer(tokenizer)
         self.detokenizer.byte_table(skip_special_tokens=True)     # built now, not on the first request
         self.block_manager = BlockManager(executor.num_blocks, executor.block_size)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs,
+        # every running request decodes each step, so the token budget also bounds the batch
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.on_step = on_step
         self._cond = threading.Condition(threading.Lock())

@@ -1,0 +1,91 @@
+"""The CPU executor: SeqSteps -> ForwardBatch -> forward -> sampling.
+
+Contract:
+- `ModelRunner(model, block_size, num_blocks)` implements `Executor` (core/executor.py) for
+  any forward object with `.config` and `forward(ForwardBatch) -> float32 [S_sample, V]`
+  that owns a paged KV cache of `num_blocks` x `block_size` (the numpy `ReferenceModel`
+  today; the C-kernel model plugs in the same way). Sampling is core/sampling.py.
+- `kv_cache_num_blocks(...)` sizes the cache from a memory budget; `build_engine_core(...)`
+  goes from an engine directory (or a loaded `Engine`) to a ready `EngineCore`: the one
+  call `tokenwire serve` makes for the CPU backend.
+"""
+
+import logging
+from typing import Callable, Optional, Sequence
+
+from .config import ModelConfig
+from .executor import SeqStep, StepOutput
+from .forward_batch import build_forward_batch
+from .sampling import sample
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30        # 1 GiB unless told otherwise
+KV_BYTES_PER_VALUE = 4                  # the numpy reference keeps K and V in float32
+
+
+class ModelRunner:
+    """Executor over a forward object (hot path: `step`, once per engine step)."""
+
+    def __init__(self, model, block_size: int, num_blocks: int):
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+            if getattr(model, name, value) != value:
+                raise ValueError(f"the model's KV cache has {name}={getattr(model, name)}, the runner was given {value}")
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
+        batch = build_forward_batch(seqs, self.block_size)
+        logits = self.model.forward(batch)                      # [S_sample, V]
+        sampling_seqs = [s for s in seqs if s.sample]
+        if not sampling_seqs:
+            return StepOutput([])
+        return sample(logits, sampling_seqs)
+
+    def close(self) -> None:
+        self.model = None                                       # drop weights and cache
+
+
+def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = KV_BYTES_PER_VALUE) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * bytes_per_value
+
+
+def kv_cache_num_blocks(config: ModelConfig, block_size: int, max_model_len: int, max_num_seqs: int,
+                        kv_cache_bytes: Optional[int] = None) -> int:
+    """Blocks for `max_num_seqs` full contexts, capped by the byte budget (default 1 GiB), and
+    never fewer than one full context (a request must always fit alone)."""
+    per_block = kv_bytes_per_token(config) * block_size
+    blocks_per_seq = -(-max_model_len // block_size)
+    budget_blocks = (DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else kv_cache_bytes) // per_block
+    if kv_cache_bytes is not None and budget_blocks < blocks_per_seq:
+        raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds {budget_blocks * block_size} tokens, "
+                         f"fewer than one context of {max_model_len}; raise the budget or lower max_model_len "
+                         f"({per_block} bytes per block of {block_size} tokens)")
+    return max(blocks_per_seq, min(budget_blocks, blocks_per_seq * max_num_seqs))
+
+
+def build_engine_core(engine, *, kv_cache_bytes: Optional[int] = None, block_size: int = 16,
+                      max_model_len: Optional[int] = None, max_num_seqs: int = 256,
+                      model_factory: Optional[Callable] = None, **engine_kwargs):
+    """An engine directory path or a loaded `engine_build` Engine -> EngineCore on the CPU.
+
+    `model_factory(config, tensors, block_size, num_blocks)` builds the forward object
+    (default: core/model.ReferenceModel). `engine_kwargs` go to EngineCore
+    (max_num_batched_tokens, max_queued_requests, on_step)."""
+    from .engine_core import EngineCore
+    if not hasattr(engine, "tensors"):
+        from ..engine_build.engine_format import load_engine
+        engine = load_engine(engine)
+    if model_factory is None:
+        from .model import ReferenceModel as model_factory
+    config = engine.config
+    max_model_len = max_model_len or config.max_position_embeddings
+    num_blocks = kv_cache_num_blocks(config, block_size, max_model_len, max_num_seqs, kv_cache_bytes)
+    model = model_factory(config, engine.tensors, block_size, num_blocks)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
+             num_blocks * block_size * kv_bytes_per_token(config) / 2**20)
+    return EngineCore(ModelRunner(model, block_size, num_blocks), engine.tokenizer,
+                      eos_token_ids=engine.eos_token_ids, max_model_len=max_model_len,
+                      max_num_seqs=max_num_seqs, **engine_kwargs)
