@@ -9,6 +9,7 @@ is given).
 """
 
 import json
+import logging
 import time
 from collections import deque
 from pathlib import Path
@@ -17,6 +18,7 @@ from .app import ModelInfo
 from .chat_template import CHATML, ChatTemplate
 
 BACKENDS = ("cpu", "reference", "mock", "cuda")
+log = logging.getLogger("tokenwire.net")
 
 
 def load_model(spec: str | None, backend: str, *, step_times: deque, served_model_name: str | None = None,
@@ -46,15 +48,11 @@ def _read_template(path: str) -> str:
 
 
 def _load_mock(step_times, name, template_source, max_model_len, step_us, engine_kwargs):
-    from tokenwire.core.engine_core import EngineCore
-    from tokenwire.core.mock_executor import BOS, EOS, MockExecutor
-
-    from .server import TimedExecutor
+    from tokenwire.core.mock_executor import BOS, EOS, build_mock_engine_core
     max_model_len = max_model_len or 4096
-    inner = MockExecutor(step_us=step_us, max_model_len=max_model_len)
-    tokenizer = inner.tokenizer
-    engine = EngineCore(TimedExecutor(inner, step_times), tokenizer, eos_token_ids=inner.config.eos_token_ids,
-                        max_model_len=max_model_len, **engine_kwargs)
+    engine = build_mock_engine_core(step_us, max_model_len=max_model_len, **engine_kwargs)
+    _time_steps(engine, step_times)
+    tokenizer = engine.executor.inner.tokenizer
     template = ChatTemplate(template_source or CHATML, {"bos_token": BOS, "eos_token": EOS})
     info = ModelInfo(name=name or "mock", tokenizer=tokenizer,
                      encode=lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
@@ -64,25 +62,50 @@ def _load_mock(step_times, name, template_source, max_model_len, step_us, engine
 
 
 def _load_engine(spec, backend, step_times, name, template_source, max_model_len, engine_kwargs):
-    from tokenwire.core.engine_core import EngineCore
-    from tokenwire.core.model_runner import create_executor
-    from tokenwire.engine_build import default_engine_path, resolve_model
     from tokenwire.engine_build.engine_format import load_engine
-
-    from .server import TimedExecutor
-    path = default_engine_path() if spec is None else resolve_model(spec)
-    engine_dir = load_engine(path)
-    max_model_len = min(max_model_len or engine_dir.config.max_position_embeddings,
-                        engine_dir.config.max_position_embeddings)
-    executor = TimedExecutor(create_executor(engine_dir, backend=backend, max_model_len=max_model_len), step_times)
-    engine = EngineCore(executor, engine_dir.tokenizer, eos_token_ids=engine_dir.eos_token_ids,
-                        max_model_len=max_model_len, **engine_kwargs)
+    from tokenwire.engine_build.resolve import resolve_model
+    engine_dir = load_engine(resolve_model(spec, log=lambda line: log.info("%s", line)))
+    limit = engine_dir.config.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's {limit} positions")
+    max_model_len = max_model_len or limit
+    engine = _engine_core(engine_dir, backend, max_model_len, engine_kwargs)
+    _time_steps(engine, step_times)
     source = template_source or engine_dir.chat_template
     template = ChatTemplate(source, _special_tokens(engine_dir)) if source else None
     info = ModelInfo(name=name or engine_dir.name, tokenizer=engine_dir.tokenizer, encode=engine_dir.encode_prompt,
                      chat_template=template, max_model_len=max_model_len, created=int(time.time()),
                      description=engine_dir.description)
     return engine, info
+
+
+def _engine_core(engine_dir, backend, max_model_len, engine_kwargs):
+    """EngineCore over the backend's executor."""
+    if backend == "cuda":
+        return _cuda_engine_core(engine_dir, max_model_len, engine_kwargs)
+    from tokenwire.core.model_runner import build_engine_core
+    return build_engine_core(engine_dir, max_model_len=max_model_len, **engine_kwargs)
+
+
+def _cuda_engine_core(engine_dir, max_model_len, engine_kwargs):
+    from tokenwire.core.engine_core import EngineCore
+    try:
+        from tokenwire.kernels.cuda.driver import CudaError
+        from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
+        executor = CudaExecutor(engine_dir.config, engine_dir.tensors,
+                                CudaOptions(max_model_len=max_model_len, max_batch=engine_kwargs["max_num_seqs"]))
+    except ImportError as exc:
+        raise ValueError(f"the cuda backend is not available: {exc} (pip install cuda-python)") from None
+    except CudaError as exc:
+        raise ValueError(f"the cuda backend is not available: {exc}") from None
+    return EngineCore(executor, engine_dir.tokenizer, eos_token_ids=engine_dir.eos_token_ids,
+                      max_model_len=max_model_len, **engine_kwargs)
+
+
+def _time_steps(engine, step_times: deque) -> None:
+    """Route every executor step through TimedExecutor (before the engine thread starts)."""
+    from .server import TimedExecutor
+    engine.executor = TimedExecutor(engine.executor, step_times)
 
 
 def _special_tokens(engine_dir) -> dict:
