@@ -91,6 +91,7 @@ class App:
         self._touched = []
         self._firsts = []
         self._token_text_cache: dict[int, str] = {}
+        self._anchor_id = None
         self.step_times_ns = deque()        # filled by the engine thread (TimedExecutor), drained here
         self.shutting_down = False
         self.routes = {
@@ -250,9 +251,17 @@ class App:
         return cls(response_id, created, self.model.name, g.include_usage, self.token_text)
 
     def token_text(self, token_id: int) -> str:
+        """A token's text as it continues a text (logprobs), e.g. " there", not the
+        start-of-text form "there" a lone decode gives for SentencePiece pieces. Cached."""
         text = self._token_text_cache.get(token_id)
         if text is None:
-            text = self.model.tokenizer.decode([token_id], skip_special_tokens=False)
+            tokenizer = self.model.tokenizer
+            anchor = self._anchor_id
+            if anchor is None:
+                anchor = self._anchor_id = tokenizer.encode("a", add_special_tokens=False).ids[-1]
+            base = tokenizer.decode([anchor], skip_special_tokens=False)
+            both = tokenizer.decode([anchor, token_id], skip_special_tokens=False)
+            text = both[len(base):] if both.startswith(base) else tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_text_cache[token_id] = text
         return text
 
