@@ -112,34 +112,37 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def attention_mask(positions: np.ndarray, context_len: int, sliding_window: Optional[int]) -> np.ndarray:
-    """positions [n] of the queries -> bool [n, context_len]: key j is visible to a query at p."""
-    keys = np.arange(context_len)[None, :]
-    visible = keys <= positions[:, None]
+    """positions [..., n] of the queries -> bool [..., n, context_len]: key j is visible to a query at p."""
+    keys = np.arange(context_len)
+    visible = keys <= positions[..., None]
     if sliding_window is not None:
-        visible &= keys > positions[:, None] - sliding_window   # the last `sliding_window` positions, self included
+        visible &= keys > positions[..., None] - sliding_window   # the last `sliding_window` positions, self included
     return visible
 
 
-def paged_attention(q, k_cache, v_cache, block_table, context_len, positions, sliding_window, scale):
-    """One sequence's queries against its cached keys/values.
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, positions, sliding_window, scale):
+    """S sequences' n new queries each against their cached keys/values, gathered by block table.
 
-    q: [n, Hq, hd]; k_cache/v_cache: [num_blocks, block_size, Hkv, hd] (one layer);
-    block_table: [>= ceil(context_len / block_size)] physical blocks in position order.
-    -> [n, Hq * hd]
+    q: [S, n, Hq, hd]; positions: [S, n]; context_lens: [S];
+    block_tables: [S, >= ceil(max(context_lens) / block_size)] physical blocks in position order;
+    k_cache/v_cache: [num_blocks, block_size, Hkv, hd] (one layer).  -> [S, n, Hq * hd]
+    Keys past a sequence's own context (padding up to the longest) are masked out.
     """
-    n, num_heads, hd = q.shape
+    S, n, num_heads, hd = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    blocks = block_table[:-(-context_len // block_size)]
-    k = k_cache[blocks].reshape(-1, num_kv_heads, hd)[:context_len]       # [C, Hkv, hd]
-    v = v_cache[blocks].reshape(-1, num_kv_heads, hd)[:context_len]       # [C, Hkv, hd]
+    C = int(context_lens.max())
+    nb = -(-C // block_size)
+    k = k_cache[block_tables[:, :nb]].reshape(S, nb * block_size, num_kv_heads, hd)[:, :C]    # [S, C, Hkv, hd]
+    v = v_cache[block_tables[:, :nb]].reshape(S, nb * block_size, num_kv_heads, hd)[:, :C]    # [S, C, Hkv, hd]
+    v = np.where((np.arange(C) < context_lens[:, None])[:, :, None, None], v, 0)  # padding slots may hold anything
     group = num_heads // num_kv_heads                                      # query heads per KV head (GQA)
-    # contiguous [Hkv, group*n, hd] @ [Hkv, hd, C]: one batched GEMM per KV head
-    qg = np.ascontiguousarray(q.reshape(n, num_kv_heads, group, hd).transpose(1, 2, 0, 3)).reshape(num_kv_heads, group * n, hd)
-    scores = (qg @ np.ascontiguousarray(k.transpose(1, 2, 0))) * scale   # [Hkv, group*n, C]
-    mask = attention_mask(positions, context_len, sliding_window)         # [n, C]
-    scores = np.where(np.tile(mask, (group, 1)), scores, -np.inf)         # rows are (group, n) pairs
-    out = softmax(scores) @ np.ascontiguousarray(v.transpose(1, 0, 2))   # [Hkv, group*n, hd]
-    return out.reshape(num_kv_heads, group, n, hd).transpose(2, 0, 1, 3).reshape(n, num_heads * hd)
+    # [S, Hkv, group*n, hd] @ [S, Hkv, hd, C]: one GEMM per (sequence, KV head)
+    qg = q.reshape(S, n, num_kv_heads, group, hd).transpose(0, 2, 3, 1, 4).reshape(S, num_kv_heads, group * n, hd)
+    scores = (qg @ k.transpose(0, 2, 3, 1)) * scale                         # [S, Hkv, group*n, C]
+    mask = np.tile(attention_mask(positions, C, sliding_window), (1, group, 1))   # [S, group*n, C], rows (group, n)
+    probs = softmax(np.where(mask[:, None], scores, -np.inf))
+    out = probs @ v.transpose(0, 2, 1, 3)                                  # [S, Hkv, group*n, hd]
+    return out.reshape(S, num_kv_heads, group, n, hd).transpose(0, 3, 1, 2, 4).reshape(S, n, num_heads * hd)
 
 
 class ReferenceModel:
@@ -204,12 +207,22 @@ class ReferenceModel:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.write_kv(i, k, v, batch.slot_mapping)
         out = np.empty((T, c.q_size), dtype=np.float32)                                 # [T, Hq*hd]
-        for s in range(batch.num_seqs):
+        lens = np.diff(batch.seq_starts)
+        decode = np.flatnonzero(lens == 1)          # one-token sequences: all in one padded call
+        if len(decode):
+            rows = batch.seq_starts[decode]
+            out[rows] = self.attend(i, q[rows][:, None], batch, decode)[:, 0]
+        for s in np.flatnonzero(lens > 1):          # prefill chunks: one call each
             a, b = batch.seq_starts[s], batch.seq_starts[s + 1]
-            out[a:b] = paged_attention(q[a:b], self.k_cache[i], self.v_cache[i], batch.block_tables[s],
-                                       int(batch.context_lens[s]), batch.positions[a:b],
-                                       c.sliding_window, np.float32(c.head_dim ** -0.5))
+            out[a:b] = self.attend(i, q[a:b][None], batch, [s])[0]
         return self.linear(i, "o_proj", out, layer.o_proj)                             # [T, D]
+
+    def attend(self, i: int, q: np.ndarray, batch: ForwardBatch, seqs) -> np.ndarray:
+        """q: [S', n, Hq, hd] of the sequences `seqs` (n new tokens each) -> [S', n, Hq*hd]"""
+        c, starts = self.config, batch.seq_starts[seqs]
+        positions = batch.positions[starts[:, None] + np.arange(q.shape[1])]              # [S', n]
+        return paged_attention(q, self.k_cache[i], self.v_cache[i], batch.block_tables[seqs], batch.context_lens[seqs],
+                               positions, c.sliding_window, np.float32(c.head_dim ** -0.5))
 
     def mlp_block(self, i: int, layer: LayerWeights, x) -> np.ndarray:
         h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)                      # [T, D]

@@ -106,12 +106,24 @@ def test_paged_attention_matches_dense_causal(num_kv_heads, window):
     for p in range(n):
         k_cache[block_table[p // block_size], p % block_size] = k[p]
         v_cache[block_table[p // block_size], p % block_size] = v[p]
-    got = paged_attention(q, k_cache, v_cache, block_table, n, np.arange(n), window, np.float32(hd ** -0.5))
+    table, ctx = block_table[None], np.array([n])
+    got = paged_attention(q[None], k_cache, v_cache, table, ctx, np.arange(n)[None], window, np.float32(hd ** -0.5))[0]
     np.testing.assert_allclose(got, dense_attention(q, k, v, window), atol=1e-5)
     # the last 3 queries alone (a later chunk) see the same cache and give the same rows
-    tail = paged_attention(q[-3:], k_cache, v_cache, block_table, n, np.arange(n - 3, n), window,
-                           np.float32(hd ** -0.5))
+    tail = paged_attention(q[None, -3:], k_cache, v_cache, table, ctx, np.arange(n - 3, n)[None], window,
+                           np.float32(hd ** -0.5))[0]
     np.testing.assert_allclose(tail, got[-3:], atol=1e-6)
+    # one query per sequence for several sequences of different lengths (the decode path), padded to
+    # the longest: each sees only its own context, never the (NaN) slots past it
+    lens = np.array([n, 5, 1, 9])
+    tables = np.stack([block_table, block_table[[0, 1, 3, 2]], block_table, block_table])
+    queries = np.stack([q[n - 1], q[4], q[0], q[8]])[:, None]                     # [4, 1, Hq, hd]
+    got = paged_attention(queries, k_cache, v_cache, tables, lens, (lens - 1)[:, None], window,
+                          np.float32(hd ** -0.5))[:, 0]
+    np.testing.assert_allclose(got[0], dense_attention(q, k, v, window)[n - 1], atol=1e-5)
+    np.testing.assert_allclose(got[1], dense_attention(q[:5], k[:5], v[:5], window)[4], atol=1e-5)
+    np.testing.assert_allclose(got[2], dense_attention(q[:1], k[:1], v[:1], window)[0], atol=1e-5)
+    np.testing.assert_allclose(got[3], dense_attention(q[:9], k[:9], v[:9], window)[8], atol=1e-5)
 
 
 def test_sliding_window_mask_keeps_last_w_positions():
