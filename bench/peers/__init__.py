@@ -5,6 +5,7 @@ Servers (each its own process, pinned to one core; the load generator on another
   hypercorn   FastAPI + hypercorn, HTTP/2 h2c, SSE           (fastapi_app.py)
   uvicorn     FastAPI + uvicorn, HTTP/1.1 chunked, SSE        (fastapi_app.py)
   grpc        grpc.aio server-streaming RPC                   (grpc_peer.py, mock.proto)
+  ceiling     not a peer: canned HTTP/2 responses (bench/canned.py), the most the client can measure
 All stream one message per token of the same mock sequence (mock_source.py) at the same
 step time. They run one after another under the same closed-loop load from the lean
 clients; the 64-byte ping-pong floor is measured first, in the same run.
@@ -12,7 +13,7 @@ clients; the 64-byte ping-pong floor is measured first, in the same run.
 
 import argparse
 
-DEFAULT_SERVERS = "tokenwire,hypercorn,uvicorn,grpc"
+DEFAULT_SERVERS = "tokenwire,hypercorn,uvicorn,grpc,ceiling"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -69,7 +69,7 @@ async def _measure_all(args, servers, levels, server_core):
     rows, failures = [], {}
     for name in servers:
         port = free_port()
-        spec = peer_specs(port, args.step_us, args.trace)[name]
+        spec = peer_specs(port, args.step_us, args.trace, args.max_tokens)[name]
         target = make_target(HOST, port, spec.path, spec.protocol, spec.framing, args.prompt_len,
                              args.max_tokens)._replace(headers=spec.headers)
         print(f"{name}: {spec.what} ...", flush=True)

@@ -10,6 +10,7 @@ import math
 from typing import Optional
 
 from ..stats import fmt_us, table
+from .runner import CEILING
 
 TTFT_LOW_CONCURRENCY = 1
 LOADED_CONCURRENCY = 64
@@ -82,7 +83,7 @@ def side_by_side(summary: list, floor_p50_us: float) -> str:
 def ratios(summary: list, ours: str = "tokenwire") -> str:
     """Each peer's figure divided by tokenwire's (for tokens/s: tokenwire's over the peer's): >1 favours tokenwire."""
     mine = next((s for s in summary if s["server"] == ours), None)
-    peers = [s for s in summary if not s["server"].startswith("tokenwire")]
+    peers = _peers(summary)
     if mine is None or not peers:
         return ""
     headers = ["peer", "TTFT p50 ratio", "TTFT p99 ratio", "CPU/token ratio", "tokens/s ratio"]
@@ -95,7 +96,7 @@ def ratios(summary: list, ours: str = "tokenwire") -> str:
 def targets(summary: list, floor_p50_us: float, ours: str = "tokenwire") -> list:
     """(description, measured, met) for each of the issue's targets; empty without tokenwire."""
     mine = next((s for s in summary if s["server"] == ours), None)
-    peers = [s for s in summary if not s["server"].startswith("tokenwire")]
+    peers = _peers(summary)
     if mine is None:
         return []
     out = [(f"TTFT p50 @{mine['ttft_p50_concurrency']} <= {TARGET_TTFT_P50_US:.0f} µs "
@@ -120,6 +121,10 @@ def targets(summary: list, floor_p50_us: float, ours: str = "tokenwire") -> list
 
 def targets_table(rows: list) -> str:
     return table(["target", "measured", "met"], [[d, m, "yes" if ok else "NO"] for d, m, ok in rows])
+
+
+def _peers(summary: list) -> list:
+    return [s for s in summary if not s["server"].startswith("tokenwire") and s["server"] != CEILING]
 
 
 def _best(summaries: list, key: str) -> Optional[dict]:

@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 from ..loadgen import Target, closed_loop, open_pool, run_level
 
 HOST = "127.0.0.1"
+CEILING = "ceiling"         # not a peer: the canned server that bounds what the client can measure
 READY_TIMEOUT_S = 120.0
 
 
@@ -34,7 +35,7 @@ class PeerSpec(NamedTuple):
     headers: tuple = ()
 
 
-def peer_specs(port: int, step_us: float, trace: Optional[str] = None) -> dict:
+def peer_specs(port: int, step_us: float, trace: Optional[str] = None, max_tokens: int = 32) -> dict:
     """Every server this benchmark knows, by name."""
     py = [sys.executable, "-m"]
     step = ["--step-us", f"{step_us:g}"]
@@ -56,6 +57,9 @@ def peer_specs(port: int, step_us: float, trace: Optional[str] = None) -> dict:
         PeerSpec("uvicorn", "FastAPI StreamingResponse on uvicorn, HTTP/1.1, uvloop",
                  fastapi + ["--server", "uvicorn"], "h1", "sse", "/v1/completions"),
         PeerSpec("grpc", "grpc.aio server-streaming RPC, HTTP/2", grpc, "grpc", "grpc", "/"),
+        PeerSpec(CEILING, "canned HTTP/2 responses, no framework: what the load generator can measure at most",
+                 py + ["tokenwire.bench.canned", "--host", HOST, "--port", str(port), "--tokens", str(max_tokens)],
+                 "h2", "sse", "/v1/completions"),
     ]
     return {s.name: s for s in specs}
 
