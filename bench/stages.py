@@ -96,9 +96,15 @@ def build_setup(model, backends, prompt_len: int, batch: tuple, engine_batch: tu
     context = min(len(prompt_ids) + 2, engine.config.max_position_embeddings)
     for backend in [b.strip() for b in backends if b.strip()]:
         try:
-            executors[backend] = make_executor(engine, backend, context, max(engine_batch))
+            executor = make_executor(engine, backend, context, max(engine_batch))
         except (ValueError, RuntimeError, ImportError, OSError) as exc:
             skipped[backend] = str(exc)
+            continue
+        same = [b for b, e in executors.items() if forward_name(e) == forward_name(executor)]
+        if same:
+            skipped[backend] = f"it runs the same forward ({forward_name(executor)}) as {same[0]}"
+            continue
+        executors[f"{backend}: {forward_name(executor)}"] = executor
     payload = _sse_payload()
     return Setup(engine, executors, prompt_text, prompt_ids, batch, engine_batch, payload), skipped
 
@@ -133,18 +139,26 @@ def make_prompt(engine, prompt_len: int) -> tuple:
 
 
 def make_executor(engine, backend: str, context: int, max_batch: int):
-    """One backend's Executor over `engine`, with KV blocks for `max_batch` contexts of `context` tokens."""
-    from tokenwire.core import model_runner
-    create = getattr(model_runner, "create_executor", None)
-    if create is not None:
-        return create(engine, backend=backend, max_model_len=context)
-    if backend != "reference":
-        raise RuntimeError(f"no executor for backend {backend!r} in this tree (core.model_runner.create_executor)")
-    from tokenwire.core.model import ReferenceModel
-    block_size = 16
-    num_blocks = max_batch * -(-context // block_size)
-    model = ReferenceModel(engine.config, engine.tensors, block_size, num_blocks)
-    return model_runner.ModelRunner(model, block_size, num_blocks)
+    """One backend's Executor over `engine`, built the way `tokenwire serve` builds it
+    (net/model_loader.py), with KV room for `max_batch` contexts of `context` tokens."""
+    if backend == "cuda":
+        from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
+        return CudaExecutor(engine.config, engine.tensors, CudaOptions(max_model_len=context, max_batch=max_batch))
+    if backend not in ("reference", "cpu"):
+        raise ValueError(f"unknown backend {backend!r}; choose from reference, cpu, cuda")
+    from tokenwire.core.model_runner import build_engine_core
+    factory = {}
+    if backend == "reference":
+        from tokenwire.core.model import ReferenceModel
+        factory = {"model_factory": ReferenceModel}
+    core = build_engine_core(engine, max_model_len=context, max_num_seqs=max_batch, **factory)
+    return core.executor
+
+
+def forward_name(executor) -> str:
+    """The forward object behind an executor (ModelRunner.model), for labels."""
+    model = getattr(executor, "model", None)
+    return type(model if model is not None else executor).__name__
 
 
 def _sse_payload() -> bytes:
