@@ -21,6 +21,12 @@ Algorithms (`QuantOptions.algorithm`):
           ||X W^T - (X/s) Q(W')^T||; 1/s is folded exactly into whatever produces x (the
           RMSNorm weight for qkv and gate_up, the V rows for o_proj, the up rows for
           down_proj), then "clip" on the scaled weight. Needs calibration tokens.
+- "gptq": GPTQ: columns quantized in order, each one's error pushed onto the columns not yet
+          quantized through the inverse of H = X^T X; group ranges clip-searched.
+- "awq_gptq": the AWQ fold, then GPTQ on the scaled weights.
+The quantizer's report (see report.py's `sweep`) has the measured table; "awq" is the
+default: on stories260K at G=64 it gave the lowest perplexity increase, while the GPTQ
+variants give the lowest per-projection output error (and the best perplexity at G=32).
 """
 
 from dataclasses import dataclass, field
@@ -35,11 +41,15 @@ from .calibration import capture_activations, fold_awq_layer
 from .errors import BuildError
 
 GROUP_SIZES = (32, 64, 128)
-# Default 64, from the stories260K sweep in report.py / the quant report: G=32 costs 0.5 bit
-# per weight more (5.0 vs 4.5 bits with fp16 scale + zero) for a small gain once AWQ is on;
-# G=128 pads a 64-wide model to 128 (no saving there) and loses clearly more perplexity.
+# Default 64, from the stories260K sweep (python -m tokenwire.engine_build.report; AWQ, perplexity
+# increase on the shipped eval text): G=32 +5.5% at 5.0 bits/weight (fp16 scale + zero per group),
+# G=64 +6.1% at 4.5 bits, G=128 +6.7% at 4.25 bits. 64 keeps most of 32's quality for 10% fewer
+# bytes, which is what a bandwidth-bound decode pays for; 128 saves little more and, on models as
+# narrow as 64 (stories260K), pads every row to 128 columns and saves nothing at all.
 DEFAULT_GROUP_SIZE = 64
-ALGORITHMS = ("rtn", "clip", "awq")
+ALGORITHMS = ("rtn", "clip", "awq", "gptq", "awq_gptq")
+DEFAULT_ALGORITHM = "awq"
+NEEDS_CALIBRATION = ("awq", "gptq", "awq_gptq")
 METHODS = ("none", "int4")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")          # for embedding and lm_head
 CLIP_RATIOS = np.linspace(1.0, 0.5, 11)                # range kept: 100%, 95%, ..., 50%
@@ -52,7 +62,7 @@ class QuantOptions:
     method: str = "int4"                 # "none": every matrix dense
     group_size: int = DEFAULT_GROUP_SIZE
     symmetric: bool = False              # True: zero point 8 everywhere, scale from max |w|
-    algorithm: str = "awq"
+    algorithm: str = DEFAULT_ALGORITHM
     embedding: Optional[str] = None      # None: fp32 with method "none", fp16 with "int4"
     lm_head: Optional[str] = None        # same; ignored when the embedding is tied
 
@@ -215,6 +225,39 @@ def _tie_mean(mean_abs: np.ndarray, tie: tuple) -> np.ndarray:
     return np.broadcast_to(m, (num_kv_heads, group, hd)).reshape(-1)
 
 
+def gptq_int4(w: np.ndarray, x: np.ndarray, group_size: int, symmetric: bool, damp: float = 0.01) -> dict:
+    """GPTQ: quantize columns left to right, pushing each column's error onto the columns not
+    yet quantized, weighted by the inverse Hessian of ||x w^T - x w_hat^T||^2 (H = x^T x / T).
+    Each group's scale/zero come from its weights as updated so far, clip-searched against
+    H's diagonal block (that group's X^T X). w: [N, K], x: [T, K] -> the int4 parts."""
+    wp = pad_k(w, group_size).astype(np.float64)                          # [N, Kp]
+    n, kp = wp.shape
+    xp = pad_k(x, group_size).astype(np.float64)
+    h = xp.T @ xp / len(xp)                                               # [Kp, Kp]
+    dead = np.diag(h) == 0                                                # padding and never-active inputs
+    h[dead, dead] = 1.0
+    wp[:, dead] = 0.0
+    h += damp * np.mean(np.diag(h)) * np.eye(kp)
+    h_inv = np.linalg.cholesky(np.linalg.inv(h)).T                        # upper Cholesky factor of H^-1
+    scales = np.empty((n, kp // group_size), dtype=np.float16)
+    zeros = np.empty((n, kp // group_size), dtype=np.float16)
+    q = np.empty((n, kp), dtype=np.uint8)
+    for g, k0 in enumerate(range(0, kp, group_size)):
+        k1 = k0 + group_size
+        block = wp[:, k0:k1]                                              # [N, G], updated in place
+        gram = h[None, k0:k1, k0:k1].astype(np.float32)
+        clip = search_clip(block.astype(np.float32), gram, group_size, symmetric)
+        scales[:, g:g + 1], zeros[:, g:g + 1] = get_group_qparams(block.astype(np.float32), group_size, symmetric, clip)
+        s, z = scales[:, g].astype(np.float64), zeros[:, g].astype(np.float64)
+        err = np.empty((n, group_size))                                   # [N, G] scaled errors
+        for j in range(group_size):
+            q[:, k0 + j] = np.clip(np.round(block[:, j] / s) + z, 0, 15)
+            err[:, j] = (block[:, j] - (q[:, k0 + j] - z) * s) / h_inv[k0 + j, k0 + j]
+            block[:, j + 1:] -= np.outer(err[:, j], h_inv[k0 + j, k0 + j + 1:k1])
+        wp[:, k1:] -= err @ h_inv[k0:k1, k1:]                             # the rest of the row, in one GEMM
+    return {"qweight": pack(q), "scales": scales, "zeros": zeros}
+
+
 # ---------------------------------------------------------------------- the whole model
 
 @dataclass
@@ -261,7 +304,7 @@ def quantize_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], optio
     evaluation_token_ids: sequences of a different text; when given (int4 only), the report's
     `evaluation` holds float vs quantized perplexity on it (report.evaluate_model).
     """
-    if options.algorithm == "awq" and options.method == "int4" and not calibration_token_ids:
+    if options.algorithm in NEEDS_CALIBRATION and options.method == "int4" and not calibration_token_ids:
         raise BuildError(None, "the awq algorithm needs calibration text (or choose the rtn or clip algorithm)")
     acts = {}
     if options.method == "int4" and calibration_token_ids:
@@ -282,7 +325,7 @@ def encode_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], options
     Works one layer at a time: only one layer's float matrices are held at once.
     """
     from tqdm import tqdm
-    if options.algorithm == "awq" and options.method == "int4" and not acts:
+    if options.algorithm in NEEDS_CALIBRATION and options.method == "int4" and not acts:
         raise BuildError(None, "the awq algorithm needs calibration activations")
     vectors = {name: _read_vector(tensors, name, shape) for name, shape in vector_shapes(config).items()}
     report = QuantReport(options.manifest(), 0)
@@ -291,7 +334,7 @@ def encode_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], options
     for names in _matrix_groups(config):
         weights = {name: _read_matrix(tensors, name, config) for name in names}
         folded = {}
-        if options.method == "int4" and options.algorithm == "awq" and names[0].startswith("layers."):
+        if options.method == "int4" and options.algorithm in ("awq", "awq_gptq") and names[0].startswith("layers."):
             folded = fold_awq_layer(config, int(names[0].split(".")[1]), weights, vectors, acts, _awq_search(options))
         for name in names:
             _encode_matrix(name, weights[name], folded.get(name, (None, None)), tensors, config, options,
@@ -322,7 +365,8 @@ def _encode_matrix(name, w, scales, tensors, config, options, acts, encoded, met
     row, col = scales
     shape = linear_shapes(config)[name]
     encoding = _encoding(name, options)
-    parts = _encode(w, encoding, options, _gram(acts, col, shape[1], options))
+    x = None if acts is None else (acts.fit if col is None else acts.fit / col)
+    parts = _encode(w, encoding, options, x)
     encoded.update({f"{name}.{part}": a for part, a in parts.items()})
     meta[name] = {"kind": "dense" if encoding in FLOAT_DTYPES else encoding, "shape": list(shape)}
     w_hat = dequantize(parts, shape[1]) if "qweight" in parts else parts["weight"]
@@ -357,21 +401,18 @@ def _encoding(name: str, options: QuantOptions) -> str:
     return "int4" if options.method == "int4" else "fp32"
 
 
-def _encode(w: np.ndarray, encoding: str, options: QuantOptions, gram: Optional[np.ndarray]) -> dict:
+def _encode(w: np.ndarray, encoding: str, options: QuantOptions, x: Optional[np.ndarray]) -> dict:
+    """x: calibration inputs [T, K] in the basis of the stored (AWQ-scaled) weight, or None."""
     if encoding in FLOAT_DTYPES:
         return {"weight": w.astype(FLOAT_DTYPES[encoding])}
     if encoding == "int8":
         return quantize_int8(w)
-    clip = 1.0
-    if options.algorithm != "rtn":
-        clip = search_clip(w, gram, options.group_size, options.symmetric)
+    if options.algorithm == "rtn":
+        return quantize_int4(w, options.group_size, options.symmetric)
+    if options.algorithm in ("gptq", "awq_gptq") and x is not None:
+        return gptq_int4(w, x, options.group_size, options.symmetric)
+    clip = search_clip(w, group_gram(x, w.shape[1], options.group_size), options.group_size, options.symmetric)
     return quantize_int4(w, options.group_size, options.symmetric, clip)
-
-
-def _gram(acts, col, k: int, options: QuantOptions) -> np.ndarray:
-    """The clip search's per-group X^T X, in the basis of the stored (AWQ-scaled) weight."""
-    x = None if acts is None else (acts.fit if col is None else acts.fit / col)
-    return group_gram(x, k, options.group_size)
 
 
 def _awq_search(options: QuantOptions):

@@ -90,7 +90,7 @@ def greedy_agreement(fp: ReferenceModel, quant: ReferenceModel, prompt_ids, num_
 # ---------------------------------------------------------------------- the group size x algorithm table
 
 def sweep(config: ModelConfig, tensors, calibration: Sequence[Sequence[int]], eval_sequences, prompt_ids,
-          group_sizes=(32, 64, 128), algorithms=("rtn", "clip", "awq"), symmetric=False,
+          group_sizes=(32, 64, 128), algorithms=("rtn", "clip", "awq", "gptq", "awq_gptq"), symmetric=False,
           num_greedy: int = 200, progress: bool = False) -> list:
     """Quantize `tensors` (canonical float, engine_build/source.py) every way. -> [row dict]"""
     from .calibration import capture_activations
