@@ -2,6 +2,7 @@
 searches against plain round-to-nearest, and the AWQ fold against the float model it must
 leave unchanged."""
 
+import json
 import math
 
 import numpy as np
@@ -197,7 +198,7 @@ def test_quantize_model_encodings_and_meta_follow_the_engine_format():
     tensors = canonical_tensors(cfg)
     ids = np.random.default_rng(6).integers(0, cfg.vocab_size, 200).tolist()
     encoded, meta, report = quantize_model(cfg, tensors, QuantOptions(group_size=32, embedding="int8", lm_head="int4"),
-                                           split_sequences(ids, 64))
+                                           split_sequences(ids, 64), evaluation_token_ids=[ids[:50], ids[50:90]])
     assert meta["embed"] == {"kind": "int8", "shape": [64, 40]}
     assert meta["lm_head"] == {"kind": "int4", "shape": [64, 40]}
     assert meta["layers.0.down_proj"] == {"kind": "int4", "shape": [40, 40]}
@@ -209,8 +210,10 @@ def test_quantize_model_encodings_and_meta_follow_the_engine_format():
     assert {t.name for t in report.tensors} == set(linear_shapes(cfg))
     assert all(0 < t.weight_rel_error < 0.3 for t in report.tensors)
     assert all(t.output_rel_error is not None for t in report.tensors if t.name != "embed")
-    d = report.to_dict()
+    d = json.loads(json.dumps(report.to_dict()))        # goes into engine.json as is
     assert d["quantization"]["algorithm"] == "awq" and d["num_calibration_tokens"] == 200
+    assert d["evaluation"]["num_eval_tokens"] == 49 + 39
+    assert d["evaluation"]["quant_perplexity"] > 0 and d["evaluation"]["fp_perplexity"] > 0
     model = ReferenceModel(cfg, encoded)          # the reference forward reads every encoding
     assert np.all(np.isfinite(sequence_logits(model, ids[:10])))
 
