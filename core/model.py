@@ -12,8 +12,10 @@ Contract:
   `[S_sample, vocab]` for `batch.logits_indices` only.
 - Family quirks are plain config fields (core/config.py); nothing branches on a family name.
 
-Clarity over speed: one Python loop over layers and one over sequences for attention,
-everything else is a whole-batch matrix product. All math is float32; RoPE angles float64.
+Clarity over speed: one Python loop over layers; attention is one padded call for all the
+step's decode tokens plus one call per prefill chunk; everything else is a whole-batch
+matrix product. All math is float32; RoPE angles float64. Weights are decoded to float32
+once at load, so an INT4 engine runs exactly the function its dequantized weights define.
 """
 
 from dataclasses import dataclass
