@@ -10,7 +10,9 @@ Contract:
   so the model computes the same function while each projection's input channels are
   rescaled for quantization; it returns each projection's row and column scales, so the
   report can map a quantized weight back to the original basis.
-- `default_calibration_text()` is the shipped text (engine_build/data/calibration.txt).
+- `default_calibration_text()` / `default_eval_text()`: the shipped texts (engine_build/data/),
+  short original children's stories (in distribution for stories260K; plain English for
+  any other model). The eval text is a different set of stories, never calibrated on.
 """
 
 from dataclasses import dataclass
@@ -51,6 +53,10 @@ class Activations:
 class _RecordingModel(ReferenceModel):
     """The reference forward, with every projection's input appended to `self.records`."""
 
+    def __init__(self, *args, **kwargs):
+        self.records = {}                   # projection name -> [float32 [T, K] per forward]
+        super().__init__(*args, **kwargs)
+
     def linear(self, layer, name, x, w):
         key = "lm_head" if layer < 0 else f"layers.{layer}.{name}"
         self.records.setdefault(key, []).append(np.array(x, dtype=np.float32))
@@ -68,7 +74,6 @@ def capture_activations(config: ModelConfig, engine_tensors: Mapping[str, np.nda
         raise BuildError(None, f"a calibration sequence has {longest} tokens, more than the model's "
                                f"{config.max_position_embeddings} positions (use split_sequences)")
     model = _RecordingModel(config, engine_tensors, block_size=16, num_blocks=-(-longest // 16))
-    model.records = {}
     for seq in tqdm(sequences, desc="calibrating", unit="seq", disable=not progress):
         sequence_logits(model, seq)
     return {key: _split(np.concatenate(rows)) for key, rows in model.records.items()}
