@@ -13,8 +13,8 @@ from tokenwire.bench.stage_fns import Stage
 from tokenwire.bench.stages import time_stage
 
 STAGE_PREFIXES = ["parse + validate /v1/completions", "parse + validate /v1/chat/completions", "chat template",
-                  "tokenize prompt", "scheduler step, mock executor", "engine prefill [reference]",
-                  "engine decode step [reference]", "sampling greedy", "sampling T=0.8", "detokenize",
+                  "tokenize prompt", "scheduler step, mock executor", "engine prefill [reference: ",
+                  "engine decode step [reference: ", "sampling greedy", "sampling T=0.8", "detokenize",
                   "engine -> loop hand-off", "encode SSE chunk (completions)", "encode SSE chunk (chat)",
                   "encode NDJSON line", "encode binary token", "HTTP/2 DATA frames via H2Session",
                   "loopback socket send"]
