@@ -70,10 +70,10 @@ async def _measure_all(args, servers, levels, server_core):
     for name in servers:
         port = free_port()
         spec = peer_specs(port, args.step_us, args.trace, args.max_tokens)[name]
-        target = make_target(HOST, port, spec.path, spec.protocol, spec.framing, args.prompt_len,
-                             args.max_tokens)._replace(headers=spec.headers)
         print(f"{name}: {spec.what} ...", flush=True)
         try:
+            target = make_target(HOST, port, spec.path, spec.protocol, spec.framing, args.prompt_len,
+                                 args.max_tokens)._replace(headers=spec.headers)
             rows += await measure_server(spec, target, levels, server_core, args.max_tokens)
         except (RuntimeError, OSError, TimeoutError) as exc:
             failures[name] = str(exc)
