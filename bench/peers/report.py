@@ -73,10 +73,12 @@ def server_stages_table(rows: list) -> str:
 
 
 def side_by_side(summary: list, floor_p50_us: float) -> str:
-    headers = ["server", "TTFT p50", "TTFT p99", "CPU µs/token", "max tokens/s (1 core)", "TTFT p50 / floor"]
+    headers = ["server", "TTFT p50", "TTFT p99", "CPU µs/token", "max tokens/s (1 core)", "TTFT p50 - floor",
+               "TTFT p50 / floor"]
     body = [[s["server"], _at(s["ttft_p50_us"], s["ttft_p50_concurrency"]),
              _at(s["ttft_p99_us"], s["ttft_p99_concurrency"]), _at(s["cpu_us_per_token"], s["cpu_concurrency"]),
-             _tput(s), f"{s['ttft_p50_us'] / floor_p50_us:.1f}x" if s["ttft_p50_us"] else "-"] for s in summary]
+             _tput(s), fmt_us(s["ttft_p50_us"] - floor_p50_us) if s["ttft_p50_us"] else "-",
+             f"{s['ttft_p50_us'] / floor_p50_us:.1f}x" if s["ttft_p50_us"] else "-"] for s in summary]
     return table(headers, body) + "\n(µs; @N: at concurrency N)"
 
 
