@@ -18,7 +18,9 @@ open for load balancers and scrapers.
 import hmac
 import itertools
 import logging
+import threading
 import time
+from bisect import bisect_left
 from collections import deque
 from typing import Callable, NamedTuple
 
@@ -54,7 +56,8 @@ class ModelInfo(NamedTuple):
 class Exchange:
     """One generation request in flight: where its bytes go and how they are encoded."""
     __slots__ = ("request_id", "proto", "stream_id", "route", "encoder", "streaming", "timeline",
-                 "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs")
+                 "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
+                 "send", "encode")
 
     def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
                  created, want_logprobs):
@@ -72,6 +75,8 @@ class Exchange:
         self.token_ids = []
         self.logprobs = []
         self.want_logprobs = want_logprobs
+        self.send = proto.session.send_data                     # bound once: called per token
+        self.encode = encoder.token if encoder is not None else None
 
 
 class App:
@@ -93,6 +98,8 @@ class App:
         self._token_text_cache: dict[int, str] = {}
         self._anchor_id = None
         self.step_times_ns = deque()        # filled by the engine thread (TimedExecutor), drained here
+        self._step_taken = threading.Semaphore(0)    # released when the loop picks a step up
+        self.detached = False
         self.shutting_down = False
         self.routes = {
             "/v1/completions": {"POST": self._completions},
@@ -268,40 +275,66 @@ class App:
     # ------------------------------------------------------------ dispatch
 
     def on_step_threadsafe(self, outputs: list) -> None:
-        """Engine thread: wake the loop once per step."""
+        """Engine thread, once per step: hand the step to the loop, then wait until the loop
+        has picked it up.
+
+        The wait releases the GIL at once, so the loop writes these tokens now instead of
+        after the engine's next step (or the interpreter's 5 ms switch interval), and the
+        engine never runs more than one step ahead of the wire: a slow loop makes batches
+        bigger instead of letting steps pile up."""
+        if self.detached:
+            return
         self.loop.call_soon_threadsafe(self.on_step, outputs)
+        taken = self._step_taken
+        while not taken.acquire(timeout=0.1):
+            if self.detached:
+                return
+
+    def detach(self) -> None:
+        """The loop is stopping: never block the engine thread again."""
+        self.detached = True
+        self._step_taken.release()
 
     def on_step(self, outputs: list) -> None:
+        """Loop side of the hand-off: release the engine thread, then write the step."""
+        self._step_taken.release()
+        self._dispatch_step(outputs)
+
+    def _dispatch_step(self, outputs: list) -> None:
         """Write one engine step's outputs to every stream (hot path: once per step).
 
         Frames for all streams of a connection are gathered in its session and leave in
-        one transport write per connection.
+        one transport write per connection. The inter-token histogram is updated inline
+        (one bisect per token, sums once per step).
         """
         now = time.monotonic_ns()
         exchanges = self.exchanges
         touched = self._touched
         itl = self.metrics.itl
-        num_tokens = 0
+        itl_counts, itl_bounds = itl.counts, itl.bounds_ns
+        itl_sum = itl_n = num_tokens = 0
         for out in outputs:
             ex = exchanges.get(out.request_id)
             if ex is None:
                 continue            # cancelled: the client is gone
-            proto = ex.proto
             if out.token_ids:
                 num_tokens += len(out.token_ids)
                 if ex.streaming:
-                    if ex.last_ns:
-                        itl.observe_ns(now - ex.last_ns)
+                    last = ex.last_ns
+                    if last:
+                        gap = now - last
+                        itl_counts[bisect_left(itl_bounds, gap)] += 1
+                        itl_sum += gap
+                        itl_n += 1
                     else:
                         self._open_stream(ex)
                     ex.last_ns = now
-                    payload = ex.encoder.token(out)
-                    if payload:
-                        proto.session.send_data(ex.stream_id, payload)
+                    ex.send(ex.stream_id, ex.encode(out))
                 else:
                     self._collect(ex, out)
             if out.finish_reason is not None:
                 self._finish(ex, out, now)
+            proto = ex.proto
             if not proto.dirty:
                 proto.dirty = True
                 touched.append(proto)
@@ -309,12 +342,17 @@ class App:
             proto.dirty = False
             proto.flush()
         touched.clear()
+        itl.sum_ns += itl_sum
+        itl.count += itl_n
         if num_tokens:
             wire_ns = time.monotonic_ns()
             self.metrics.engine_to_wire.observe_many_ns(wire_ns - outputs[0].step_done_ns, num_tokens)
             self.metrics.streamed_tokens += num_tokens
             if self._firsts:
                 self._stamp_first_tokens(wire_ns)
+        times = self.step_times_ns
+        while times:
+            self.metrics.step.observe_ns(times.popleft())
 
     def _open_stream(self, ex: Exchange) -> None:
         """Response HEADERS go out with the first token: one write, and TTFT is the first token's.
@@ -386,7 +424,6 @@ class App:
         m.e2e.observe_ns(now - t.arrived_ns)
         if t.first_scheduled_ns and t.queued_ns:
             m.queue.observe_ns(t.first_scheduled_ns - t.queued_ns)
-        self._drain_step_times()
         if self.trace is not None:
             self.trace.add(ex.request_id, ex.route, t, now)
 

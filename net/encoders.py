@@ -61,11 +61,11 @@ def server_timing(timings: dict) -> bytes:
 class _Sse:
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
-    __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_head", "_include_usage",
+    __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_fields", "_include_usage",
                  "_token_text", "_offset")
 
-    def __init__(self, head: bytes, include_usage: bool, token_text: Callable[[int], str]):
-        self._head = head                       # b'{"id":...,"model":...'  (no closing brace)
+    def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str]):
+        self._fields = fields                   # id, object, created, model: the head of every chunk
         self._include_usage = include_usage
         self._token_text = token_text
         self._offset = 0                        # text offset (completions logprobs)
@@ -101,9 +101,7 @@ class _Sse:
         return b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in parts) + SSE_DONE
 
     def _chunk(self, choices: list) -> dict:
-        d = orjson.loads(self._head + b"}")
-        d["choices"] = choices
-        return d
+        return dict(self._fields, choices=choices)
 
 
 class CompletionSse(_Sse):
@@ -112,8 +110,9 @@ class CompletionSse(_Sse):
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
                  token_text: Callable[[int], str]):
-        head = orjson.dumps({"id": request_id, "object": "text_completion", "created": created, "model": model})[:-1]
-        super().__init__(head, include_usage, token_text)
+        fields = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+        super().__init__(fields, include_usage, token_text)
+        head = orjson.dumps(fields)[:-1]
         usage_tail = b',"usage":null' if include_usage else b""
         self._prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
         self._first_prefix = None
@@ -143,9 +142,9 @@ class ChatSse(_Sse):
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
                  token_text: Callable[[int], str]):
-        head = orjson.dumps({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                             "model": model})[:-1]
-        super().__init__(head, include_usage, token_text)
+        fields = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        super().__init__(fields, include_usage, token_text)
+        head = orjson.dumps(fields)[:-1]
         usage_tail = b',"usage":null' if include_usage else b""
         start = b"data: " + head + b',"choices":[{"index":0,"delta":{'
         self._prefix = start + b'"content":'

@@ -251,6 +251,7 @@ class Server:
     def _close_everything(self) -> None:
         for server in self._servers:
             server.close()
+        self.app.detach()               # the engine thread must not wait for this loop any more
         if self.engine is not None:
             self.engine.shutdown(timeout=10)
         if self.app.trace is not None:
