@@ -1,0 +1,234 @@
+/* AVX2 + FMA + F16C kernels: the path for x86-64 CPUs without AVX-512 (client parts, older
+ * servers). Same tiled layout and arithmetic as kern_avx512.c; a 16-row tile is two ymm
+ * halves. Nibbles become floats by shift + mask + convert (a 16-entry vpermps table needs
+ * AVX-512); the q8 path multiplies with vpmaddubsw (u8 x s8 pairs into int16, no overflow:
+ * 2 * 15 * 127 < 32767, and two of them summed still fit) and widens with vpmaddwd.
+ * Only 16 vector registers here, so activation blocks are at most 2 rows. */
+#include "tw.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#include <immintrin.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void store_tile(float *y, __m256 lo, __m256 hi, int rows) {
+    if (rows >= TW_TILE) {
+        _mm256_storeu_ps(y, lo);
+        _mm256_storeu_ps(y + 8, hi);
+        return;
+    }
+    float tmp[TW_TILE];
+    _mm256_storeu_ps(tmp, lo);
+    _mm256_storeu_ps(tmp + 8, hi);
+    memcpy(y, tmp, (size_t)rows * sizeof(float));
+}
+
+INLINE __m256 load_half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p)); }
+
+/* ---------------------------------------------------------------- INT4 x fp32 */
+
+INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB) {
+    const int NACC = MB == 1 ? 2 : 1;
+    const __m256i mask4 = _mm256_set1_epi32(15);
+    const int ng = w->num_groups, gs = w->group_size, chunks = gs / 8, kp = a->kp;
+    const uint8_t *block = w->data + (size_t)t * ng * w->block_bytes;
+    __m256 F[2][2];
+    for (int i = 0; i < MB; i++) F[i][0] = F[i][1] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++, block += w->block_bytes) {
+        const __m256i *q = (const __m256i *)(block + 64);
+        const float *x[2];
+        __m256 A[2][2][2];                                    /* [row][half][acc] */
+        for (int i = 0; i < MB; i++) {
+            x[i] = a->x + (size_t)(m0 + i) * kp + (size_t)g * gs;
+            for (int u = 0; u < NACC; u++) A[i][0][u] = A[i][1][u] = _mm256_setzero_ps();
+        }
+        for (int c = 0; c < chunks; c++) {
+            const __m256i w0 = _mm256_load_si256(q + 2 * c), w1 = _mm256_load_si256(q + 2 * c + 1);
+            for (int j = 0; j < 8; j++) {
+                const __m256 v0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w0, 4 * j), mask4));
+                const __m256 v1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w1, 4 * j), mask4));
+                for (int i = 0; i < MB; i++) {
+                    const __m256 xv = _mm256_broadcast_ss(x[i] + 8 * c + j);
+                    A[i][0][j % NACC] = _mm256_fmadd_ps(v0, xv, A[i][0][j % NACC]);
+                    A[i][1][j % NACC] = _mm256_fmadd_ps(v1, xv, A[i][1][j % NACC]);
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = load_half8(block + 16 * h), z = load_half8(block + 32 + 16 * h);
+            for (int i = 0; i < MB; i++) {
+                __m256 acc = NACC == 2 ? _mm256_add_ps(A[i][h][0], A[i][h][1]) : A[i][h][0];
+                const __m256 xs = _mm256_set1_ps(a->xsum[(size_t)(m0 + i) * ng + g]);
+                F[i][h] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, xs, acc), F[i][h]);
+            }
+        }
+    }
+    const int rows = w->n - t * TW_TILE;
+    for (int i = 0; i < MB; i++) store_tile(y + (size_t)(m0 + i) * ldy + t * TW_TILE, F[i][0], F[i][1], rows);
+}
+
+static void int4_f32_avx2(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
+        int m = 0;
+        for (; m + 2 <= a->m; m += 2) tile_f32(w, a, y, ldy, t, m, 2);
+        if (m < a->m) tile_f32(w, a, y, ldy, t, m, 1);
+    }
+}
+
+/* ---------------------------------------------------------------- INT4 x q8 */
+
+INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const int ng = w->num_groups, gs = w->group_size, chunks = gs / 8, kp = a->kp;
+    const uint8_t *block = w->data + (size_t)t * ng * w->block_bytes;
+    __m256 F[2][2];
+    for (int i = 0; i < MB; i++) F[i][0] = F[i][1] = _mm256_setzero_ps();
+    for (int g = 0; g < ng; g++, block += w->block_bytes) {
+        const __m256i *q = (const __m256i *)(block + 64);
+        const int32_t *x[2];
+        __m256i A[2][2];
+        for (int i = 0; i < MB; i++) {
+            x[i] = (const int32_t *)(a->xq + (size_t)(m0 + i) * kp + (size_t)g * gs);
+            A[i][0] = A[i][1] = _mm256_setzero_si256();
+        }
+        for (int c = 0; c < chunks; c++) {
+            for (int h = 0; h < 2; h++) {
+                const __m256i wv = _mm256_load_si256(q + 2 * c + h);
+                const __m256i lo = _mm256_and_si256(wv, low4);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
+                for (int i = 0; i < MB; i++) {
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x[i][2 * c])),
+                                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x[i][2 * c + 1])));
+                    A[i][h] = _mm256_add_epi32(A[i][h], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = load_half8(block + 16 * h), z = load_half8(block + 32 + 16 * h);
+            for (int i = 0; i < MB; i++) {
+                const size_t mg = (size_t)(m0 + i) * ng + g;
+                const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(A[i][h]), _mm256_set1_ps(a->xd[mg]));
+                F[i][h] = _mm256_fmadd_ps(s, _mm256_fnmadd_ps(z, _mm256_set1_ps(a->xqsum[mg]), dot), F[i][h]);
+            }
+        }
+    }
+    const int rows = w->n - t * TW_TILE;
+    for (int i = 0; i < MB; i++) store_tile(y + (size_t)(m0 + i) * ldy + t * TW_TILE, F[i][0], F[i][1], rows);
+}
+
+static void int4_q8_avx2(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
+        int m = 0;
+        for (; m + 2 <= a->m; m += 2) tile_q8(w, a, y, ldy, t, m, 2);
+        if (m < a->m) tile_q8(w, a, y, ldy, t, m, 1);
+    }
+}
+
+/* ---------------------------------------------------------------- dense / int8 rows */
+
+INLINE __m256 load_row8(const void *w, int kind, size_t idx) {
+    switch (kind) {
+    case TW_W_F32: return _mm256_loadu_ps((const float *)w + idx);
+    case TW_W_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + idx)));
+    default: {
+        int64_t eight;
+        memcpy(&eight, (const int8_t *)w + idx, 8);
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(eight)));
+    }
+    }
+}
+
+INLINE float weight_at(const void *w, int kind, size_t idx) {
+    switch (kind) {
+    case TW_W_F32: return ((const float *)w)[idx];
+    case TW_W_F16: return tw_half_to_float(((const uint16_t *)w)[idx]);
+    default: return (float)((const int8_t *)w)[idx];
+    }
+}
+
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void rows_avx2(const void *w, const uint16_t *row_scales, int kind, int k,
+                      const float *x, int ldx, int m, float *y, int ldy, int n0, int n1) {
+    const int k8 = k / 8 * 8;
+    for (int n = n0; n < n1; n++) {
+        const float scale = kind == TW_W_I8 ? tw_half_to_float(row_scales[n]) : 1.0f;
+        for (int i = 0; i < m; i += 2) {
+            const int two = i + 1 < m;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            const float *x0 = x + (size_t)i * ldx, *x1 = two ? x0 + ldx : x0;
+            for (int kk = 0; kk < k8; kk += 8) {
+                const __m256 wv = load_row8(w, kind, (size_t)n * k + kk);
+                a0 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x0 + kk), a0);
+                a1 = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x1 + kk), a1);
+            }
+            float s0 = hsum8(a0), s1 = hsum8(a1);
+            for (int kk = k8; kk < k; kk++) {
+                const float wk = weight_at(w, kind, (size_t)n * k + kk);
+                s0 += wk * x0[kk];
+                s1 += wk * x1[kk];
+            }
+            y[(size_t)i * ldy + n] = s0 * scale;
+            if (two) y[(size_t)(i + 1) * ldy + n] = s1 * scale;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- vector helpers (attention) */
+
+static float dot_avx2(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void axpy_avx2(float *y, float alpha, const float *x, int n) {
+    const __m256 av = _mm256_set1_ps(alpha);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += alpha * x[i];
+}
+
+static float read_sum_avx2(const uint8_t *p, size_t bytes) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < bytes; i += 128) {
+        a0 = _mm256_add_epi32(a0, _mm256_load_si256((const __m256i *)(p + i)));
+        a1 = _mm256_add_epi32(a1, _mm256_load_si256((const __m256i *)(p + i + 32)));
+        a2 = _mm256_add_epi32(a2, _mm256_load_si256((const __m256i *)(p + i + 64)));
+        a3 = _mm256_add_epi32(a3, _mm256_load_si256((const __m256i *)(p + i + 96)));
+    }
+    __m256i s = _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3));
+    int32_t lanes[8];
+    _mm256_storeu_si256((__m256i *)lanes, s);
+    return (float)(lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7]);
+}
+
+const tw_kernels tw_kernels_avx2 = {
+    .isa = TW_ISA_AVX2, .name = "avx2",
+    .int4 = {int4_f32_avx2, int4_q8_avx2},
+    .rows = rows_avx2, .dot = dot_avx2, .axpy = axpy_avx2, .read_sum = read_sum_avx2,
+};
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+
+#else
+const tw_kernels tw_kernels_avx2 = {.isa = TW_ISA_AVX2, .name = "avx2"};
+#endif

@@ -1,0 +1,247 @@
+/* AVX-512 kernels (F, BW, VL, VNNI): the fast path on current Intel/AMD server CPUs.
+ *
+ * INT4, tiled layout (tw.h): a zmm holds one 64-byte chunk = 8 k values of 16 rows, so the
+ * 16 lanes are 16 outputs and a tile ends with one store.
+ *
+ * fp32 activations (exact to float32 accumulation order): nibble j of every lane becomes a
+ * float through one vpermps on a 16-entry table (vpermps reads only the low 4 bits of each
+ * index, so `w >> 4j` needs no mask), then one FMA per activation row with x[k0 + j]
+ * broadcast from memory. Per 16 weights: one shift, one permute, M FMAs — a decode step is
+ * bound by memory, not by this.
+ *
+ * q8 activations (dynamic int8 per group, see tw_act_prepare_q8): low and high nibbles are
+ * masked out as bytes and fed to vpdpbusd (u8 weights x s8 activations, 4-way dot into int32),
+ * 64 multiply-adds per instruction; the int32 group sums are scaled to float once per group.
+ * This is the batch (GEMM) path: 4x the multiply rate of fp32 FMA.
+ *
+ * Rows are processed in blocks of MB activation rows (compile-time constants below) so each
+ * unpacked chunk is reused from registers; accumulators are split (NACC) so FMA/VNNI latency
+ * never bounds a short block. This file is long because each kernel is one hot loop.
+ */
+#include "tw.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+#endif
+
+#include <immintrin.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE __mmask16 tile_mask(const tw_int4 *w, int t) {
+    int rows = w->n - t * TW_TILE;
+    return rows >= TW_TILE ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
+}
+
+/* acc += dot4(u8 w, s8 *x broadcast to all lanes). Written as asm because compilers neither
+ * fold the broadcast into vpdpbusd's memory operand nor keep its accumulator in place, and
+ * the extra moves and loads cost a third of the front end in the batch kernel. */
+#define DPBUSD_BCAST(acc, w, x) \
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)(x)))
+
+INLINE __m512 load_half16(const uint8_t *p) {
+    return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)p));
+}
+
+/* ---------------------------------------------------------------- INT4 x fp32 */
+
+/* One tile, activation rows [m0, m0 + MB). */
+INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB) {
+    enum { MAXMB = 4 };
+    const int NACC = MB == 1 ? 4 : (MB == 2 ? 4 : 2);
+    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int ng = w->num_groups, gs = w->group_size, chunks = gs / 8, kp = a->kp;
+    const uint8_t *block = w->data + (size_t)t * ng * w->block_bytes;
+    __m512 F[MAXMB];
+    for (int i = 0; i < MB; i++) F[i] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++, block += w->block_bytes) {
+        const __m512i *q = (const __m512i *)(block + 64);
+        const float *x[MAXMB];
+        __m512 A[MAXMB][4];
+        for (int i = 0; i < MB; i++) {
+            x[i] = a->x + (size_t)(m0 + i) * kp + (size_t)g * gs;
+            for (int u = 0; u < NACC; u++) A[i][u] = _mm512_setzero_ps();
+        }
+        for (int c = 0; c < chunks; c++) {
+            const __m512i wv = _mm512_load_si512(q + c);
+            for (int j = 0; j < 8; j++) {
+                const __m512 v = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(wv, 4 * j) : wv, lut);
+                for (int i = 0; i < MB; i++)
+                    A[i][j % NACC] = _mm512_fmadd_ps(v, _mm512_set1_ps(x[i][8 * c + j]), A[i][j % NACC]);
+            }
+        }
+        const __m512 s = load_half16(block), z = load_half16(block + 32);
+        for (int i = 0; i < MB; i++) {
+            __m512 acc = A[i][0];
+            for (int u = 1; u < NACC; u++) acc = _mm512_add_ps(acc, A[i][u]);
+            const __m512 part = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xsum[(size_t)(m0 + i) * ng + g]), acc);
+            F[i] = _mm512_fmadd_ps(s, part, F[i]);
+        }
+    }
+    const __mmask16 mask = tile_mask(w, t);
+    for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, F[i]);
+}
+
+static void int4_f32_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
+        int m = 0;
+        for (; m + 4 <= a->m; m += 4) tile_f32(w, a, y, ldy, t, m, 4);
+        switch (a->m - m) {
+        case 3: tile_f32(w, a, y, ldy, t, m, 3); break;
+        case 2: tile_f32(w, a, y, ldy, t, m, 2); break;
+        case 1: tile_f32(w, a, y, ldy, t, m, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- INT4 x q8 */
+
+INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB) {
+    enum { MAXMB = 8 };
+    const int NACC = MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int ng = w->num_groups, gs = w->group_size, chunks = gs / 8, kp = a->kp;
+    const uint8_t *block = w->data + (size_t)t * ng * w->block_bytes;
+    __m512 F[MAXMB];
+    for (int i = 0; i < MB; i++) F[i] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++, block += w->block_bytes) {
+        const __m512i *q = (const __m512i *)(block + 64);
+        const int32_t *x[MAXMB];            /* 4 s8 activations per int32: [even k x4][odd k x4] per chunk */
+        __m512i A[MAXMB][4];
+        for (int i = 0; i < MB; i++) {
+            x[i] = (const int32_t *)(a->xq + (size_t)(m0 + i) * kp + (size_t)g * gs);
+            for (int u = 0; u < NACC; u++) A[i][u] = _mm512_setzero_si512();
+        }
+        for (int c = 0; c < chunks; c++) {
+            const __m512i wv = _mm512_load_si512(q + c);
+            const __m512i lo = _mm512_and_si512(wv, low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
+            for (int i = 0; i < MB; i++) {
+                const int u0 = NACC == 4 ? 2 * (c & 1) : 0, u1 = NACC == 1 ? 0 : u0 + 1;
+                DPBUSD_BCAST(A[i][u0], lo, x[i] + 2 * c);
+                DPBUSD_BCAST(A[i][u1], hi, x[i] + 2 * c + 1);
+            }
+        }
+        const __m512 s = load_half16(block), z = load_half16(block + 32);
+        for (int i = 0; i < MB; i++) {
+            __m512i acc = A[i][0];
+            for (int u = 1; u < NACC; u++) acc = _mm512_add_epi32(acc, A[i][u]);
+            const size_t mg = (size_t)(m0 + i) * ng + g;
+            const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(a->xd[mg]));
+            F[i] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xqsum[mg]), dot), F[i]);
+        }
+    }
+    const __mmask16 mask = tile_mask(w, t);
+    for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, F[i]);
+}
+
+static void int4_q8_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
+        int m = 0;
+        for (; m + 8 <= a->m; m += 8) tile_q8(w, a, y, ldy, t, m, 8);
+        switch (a->m - m) {
+        case 7: tile_q8(w, a, y, ldy, t, m, 7); break;
+        case 6: tile_q8(w, a, y, ldy, t, m, 6); break;
+        case 5: tile_q8(w, a, y, ldy, t, m, 5); break;
+        case 4: tile_q8(w, a, y, ldy, t, m, 4); break;
+        case 3: tile_q8(w, a, y, ldy, t, m, 3); break;
+        case 2: tile_q8(w, a, y, ldy, t, m, 2); break;
+        case 1: tile_q8(w, a, y, ldy, t, m, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- dense / int8 rows */
+
+INLINE __m512 load_row16(const void *w, int kind, size_t idx, __mmask16 mask) {
+    switch (kind) {
+    case TW_W_F32: return _mm512_maskz_loadu_ps(mask, (const float *)w + idx);
+    case TW_W_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + idx));
+    default: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, (const int8_t *)w + idx)));
+    }
+}
+
+/* Rows [n0, n1) against up to 4 activation rows at a time; int8 row scales applied at the end. */
+INLINE void rows_block(const void *w, const uint16_t *row_scales, int kind, int k,
+                       const float *x, int ldx, float *y, int ldy, int n, const int MB) {
+    __m512 A[4];
+    for (int i = 0; i < MB; i++) A[i] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k; kk += 16) {
+        const __mmask16 mask = k - kk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - kk)) - 1);
+        const __m512 wv = load_row16(w, kind, (size_t)n * k + kk, mask);
+        for (int i = 0; i < MB; i++)
+            A[i] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mask, x + (size_t)i * ldx + kk), A[i]);
+    }
+    const float scale = kind == TW_W_I8 ? tw_half_to_float(row_scales[n]) : 1.0f;
+    for (int i = 0; i < MB; i++) y[(size_t)i * ldy + n] = _mm512_reduce_add_ps(A[i]) * scale;
+}
+
+static void rows_avx512(const void *w, const uint16_t *row_scales, int kind, int k,
+                        const float *x, int ldx, int m, float *y, int ldy, int n0, int n1) {
+    for (int n = n0; n < n1; n++) {
+        int i = 0;
+        for (; i + 4 <= m; i += 4) rows_block(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, 4);
+        switch (m - i) {
+        case 3: rows_block(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, 3); break;
+        case 2: rows_block(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, 2); break;
+        case 1: rows_block(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- vector helpers (attention) */
+
+static float dot_avx512(const float *a, const float *b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    if (i < n) {
+        const __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, a + i), _mm512_maskz_loadu_ps(mask, b + i), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static void axpy_avx512(float *y, float alpha, const float *x, int n) {
+    const __m512 av = _mm512_set1_ps(alpha);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+        const __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(y + i, mask, _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(mask, x + i), _mm512_maskz_loadu_ps(mask, y + i)));
+    }
+}
+
+/* The memory-bandwidth probe: the same 64-byte streaming loads the INT4 kernels issue. */
+static float read_sum_avx512(const uint8_t *p, size_t bytes) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i < bytes; i += 256) {
+        a0 = _mm512_add_epi32(a0, _mm512_load_si512(p + i));
+        a1 = _mm512_add_epi32(a1, _mm512_load_si512(p + i + 64));
+        a2 = _mm512_add_epi32(a2, _mm512_load_si512(p + i + 128));
+        a3 = _mm512_add_epi32(a3, _mm512_load_si512(p + i + 192));
+    }
+    return (float)_mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)));
+}
+
+const tw_kernels tw_kernels_avx512 = {
+    .isa = TW_ISA_AVX512, .name = "avx512",
+    .int4 = {int4_f32_avx512, int4_q8_avx512},
+    .rows = rows_avx512, .dot = dot_avx512, .axpy = axpy_avx512, .read_sum = read_sum_avx512,
+};
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+
+#else  /* not x86: the table exists so dispatch links; tw_isa_supported never picks it */
+const tw_kernels tw_kernels_avx512 = {.isa = TW_ISA_AVX512, .name = "avx512"};
+#endif

@@ -1,0 +1,92 @@
+/* The C forward: one engine step of a Llama-family decoder as one thread-pool task.
+ *
+ * Same contract as the numpy reference (core/model.py), which is its specification: a flat
+ * batch of new tokens from many sequences (prefill chunks and decode tokens mixed), each
+ * token's K/V written to its paged-cache slot before attention, every token attending to the
+ * cached positions of its own sequence up to itself (optionally a sliding window), logits for
+ * the requested rows only. All arithmetic is float32 in the reference's operation order, the
+ * cache is float32, RoPE angles are float64; the INT4 products follow kern_*.c.
+ */
+#ifndef TW_MODEL_H
+#define TW_MODEL_H
+
+#include "tw.h"
+
+typedef struct {
+    int kind;                       /* TW_W_F32, TW_W_F16, TW_W_I8, TW_W_I4; -1 = not set */
+    int n, k;                       /* logical [N, K] */
+    tw_int4 i4;                     /* TW_W_I4: repacked, owned */
+    const void *data;               /* F32 / F16 / I8: row-major [n][k], borrowed (kept alive by the owner) */
+    const uint16_t *row_scales;     /* I8: fp16 [n], borrowed */
+} tw_weight;
+
+typedef struct {
+    float *attn_norm;               /* [D], owned copy */
+    float *qkv_bias;                /* [q + 2kv] or NULL */
+    float *mlp_norm;                /* [D] */
+    tw_weight qkv, o, gate_up, down;
+} tw_layer;
+
+enum { TW_ACT_SILU = 0, TW_ACT_GELU_TANH = 1 };
+
+typedef struct {
+    /* architecture */
+    int dim, hidden, num_layers, num_heads, num_kv_heads, head_dim, vocab;
+    int activation;                 /* TW_ACT_* */
+    int sliding_window;             /* 0: none */
+    float eps, embed_mult, attn_scale;
+    double *inv_freq;               /* [head_dim / 2], from core/rope.py */
+    int prec;                       /* TW_PREC_F32 (exact) or TW_PREC_Q8 */
+    /* weights */
+    tw_weight embed, lm_head;       /* lm_head.kind == -1: tied to embed */
+    float *norm;                    /* [D] */
+    tw_layer *layers;               /* [num_layers] */
+    /* paged KV cache, float32 */
+    int block_size, num_blocks;
+    float *k_cache, *v_cache;       /* [L][num_blocks * block_size][Hkv][hd] */
+    /* scratch, grown on demand between steps */
+    int cap_tokens, cap_ctx, cap_threads;
+    float *x;                       /* [T][D] residual stream */
+    float *h;                       /* [T][max(D, q)] normed input of a product */
+    float *qkv;                     /* [T][q + 2kv] */
+    float *attn;                    /* [T][q] */
+    float *tmp;                     /* [T][D] product output before the residual add */
+    float *gate_up;                 /* [T][2I] */
+    float *mlp;                     /* [T][I] act(gate) * up */
+    float *rope;                    /* [T][hd]: cos [hd/2] then sin [hd/2] */
+    float *scores;                  /* [threads][cap_ctx] */
+    tw_act act;                     /* [T] rows of the widest K */
+} tw_model;
+
+typedef struct {
+    int num_tokens, num_seqs, num_logits, max_blocks;
+    const int32_t *token_ids;       /* [T] */
+    const int32_t *positions;       /* [T] */
+    const int32_t *seq_starts;      /* [S + 1] */
+    const int32_t *context_lens;    /* [S] */
+    const int32_t *block_tables;    /* [S][max_blocks] */
+    const int32_t *slot_mapping;    /* [T] */
+    const int32_t *logits_indices;  /* [S_sample] */
+    float *logits;                  /* [S_sample][V] */
+    int32_t *token_seq;             /* [T] scratch: owning sequence of each token */
+} tw_batch;
+
+int tw_model_init(tw_model *m);                                   /* after the fields above are set */
+void tw_model_free(tw_model *m);
+const char *tw_model_missing(const tw_model *m);                  /* first unset weight, or NULL */
+const char *tw_batch_check(const tw_model *m, const tw_batch *b); /* error text, or NULL when valid */
+int tw_model_reserve(tw_model *m, const tw_batch *b, int num_threads); /* grow scratch; 0 ok */
+/* Runs on at most `threads` pool threads; threads <= 0: as many as the step's work is worth. */
+void tw_model_forward(tw_model *m, tw_batch *b, int threads);
+size_t tw_weight_bytes(const tw_weight *w);                       /* bytes one product reads */
+size_t tw_model_weight_bytes(const tw_model *m);                  /* all layer products + lm_head */
+
+/* ops.c: row-wise pieces of a layer (one token per call), the reference's float32 order */
+void tw_rms_norm(float *out, const float *x, const float *w, int n, float eps);
+void tw_rope_table(float *cs, int pos, const double *inv_freq, int half);
+void tw_rope_apply(float *x, const float *cs, int num_heads, int head_dim);
+void tw_activation_mul(float *out, const float *gate, const float *up, int n, int activation);
+void tw_weight_row(const tw_weight *w, int row, float *out);      /* one row of W as float32 */
+void tw_attend(const tw_model *m, int layer, const tw_batch *b, int t, int kv_head, float *scores, float *out);
+
+#endif

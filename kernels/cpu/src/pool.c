@@ -1,0 +1,251 @@
+/* A persistent thread pool: one task at a time runs on all threads (the caller is thread 0).
+ *
+ * Workers spin briefly on a generation counter after each task (a decode step issues
+ * hundreds of tasks back to back, and waking a sleeping thread costs tens of microseconds),
+ * then sleep on a condition variable so an idle server burns no CPU. Callers are serialised
+ * by a mutex: the engine thread is the only regular caller, tests may call from several.
+ * Workers start lazily and are restarted after fork (the child has none of them). */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+
+#include "tw.h"
+
+#define TASK_SPIN_NS 100000     /* a worker spins this long after a task before it sleeps */
+#define BARRIER_SPIN_NS 30000   /* a thread at a barrier spins this long before it sleeps */
+#define YIELD_AFTER 256         /* pauses before a waiter starts yielding its core (oversubscribed machines) */
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+static struct {
+    pthread_mutex_t run_mu;     /* one caller at a time; also guards resizing */
+    pthread_mutex_t sleep_mu;
+    pthread_cond_t sleep_cv;
+    int nth;                    /* threads in the pool, caller included; 0 = not chosen yet */
+    int task_nth;               /* threads the current task runs on (<= nth) */
+    int num_workers;            /* started workers (nth - 1 once started) */
+    pthread_t *workers;
+    _Atomic unsigned generation;
+    unsigned start_generation;  /* generation when the workers were started: their first "seen" */
+    _Atomic int pending;        /* workers still inside the current task */
+    _Atomic int stop;
+    tw_task fn;
+    void *arg;
+    _Atomic int bar_count;
+    _Atomic unsigned bar_phase;
+    _Atomic int bar_sleepers;
+} pool = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_cv = PTHREAD_COND_INITIALIZER};
+
+static long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void relax(unsigned *spins) {
+    if (++*spins < YIELD_AFTER) CPU_RELAX();
+    else sched_yield();
+}
+
+static unsigned wait_for_task(unsigned seen) {
+    unsigned g;
+    long long deadline = 0;
+    for (unsigned spins = 0; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; spins++) {
+        if ((spins & 255) != 255) { CPU_RELAX(); continue; }
+        long long t = now_ns();
+        if (!deadline) deadline = t + TASK_SPIN_NS;
+        if (t < deadline) continue;
+        pthread_mutex_lock(&pool.sleep_mu);
+        while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.sleep_cv, &pool.sleep_mu);
+        pthread_mutex_unlock(&pool.sleep_mu);
+        break;
+    }
+    return g;
+}
+
+static void *worker_main(void *arg) {
+    int ith = (int)(intptr_t)arg;
+    unsigned seen = pool.start_generation;   /* not a fresh load: a task may already be posted */
+    for (;;) {
+        seen = wait_for_task(seen);
+        if (atomic_load(&pool.stop)) return NULL;
+        if (ith < pool.task_nth) pool.fn(pool.arg, ith, pool.task_nth);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
+    }
+}
+
+int tw_physical_cores(void) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return 1;
+    int seen[CPU_SETSIZE][2], count = 0;
+    for (int cpu = 0; cpu < CPU_SETSIZE; cpu++) {
+        if (!CPU_ISSET(cpu, &set)) continue;
+        int ids[2] = {cpu, 0};          /* core_id, package; a CPU without topology counts alone */
+        const char *names[2] = {"core_id", "physical_package_id"};
+        for (int f = 0; f < 2; f++) {
+            char path[128];
+            snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/%s", cpu, names[f]);
+            FILE *fp = fopen(path, "r");
+            if (fp) {
+                if (fscanf(fp, "%d", &ids[f]) != 1) ids[f] = f ? 0 : cpu;
+                fclose(fp);
+            }
+        }
+        int dup = 0;
+        for (int i = 0; i < count && !dup; i++) dup = seen[i][0] == ids[0] && seen[i][1] == ids[1];
+        if (!dup) {
+            seen[count][0] = ids[0];
+            seen[count][1] = ids[1];
+            count++;
+        }
+    }
+    return count > 0 ? count : 1;
+}
+
+static void stop_workers(void) {
+    if (!pool.num_workers) return;
+    atomic_store(&pool.stop, 1);
+    pthread_mutex_lock(&pool.sleep_mu);
+    atomic_fetch_add(&pool.generation, 1);
+    pthread_cond_broadcast(&pool.sleep_cv);
+    pthread_mutex_unlock(&pool.sleep_mu);
+    for (int i = 0; i < pool.num_workers; i++) pthread_join(pool.workers[i], NULL);
+    free(pool.workers);
+    pool.workers = NULL;
+    pool.num_workers = 0;
+    atomic_store(&pool.stop, 0);
+}
+
+static int start_workers(void) {
+    int want = pool.nth - 1;
+    if (want <= 0) return 0;
+    pool.workers = calloc((size_t)want, sizeof(pthread_t));
+    if (!pool.workers) return -1;
+    pool.start_generation = atomic_load(&pool.generation);
+    for (int i = 0; i < want; i++) {
+        if (pthread_create(&pool.workers[i], NULL, worker_main, (void *)(intptr_t)(i + 1)) != 0) {
+            pool.num_workers = i;
+            stop_workers();
+            return -1;
+        }
+        pool.num_workers = i + 1;
+    }
+    return 0;
+}
+
+static void after_fork_in_child(void) {
+    /* The child inherits the bookkeeping but no threads: forget them, restart on next use. */
+    pthread_mutex_init(&pool.run_mu, NULL);
+    pthread_mutex_init(&pool.sleep_mu, NULL);
+    pthread_cond_init(&pool.sleep_cv, NULL);
+    free(pool.workers);
+    pool.workers = NULL;
+    pool.num_workers = 0;
+}
+
+static void ensure_started(void) {
+    static int atfork_done;
+    if (!atfork_done) {
+        pthread_atfork(NULL, NULL, after_fork_in_child);
+        atfork_done = 1;
+    }
+    if (pool.nth == 0) pool.nth = tw_physical_cores();
+    if (pool.num_workers != pool.nth - 1 && start_workers() != 0) {
+        pool.nth = 1;                       /* cannot create threads: run everything on the caller */
+    }
+}
+
+int tw_pool_num_threads(void) {
+    pthread_mutex_lock(&pool.run_mu);
+    if (pool.nth == 0) pool.nth = tw_physical_cores();
+    int n = pool.nth;
+    pthread_mutex_unlock(&pool.run_mu);
+    return n;
+}
+
+int tw_pool_set_threads(int n) {
+    if (n < 1 || n > 1024) return -1;
+    pthread_mutex_lock(&pool.run_mu);
+    stop_workers();
+    pool.nth = n;
+    int rc = start_workers();
+    if (rc != 0) pool.nth = 1;
+    pthread_mutex_unlock(&pool.run_mu);
+    return rc;
+}
+
+void tw_pool_run_n(tw_task fn, void *arg, int max_threads) {
+    pthread_mutex_lock(&pool.run_mu);
+    ensure_started();
+    const int nth = max_threads < pool.nth ? (max_threads < 1 ? 1 : max_threads) : pool.nth;
+    if (nth == 1) {                          /* the workers stay asleep */
+        fn(arg, 0, 1);
+        pthread_mutex_unlock(&pool.run_mu);
+        return;
+    }
+    pool.fn = fn;
+    pool.arg = arg;
+    pool.task_nth = nth;
+    atomic_store(&pool.pending, pool.nth - 1);
+    atomic_store(&pool.bar_count, 0);
+    pthread_mutex_lock(&pool.sleep_mu);     /* a worker going to sleep cannot miss this bump */
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.sleep_cv);
+    pthread_mutex_unlock(&pool.sleep_mu);
+    fn(arg, 0, nth);
+    unsigned spins = 0;
+    while (atomic_load_explicit(&pool.pending, memory_order_acquire) != 0) relax(&spins);
+    pthread_mutex_unlock(&pool.run_mu);
+}
+
+void tw_pool_run(tw_task fn, void *arg) { tw_pool_run_n(fn, arg, 1 << 30); }
+
+#if defined(__linux__)
+static void phase_sleep(unsigned phase) {
+    syscall(SYS_futex, &pool.bar_phase, FUTEX_WAIT_PRIVATE, phase, NULL, NULL, 0);
+}
+static void phase_wake_all(void) { syscall(SYS_futex, &pool.bar_phase, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0); }
+#else
+static void phase_sleep(unsigned phase) { (void)phase; sched_yield(); }
+static void phase_wake_all(void) {}
+#endif
+
+/* Spin briefly (threads usually arrive within microseconds of each other), then sleep on the
+ * phase word so a thread waiting for a descheduled one gives its core away. */
+void tw_pool_barrier(int ith, int nth) {
+    (void)ith;
+    if (nth <= 1) return;
+    unsigned phase = atomic_load_explicit(&pool.bar_phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&pool.bar_count, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&pool.bar_count, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&pool.bar_phase, 1, memory_order_release);
+        if (atomic_load(&pool.bar_sleepers)) phase_wake_all();
+        return;
+    }
+    long long deadline = 0;
+    for (unsigned spins = 0; atomic_load_explicit(&pool.bar_phase, memory_order_acquire) == phase; spins++) {
+        if ((spins & 63) != 63) { CPU_RELAX(); continue; }
+        long long t = now_ns();
+        if (!deadline) deadline = t + BARRIER_SPIN_NS;
+        if (t < deadline) continue;
+        atomic_fetch_add(&pool.bar_sleepers, 1);
+        while (atomic_load_explicit(&pool.bar_phase, memory_order_acquire) == phase) phase_sleep(phase);
+        atomic_fetch_sub(&pool.bar_sleepers, 1);
+        break;
+    }
+}

@@ -1,0 +1,153 @@
+/* tokenwire CPU kernels: the declarations every source file shares.
+ *
+ * Rules of this folder:
+ * 1. Pure C11 + GCC/Clang vector intrinsics. No -march flag: AVX2 and AVX-512 code is compiled
+ *    per function with target attributes and chosen once at run time (dispatch.c).
+ * 2. No Python in the kernels. module.c is the only file that includes Python.h; it unpacks
+ *    buffers, releases the GIL for the whole call, and hands plain pointers down.
+ * 3. Work is split over the persistent thread pool (pool.c) by output tiles; a kernel is told
+ *    its [begin, end) range and never allocates.
+ *
+ * The INT4 weight layout the kernels read ("tiled", made once from the engine format by
+ * tw_int4_pack, see int4_pack.c):
+ *
+ *   rows are grouped into tiles of TW_TILE = 16 output rows (N padded with zero rows);
+ *   tile t, group g is one contiguous block of 64 + 8*G bytes:
+ *     scales  fp16 [16]            row r's scale for group g
+ *     zeros   fp16 [16]            row r's zero point for group g (quantized units)
+ *     q       u32  [G/8][16]       chunk c, lane r: the 4 engine bytes of row r holding
+ *                                  k = g*G + 8c .. g*G + 8c + 7; nibble j (bits 4j..4j+3) is k0 + j
+ *   blocks are ordered tile-major (t, then g): one forward stream per tile.
+ *
+ * So one 64-byte load gives 8 k values of 16 rows, the 16 lanes of a vector are 16 outputs,
+ * and a tile's result is stored with no horizontal sums. Bytes per weight equal the engine's
+ * (qweight + fp16 scales + fp16 zeros), plus padding rows when N is not a multiple of 16.
+ */
+#ifndef TW_H
+#define TW_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define TW_TILE 16
+#define TW_ALIGN 64
+
+/* ------------------------------------------------------------------ INT4 weights */
+
+typedef struct {
+    int32_t n;              /* logical output rows N */
+    int32_t k;              /* logical input features K */
+    int32_t kp;             /* K padded to a multiple of the group size */
+    int32_t group_size;     /* G: 32, 64 or 128 (any multiple of 8 works) */
+    int32_t num_groups;     /* kp / G */
+    int32_t num_tiles;      /* ceil(N / 16) */
+    size_t block_bytes;     /* 64 + 8*G: one (tile, group) block */
+    uint8_t *data;          /* [num_tiles][num_groups][block_bytes], 64-byte aligned, owned */
+} tw_int4;
+
+/* Activation buffers, prepared once per product and shared by all tiles. A thread works on
+ * its own copy of this struct with m, kp and num_groups set from the weight at hand. */
+typedef struct {
+    int32_t m;              /* rows of x */
+    int32_t kp;
+    int32_t num_groups;
+    float *x;               /* fp32 path: [m][kp] x zero-padded to kp */
+    float *xsum;            /* fp32 path: [m][num_groups] sum of x over each group */
+    int8_t *xq;             /* q8 path: [m][kp] round(x / d) per group, chunk order (even k, then odd k) */
+    float *xd;              /* q8 path: [m][num_groups] d = max|x| / 127 of each group */
+    float *xqsum;           /* q8 path: [m][num_groups] d * sum(xq) over each group */
+} tw_act;
+
+int tw_int4_pack(tw_int4 *w, const uint8_t *qweight, const uint16_t *scales, const uint16_t *zeros,
+                 int n, int k, int kp, int group_size);
+void tw_int4_free(tw_int4 *w);
+
+/* y[m][n] (row stride ldy) for n in tiles [t0, t1). Every ISA provides both precisions. */
+typedef void (*tw_int4_kernel)(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1);
+
+/* Buffers for up to max_m rows of any weight with kp <= max_kp and num_groups <= max_groups. */
+int tw_act_init(tw_act *a, int max_m, int max_kp, int max_groups);   /* 0 ok, -1 out of memory */
+void tw_act_free(tw_act *a);
+
+/* Activation preparation for rows [m0, m1) (pure, thread-split by rows). */
+void tw_act_prepare_f32(tw_act *a, const float *x, int ldx, int k, int m0, int m1);
+void tw_act_prepare_q8(tw_act *a, const float *x, int ldx, int k, int m0, int m1);
+
+/* ------------------------------------------------------------------ other weights (dense / int8 rows) */
+
+enum { TW_W_F32 = 0, TW_W_F16 = 1, TW_W_I8 = 2, TW_W_I4 = 3 };
+
+/* y[m][n] = sum_k x[m][k] * W[n][k] for row-major dense or per-row int8 weights, rows [n0, n1). */
+typedef void (*tw_rows_kernel)(const void *w, const uint16_t *row_scales, int kind, int k,
+                               const float *x, int ldx, int m, float *y, int ldy, int n0, int n1);
+
+/* ------------------------------------------------------------------ products (linear.c) */
+
+/* Inside a pool task: thread ith's share. `a` must hold >= m rows of w's kp. */
+void tw_int4_linear_part(const tw_int4 *w, const tw_act *buffers, const float *x, int ldx, int m,
+                         float *y, int ldy, int prec, int ith, int nth);
+void tw_rows_linear_part(const void *w, const uint16_t *row_scales, int kind, int n, int k,
+                         const float *x, int ldx, int m, float *y, int ldy, int ith, int nth);
+/* Whole products on the pool; x [m][k], y [m][n], both packed. */
+int tw_int4_linear(const tw_int4 *w, const float *x, int m, float *y, int prec);
+void tw_rows_linear(const void *w, const uint16_t *row_scales, int kind, int n, int k,
+                    const float *x, int m, float *y);
+
+/* ------------------------------------------------------------------ dispatch */
+
+enum { TW_ISA_SCALAR = 0, TW_ISA_AVX2 = 1, TW_ISA_AVX512 = 2 };
+enum { TW_PREC_F32 = 0, TW_PREC_Q8 = 1 };
+
+typedef struct {
+    int isa;
+    const char *name;
+    tw_int4_kernel int4[2];          /* [TW_PREC_F32], [TW_PREC_Q8] */
+    tw_rows_kernel rows;
+    float (*dot)(const float *a, const float *b, int n);
+    void (*axpy)(float *y, float a, const float *x, int n);   /* y += a * x */
+    float (*read_sum)(const uint8_t *p, size_t bytes);        /* stream-read; bytes % 256 == 0 */
+} tw_kernels;
+
+int tw_isa_supported(int isa);
+int tw_isa_best(void);
+const tw_kernels *tw_kernels_for(int isa);          /* NULL when the CPU lacks it */
+const tw_kernels *tw_active(void);                  /* the chosen table */
+int tw_set_isa(int isa);                            /* 0 ok, -1 unsupported */
+
+extern const tw_kernels tw_kernels_scalar;
+extern const tw_kernels tw_kernels_avx2;
+extern const tw_kernels tw_kernels_avx512;
+
+/* Scalar helpers other ISAs reuse for ragged edges. */
+float tw_half_to_float(uint16_t h);
+uint16_t tw_float_to_half(float f);
+
+/* ------------------------------------------------------------------ thread pool */
+
+/* fn(arg, ith, nth) runs on every pool thread, the caller being ith = 0; returns when all did. */
+typedef void (*tw_task)(void *arg, int ith, int nth);
+
+int tw_pool_num_threads(void);
+int tw_pool_set_threads(int n);                     /* 0 ok; joins and restarts the workers */
+int tw_physical_cores(void);
+void tw_pool_run(tw_task fn, void *arg);
+void tw_pool_run_n(tw_task fn, void *arg, int max_threads);     /* on at most max_threads threads */
+void tw_pool_barrier(int ith, int nth);             /* inside a task: all threads meet here */
+
+static inline void tw_split(int total, int ith, int nth, int *begin, int *end) {
+    int base = total / nth, rem = total % nth;
+    *begin = ith * base + (ith < rem ? ith : rem);
+    *end = *begin + base + (ith < rem);
+}
+
+/* ------------------------------------------------------------------ memory bandwidth */
+
+/* Stream-read a fresh `bytes` buffer on all pool threads, `reps` passes after one warm-up;
+ * seconds[i] is pass i's wall time. 0 ok, -1 when the buffer cannot be allocated. */
+int tw_read_bandwidth(size_t bytes, int reps, double *seconds);
+double tw_now_seconds(void);
+
+void *tw_alloc(size_t bytes);                        /* 64-byte aligned, zeroed; NULL on failure */
+void tw_free(void *p);
+
+#endif

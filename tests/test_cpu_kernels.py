@@ -1,0 +1,244 @@
+"""The C INT4 / dense / int8 products against kernels/reference.py, on every ISA this CPU
+has (scalar always; AVX2 and AVX-512 where supported) and awkward shapes: batch 1 to 64,
+N not a multiple of the 16-row tile, K on and off group boundaries, group sizes 32/64/128.
+
+fp32 activations must agree with the exact (float64) product to within a float32
+accumulation bound, as the numpy reference itself does; int8 activations within their
+documented bound (kernels.cpu.int8_error_bound). Plus: thread count never changes a result
+(tiles are split, not sums), the GIL is released during a call, bad input fails with a
+message, and without the extension the numpy reference runs with one warning line."""
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tokenwire.kernels import cpu
+from tokenwire.kernels.reference import dequantize_int4, int4_linear
+
+pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason=f"C kernels not built: {cpu.IMPORT_ERROR}")
+
+ISAS = [name for name in cpu.ISAS if cpu.isa_supported(name)]
+EPS32 = np.finfo(np.float32).eps
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = cpu.isa()
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa(before)
+
+
+def random_int4(rng, n, k, group_size, integer_zeros=True):
+    """Engine-format parts of a random [n, k] INT4 weight (padding nibbles random too: the
+    reference trims them, the kernels must ignore them)."""
+    kp = -(-k // group_size) * group_size
+    qweight = rng.integers(0, 256, (n, kp // 2), dtype=np.uint8)
+    scales = (rng.random((n, kp // group_size)) * 0.05 + 0.001).astype(np.float16)
+    zeros = rng.integers(0, 16, (n, kp // group_size)) if integer_zeros else rng.random((n, kp // group_size)) * 15
+    return qweight, scales, zeros.astype(np.float16)
+
+
+def fp32_bound(x, qweight, scales, zeros, k):
+    """A float32 accumulation-order bound for any summation order of the product's terms:
+    (K + 4) * eps * sum_k |q| s |x| + |z| s |x| (the kernels sum q*x and z*sum(x) separately)."""
+    from tokenwire.kernels.reference import unpack_int4
+    q = unpack_int4(qweight)[:, :k].astype(np.float64)
+    g = 2 * qweight.shape[1] // scales.shape[1]
+    s = np.repeat(scales.astype(np.float64), g, axis=1)[:, :k]
+    z = np.repeat(zeros.astype(np.float64), g, axis=1)[:, :k]
+    return (k + 4) * EPS32 * (np.abs(x) @ ((q + np.abs(z)) * s).T)
+
+
+SHAPES = [  # (M, N, K, G)
+    (1, 1, 32, 32), (1, 16, 64, 32), (1, 17, 100, 32), (2, 33, 64, 64), (3, 5, 191, 64), (4, 48, 128, 128),
+    (5, 16, 129, 128), (7, 31, 256, 64), (8, 16, 8, 32), (9, 47, 96, 32), (16, 64, 384, 128), (17, 3, 64, 64),
+    (33, 20, 160, 32), (64, 40, 192, 64),
+]
+
+
+@pytest.mark.parametrize("m,n,k,g", SHAPES)
+def test_fp32_activations_match_the_reference_to_float32_rounding(isa, m, n, k, g):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    parts = random_int4(rng, n, k, g, integer_zeros=(m % 2 == 0))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    exact = x.astype(np.float64) @ dequantize_int4(*parts, k).astype(np.float64).T
+    bound = fp32_bound(x, *parts, k)
+    got = cpu.Int4Linear(*parts, k)(x)
+    ref = int4_linear(x, *parts, k)
+    assert got.shape == (m, n) and got.dtype == np.float32
+    assert np.all(np.abs(got - exact) <= bound), np.max(np.abs(got - exact) / bound)
+    assert np.all(np.abs(ref - exact) <= bound)          # the reference meets the same bound
+
+
+@pytest.mark.parametrize("m,n,k,g", SHAPES)
+def test_int8_activations_stay_within_their_documented_bound(isa, m, n, k, g):
+    rng = np.random.default_rng(m * 7 + n * 3 + k)
+    parts = random_int4(rng, n, k, g)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[:, ::7] *= 10                                            # outliers widen some groups' steps
+    w = dequantize_int4(*parts, k).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T
+    bound = cpu.int8_error_bound(x, np.abs(w), g) + fp32_bound(x, *parts, k) * 2
+    got = cpu.Int4Linear(*parts, k)(x, activations="int8")
+    err = np.abs(got - exact)
+    assert np.all(err <= bound), np.max(err / bound)
+    # and it is a real approximation, not the fp32 path in disguise
+    assert np.max(err) > np.max(np.abs(cpu.Int4Linear(*parts, k)(x) - exact))
+
+
+def test_every_isa_computes_the_same_product():
+    rng = np.random.default_rng(5)
+    parts = random_int4(rng, 70, 300, 64)
+    x = rng.standard_normal((11, 300)).astype(np.float32)
+    before = cpu.isa()
+    try:
+        results = {}
+        for name in ISAS:
+            cpu.set_isa(name)
+            w = cpu.Int4Linear(*parts, 300)
+            results[name] = (w(x), w(x, activations="int8"))
+    finally:
+        cpu.set_isa(before)
+    base = results["scalar"]
+    for name, (f32, q8) in results.items():
+        np.testing.assert_allclose(f32, base[0], rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(q8, base[1], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_thread_count_never_changes_a_result():
+    rng = np.random.default_rng(6)
+    parts = random_int4(rng, 200, 512, 128)
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    w = cpu.Int4Linear(*parts, 512)
+    before = cpu.num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            cpu.set_num_threads(threads)
+            assert cpu.num_threads() == threads
+            outs.append((w(x), w(x, activations="int8")))
+    finally:
+        cpu.set_num_threads(before)
+    for f32, q8 in outs[1:]:
+        assert np.array_equal(f32, outs[0][0]) and np.array_equal(q8, outs[0][1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
+def test_dense_and_int8_rows(isa, dtype):
+    rng = np.random.default_rng(7)
+    n, k = 37, 77
+    for m in (1, 3, 6):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        if dtype == np.int8:
+            w = rng.integers(-127, 128, (n, k), dtype=np.int8)
+            scales = (rng.random(n) * 0.01 + 1e-3).astype(np.float16)
+            dense = w.astype(np.float64) * scales.astype(np.float64)[:, None]
+        else:
+            w, scales = rng.standard_normal((n, k)).astype(dtype), None
+            dense = w.astype(np.float64)
+        out = np.empty((m, n), np.float32)
+        cpu._cpu.rows_linear(x, w, scales, out)
+        exact = x.astype(np.float64) @ dense.T
+        bound = (k + 2) * EPS32 * (np.abs(x) @ np.abs(dense).T)
+        assert np.all(np.abs(out - exact) <= bound)
+
+
+def test_the_gil_is_released_for_the_whole_call():
+    """While one long product runs in a thread, the main thread keeps executing Python."""
+    rng = np.random.default_rng(8)
+    w = cpu.Int4Linear(*random_int4(rng, 4096, 2048, 64), 2048)
+    x = rng.standard_normal((64, 2048)).astype(np.float32)
+    window = {}
+
+    def run():
+        window["start"] = time.perf_counter()
+        w(x)
+        window["end"] = time.perf_counter()
+
+    thread = threading.Thread(target=run)
+    stamps = []
+    thread.start()
+    while thread.is_alive():
+        stamps.append(time.perf_counter())
+    thread.join()
+    inside = [t for t in stamps if window["start"] < t < window["end"]]
+    assert window["end"] - window["start"] > 0.005
+    assert len(inside) > 100, f"main thread ran {len(inside)} times during a {window['end'] - window['start']:.3f}s call"
+
+
+def test_bad_input_is_named():
+    rng = np.random.default_rng(9)
+    parts = random_int4(rng, 16, 64, 32)
+    w = cpu.Int4Linear(*parts, 64)
+    with pytest.raises(ValueError, match=r"x must be \[M, 64\]"):
+        w(np.zeros((2, 63), np.float32))
+    with pytest.raises(ValueError, match="activations must be one of"):
+        w(np.zeros((2, 64), np.float32), activations="int4")
+    with pytest.raises(ValueError, match="scales must be a 2-D float16"):
+        cpu.Int4Linear(parts[0], parts[1].astype(np.float32), parts[2], 64)
+    with pytest.raises(ValueError, match="INT4 parts disagree"):
+        cpu.Int4Linear(parts[0][:8], parts[1], parts[2], 64)
+    with pytest.raises(ValueError, match="in_features 65 does not fit"):
+        cpu.Int4Linear(*parts, 65)
+    with pytest.raises(ValueError, match="thread count"):
+        cpu.set_num_threads(0)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        cpu.set_isa("neon")
+
+
+def test_machine_settings_and_bandwidth_probe():
+    assert 1 <= cpu.physical_cores() <= (os.cpu_count() or 1)
+    assert cpu.isa() in ISAS and cpu.isa() == ISAS[-1]           # the best supported is the default
+    seconds = cpu.read_bandwidth(8 << 20, reps=3)
+    assert len(seconds) == 3 and all(0 < s < 5 for s in seconds)
+
+
+def run_python(code: str, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_environment_chooses_threads_and_isa():
+    result = run_python("from tokenwire.kernels import cpu; print(cpu.num_threads(), cpu.isa())",
+                        TOKENWIRE_NUM_THREADS="3", TOKENWIRE_CPU_ISA="scalar")
+    assert result.stdout.split() == ["3", "scalar"], result.stderr
+    result = run_python("from tokenwire.kernels import cpu", TOKENWIRE_NUM_THREADS="many")
+    assert result.returncode != 0 and "TOKENWIRE_NUM_THREADS must be a positive integer" in result.stderr
+
+
+def test_without_the_extension_the_reference_runs_with_one_warning_line():
+    code = """
+import sys, importlib.abc
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "tokenwire.kernels.cpu._cpu":
+            raise ImportError("blocked for the test")
+sys.meta_path.insert(0, Block())
+import numpy as np
+from tokenwire.kernels import cpu
+from tokenwire.core.config import ModelConfig
+assert not cpu.AVAILABLE
+cfg = ModelConfig("LlamaForCausalLM", 11, 8, 16, 1, 2, 1, 4, 32, 1e-5, 10000.0)
+rng = np.random.default_rng(0)
+from tokenwire.core.model import linear_shapes, vector_shapes
+t = {f"{n}.weight": rng.standard_normal(s).astype(np.float32) for n, s in linear_shapes(cfg).items()}
+t.update({n: np.ones(s, np.float32) for n, s in vector_shapes(cfg).items()})
+m1 = cpu.create_model(cfg, t, 4, 8)
+m2 = cpu.create_model(cfg, t, 4, 8)
+print(type(m1).__name__)
+q = rng.integers(0, 256, (5, 16), dtype=np.uint8); s = np.ones((5, 1), np.float16); z = np.full((5, 1), 8, np.float16)
+x = rng.standard_normal((2, 32)).astype(np.float32)
+from tokenwire.kernels.reference import int4_linear
+assert np.array_equal(cpu.Int4Linear(q, s, z, 32)(x), int4_linear(x, q, s, z, 32))
+"""
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ReferenceModel"
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "C kernels are not built" in lines[0], result.stderr
