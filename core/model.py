@@ -59,14 +59,17 @@ def vector_shapes(config: ModelConfig) -> dict:
 
 def decode_weight(tensors: Mapping[str, np.ndarray], name: str, shape: tuple) -> np.ndarray:
     """One matrix weight in any engine encoding -> float32 [N, K]."""
-    if f"{name}.weight" in tensors:
-        w = np.asarray(tensors[f"{name}.weight"], dtype=np.float32)
-    elif f"{name}.zeros" in tensors:
-        w = dequantize_int4(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"], shape[1])
-    elif f"{name}.qweight" in tensors:
-        w = dequantize_int8(tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
-    else:
-        raise KeyError(f"engine tensor {name!r} is missing: expected {name}.weight or {name}.qweight")
+    try:
+        if f"{name}.weight" in tensors:
+            w = np.asarray(tensors[f"{name}.weight"], dtype=np.float32)
+        elif f"{name}.zeros" in tensors:
+            w = dequantize_int4(tensors[f"{name}.qweight"], tensors[f"{name}.scales"], tensors[f"{name}.zeros"], shape[1])
+        elif f"{name}.qweight" in tensors:
+            w = dequantize_int8(tensors[f"{name}.qweight"], tensors[f"{name}.scales"])
+        else:
+            raise KeyError(f"engine tensor {name!r} is missing: expected {name}.weight or {name}.qweight")
+    except (AssertionError, ValueError) as exc:       # parts of mismatched dtype or shape
+        raise ValueError(f"engine tensor {name!r} is not a valid encoding: {exc or 'inconsistent parts'}") from None
     if w.shape != tuple(shape):
         raise ValueError(f"engine tensor {name!r} has shape {list(w.shape)}, the config needs {list(shape)}")
     return w

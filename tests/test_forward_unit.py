@@ -223,6 +223,18 @@ def test_missing_and_misshapen_tensors_are_named():
         ReferenceModel(cfg, tensors)
 
 
+def test_inconsistent_int4_parts_are_named():
+    cfg = tiny_config()
+    tensors = random_tensors(cfg)
+    n, _ = linear_shapes(cfg)["layers.0.o_proj"]
+    del tensors["layers.0.o_proj.weight"]
+    tensors.update({"layers.0.o_proj.qweight": np.zeros((n, 16), dtype=np.uint8),
+                    "layers.0.o_proj.scales": np.ones((n, 1), dtype=np.float16),
+                    "layers.0.o_proj.zeros": np.ones((n, 2), dtype=np.float16)})      # zeros disagree with scales
+    with pytest.raises(ValueError, match="'layers.0.o_proj' is not a valid encoding"):
+        ReferenceModel(cfg, tensors)
+
+
 def test_bad_batches_are_rejected_with_the_problem_named():
     cfg = tiny_config()
     model = ReferenceModel(cfg, random_tensors(cfg), block_size=4, num_blocks=4)
