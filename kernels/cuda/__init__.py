@@ -22,14 +22,16 @@ from typing import Optional
 
 def create_executor(engine, *, block_size: int = 16, num_blocks: Optional[int] = None,
                     max_model_len: Optional[int] = None, max_num_seqs: int = 256,
-                    max_num_batched_tokens: int = 2048, **options):
-    """An engine directory (or a loaded engine_build Engine) -> CudaExecutor on GPU 0.
+                    max_num_batched_tokens: int = 2048, driver=None, image_fn=None, **options):
+    """An engine directory (or a loaded engine_build Engine) -> CudaExecutor.
 
-    `options` are CudaOptions fields (kv_dtype, use_graphs, pdl, device, ...)."""
+    `options` are CudaOptions fields (kv_dtype, use_graphs, pdl, device, ...); `driver` and
+    `image_fn` replace the real driver and kernel build (tests pass kernels/cuda/fake.py)."""
+    from .build import kernel_image
     from .executor import CudaExecutor, CudaOptions
     if not hasattr(engine, "tensors"):
         from ...engine_build.engine_format import load_engine
         engine = load_engine(engine)
     opts = CudaOptions(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
                        max_batch=max_num_seqs, max_num_tokens=max_num_batched_tokens, **options)
-    return CudaExecutor(engine.config, engine.tensors, opts)
+    return CudaExecutor(engine.config, engine.tensors, opts, driver=driver, image_fn=image_fn or kernel_image)

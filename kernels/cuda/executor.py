@@ -240,9 +240,10 @@ class CudaExecutor:
         self._check_decode(views, len(seqs), bucket)
         full = needs_full_sampler(seqs)
         entries = fill_sampling(views, seqs, o.max_penalty_tokens) if full else 0
+        graph = self._graph(bucket, "full" if full else "greedy")     # first use captures: before our copy
         stream = self.dev.compute_stream
         self.drv.memcpy_htod_async(self.meta, slot.staging, layout.used_bytes(full, entries), stream)
-        self.drv.graph_launch(self._graph(bucket, "full" if full else "greedy"), stream)
+        self.drv.graph_launch(graph, stream)
 
     def _launch_eager(self, slot: _Slot, seqs: Sequence[SeqStep], rows: Sequence[SeqStep]) -> None:
         o, c = self.options, self.config

@@ -7,9 +7,10 @@ Contract:
   end to end and its results can be compared with core/model.py.
 - Every call is logged in `calls` as (method, thread id); tests assert on the log (one
   allocation phase, graphs captured once and replayed, no synchronize while stepping...).
-- Streams execute at once by default. With `deferred=True` work queues until an event is
-  waited on or `run_pending()` is called, so a test can see that `launch` returns before
-  the work ran and that host staging is read when the copy executes, not when it is queued.
+- Streams execute at once by default. With `deferred=True` work queues and runs only when an
+  event is waited on or polled (one operation per poll) or `run_pending()` is called, so a
+  test can see that `launch` returns before the work ran and that host staging is read when
+  the copy executes, not when it is queued.
 - Stream capture records the launches into a graph instead of running them; replaying the
   graph runs them again against the memory of that moment.
 The emulators follow the kernels' rules (layouts, padding, split attention) rather than
@@ -192,7 +193,10 @@ class FakeDriver:
         self._enqueue(stream, op)
 
     def event_query(self, event):
+        """Deferred mode: each query lets the "GPU" run one queued operation, as time would."""
         self._log("event_query")
+        if not event.done and self._pending:
+            self._pending.pop(0)()
         return event.done
 
     def event_synchronize(self, event):

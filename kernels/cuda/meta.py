@@ -86,12 +86,17 @@ def fill_decode(v: dict, seqs: Sequence[SeqStep], B: int, max_blocks: int, block
         tok[r] = s.token_ids[0]
         pos[r] = p
         bt = s.block_table
+        if len(bt) > max_blocks or p // block_size >= len(bt):
+            raise ValueError(f"sequence {s.seq_id}: {len(bt)} KV blocks for position {p} (at most {max_blocks} "
+                             f"blocks of {block_size}, the CUDA executor's max_model_len)")
         tables[r, :len(bt)] = bt
+        tables[r, len(bt):] = 0                   # the staging bytes are shared with other layouts
         slot[r] = bt[p // block_size] * block_size + p % block_size
     if n < B:
         tok[n:] = 0
         pos[n:] = 0
         slot[n:] = scratch_block * block_size
+        tables[n:] = 0
         tables[n:, 0] = scratch_block
 
 
