@@ -66,6 +66,13 @@ class H1Session:
         return events
 
     def _on_request(self, ev, events):
+        # HTTP/2's accounting (name + value + 32 per field), so one limit means the same on both;
+        # h11's own limit only catches header blocks that arrive in pieces
+        size = sum(len(name) + len(value) + 32 for name, value in ev.headers)
+        if size > self.limits.max_header_list_size:
+            self._reject(431, f"request headers are {size} bytes, over the limit of "
+                              f"{self.limits.max_header_list_size}", events)
+            return
         self._stream_id += 1
         self._request = ev
         self._arrived_ns = time.monotonic_ns()
@@ -111,9 +118,12 @@ class H1Session:
         events.append(BodyTooLarge(self._stream_id, method, target, headers, self._arrived_ns))
 
     def _protocol_error(self, exc, events):
-        status = exc.error_status_hint or 400
-        body = orjson.dumps({"error": {"message": f"malformed HTTP/1.1 request: {exc}",
-                                       "type": "invalid_request_error", "param": None, "code": None}})
+        self._reject(exc.error_status_hint or 400, f"malformed HTTP/1.1 request: {exc}", events)
+
+    def _reject(self, status: int, message: str, events) -> None:
+        """Answer an unusable request here (the app never sees it) and close the connection."""
+        body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": None}})
         if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             self._send(h11.Response(status_code=status, headers=[
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -121,7 +131,7 @@ class H1Session:
             self._send(h11.Data(data=body))
             self._send(h11.EndOfMessage())
         self.closed = True
-        events.append(ConnectionClosed(f"HTTP/1.1 protocol error: {exc}"))
+        events.append(ConnectionClosed(f"HTTP/1.1 request refused: {message}"))
 
     # ---------------------------------------------------------------- output
 

@@ -79,12 +79,10 @@ class H2Session:
     def __init__(self, limits: Limits, upgrade_settings: bytes | None = None):
         config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=True)
         self.conn = h2.connection.H2Connection(config)
-        self.conn.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
-            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
-            # never below the default: a client may send 65535 bytes before it sees our SETTINGS
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: min(max(limits.max_body_bytes, 65535), MAX_WINDOW),
-        })
+        self.conn.local_settings = _local_settings(limits, limits.max_concurrent_streams)
+        # enforced from the first request, not only once the client has acknowledged our SETTINGS;
+        # over it, h2 ends the connection (GOAWAY) rather than answering 431 on the stream
+        self.conn.decoder.max_header_list_size = limits.max_header_list_size
         self.limits = limits
         self.streams: dict[int, _Stream] = {}
         self._blocked: dict[int, _Stream] = {}      # streams with queued bytes, oldest first
@@ -103,6 +101,11 @@ class H2Session:
             base64.urlsafe_b64decode(padded)  # raises binascii.Error on garbage before h2 sees it
             self.conn.initiate_upgrade_connection(padded)
         self._drain_h2()
+        # The SETTINGS just written advertise our stream limit; h2 itself gets no limit, because
+        # it would end the whole connection over one stream too many. A client may open streams
+        # before our SETTINGS reach it (RFC 7540 5.1.2: the limit starts unlimited), so the extra
+        # ones are refused one by one (RST_STREAM REFUSED_STREAM, safe to retry) in _on_request.
+        self.conn.local_settings = _local_settings(limits, 2**31 - 1)
 
     # ----------------------------------------------------------------- input
 
@@ -137,7 +140,8 @@ class H2Session:
     def _on_request(self, ev, events):
         method, target, headers = _split_headers(ev.headers)
         sid = ev.stream_id
-        if self.goaway_last_id is not None and sid > self.goaway_last_id:
+        if ((self.goaway_last_id is not None and sid > self.goaway_last_id)
+                or len(self.streams) >= self.limits.max_concurrent_streams):
             self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             self._drain_h2()
             return
@@ -363,6 +367,15 @@ class H2Session:
             st.h2.state_machine.process_input(StreamInputs.SEND_END_STREAM)
             self._out.append(FRAME_HEADER.pack(0, 0, 0, END_STREAM, st.id))
         self._maybe_goaway()
+
+
+def _local_settings(limits: Limits, max_concurrent_streams: int) -> h2.settings.Settings:
+    return h2.settings.Settings(client=False, initial_values={
+        h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
+        h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
+        # never below the default: a client may send 65535 bytes before it sees our SETTINGS
+        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: min(max(limits.max_body_bytes, 65535), MAX_WINDOW),
+    })
 
 
 def _split_headers(raw) -> tuple[str, str, dict]:

@@ -217,7 +217,7 @@ def test_queue_full(loop_kind):
             def generate(name, n):
                 results[name] = client.post("/generate", json={"prompt": "hi", "max_tokens": n})
 
-            running = threading.Thread(target=generate, args=("running", 10))
+            running = threading.Thread(target=generate, args=("running", 50))   # 1 s of 20 ms steps
             running.start()
             _wait_for(lambda: _gauge(client, "tokenwire_requests_running") == 1)
             waiting = threading.Thread(target=generate, args=("waiting", 2))
@@ -274,3 +274,45 @@ def test_model_that_fails_to_load_is_reported(loop_kind, tmp_path):
     with pytest.raises(RuntimeError, match="failed to start"):
         s.start(timeout=60)
     s.stop()
+
+
+# ------------------------------------------------- header and stream limits
+
+def test_header_list_over_limit(loop_kind):
+    s = tokenwire.Server(backend="mock", port=0, loop=loop_kind, limits=Limits(max_header_list_size=2048)).start()
+    try:
+        big = {"x-big": "y" * 4000}
+        with httpx.Client(base_url=s.url) as h1:              # HTTP/1.1: 431 from the header parser
+            response = h1.get("/health", headers=big)
+            assert response.status_code == 431 and response.json()["error"]["type"] == "invalid_request_error"
+        with httpx.Client(http1=False, http2=True, base_url=s.url) as client:   # HTTP/2: the connection is refused
+            with pytest.raises(httpx.RemoteProtocolError):
+                client.get("/health", headers=big)
+        with httpx.Client(http1=False, http2=True, base_url=s.url) as client:
+            still_serving(client)
+    finally:
+        s.stop()
+
+
+def test_max_concurrent_streams_over_the_limit_are_refused_one_by_one(loop_kind):
+    """Streams opened before the client saw our SETTINGS (RFC 7540 5.1.2) get REFUSED_STREAM;
+    the connection and the streams within the limit carry on."""
+    import subprocess
+    from h2.errors import ErrorCodes
+    from clients.rawh2 import RawH2
+    s = tokenwire.Server(backend="mock", port=0, loop=loop_kind, mock_step_us=1000,
+                         limits=Limits(max_concurrent_streams=2)).start()
+    try:
+        c = RawH2("127.0.0.1", s.port)
+        sids = [c.post("/generate", {"prompt": "hi", "max_tokens": 5}) for _ in range(5)]
+        c.read_until(lambda: len(c.ended) + len(c.resets) == 5)
+        assert sorted(c.ended) == sids[:2] and sorted(c.resets) == sids[2:]
+        assert set(c.resets.values()) == {ErrorCodes.REFUSED_STREAM}
+        again = c.get("/health")
+        c.read_until(lambda: again in c.ended)
+        assert c.data[again] == b'{"status":"ok"}'
+        c.close()
+        v = subprocess.run(["nghttp", "-nv", s.url + "/health"], capture_output=True, text=True, timeout=30).stdout
+        assert "SETTINGS_MAX_CONCURRENT_STREAMS(0x03):2" in v
+    finally:
+        s.stop()
