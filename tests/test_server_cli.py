@@ -67,6 +67,12 @@ def test_sigterm_drains_inflight_streams_refuses_new_ones_and_exits_0():
                                  served.url + "/v1/completions"], stdout=subprocess.PIPE, text=True)
         curl_first = curl.stdout.readline()             # curl is streaming before the signal
         assert curl_first.startswith("data: ")
+        h1_lines = []
+        h1_client = httpx.Client(base_url=served.url, timeout=30)          # and an HTTP/1.1 stream
+        h1_response = h1_client.send(h1_client.build_request(
+            "POST", "/generate", json={"prompt": "hi", "max_tokens": 40}), stream=True)
+        h1_iter = h1_response.iter_lines()
+        h1_lines.append(next(h1_iter))
         c.read_until(lambda: c.data.get(sid, b"").count(b"data:") >= 3)
         served.proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
@@ -83,6 +89,9 @@ def test_sigterm_drains_inflight_streams_refuses_new_ones_and_exits_0():
         curl_out, _ = curl.communicate(timeout=30)
         curl_out = curl_first + curl_out
         assert curl.returncode == 0 and curl_out.count("data: ") == 42 and curl_out.endswith("data: [DONE]\n\n")
+        h1_lines.extend(h1_iter)
+        h1_client.close()
+        assert len(h1_lines) == 41 and json.loads(h1_lines[-1])["finish_reason"] == "length"
         assert served.wait() == 0
     finally:
         served.kill()
