@@ -84,6 +84,10 @@ def _engine_core(engine_dir, backend, max_model_len, engine_kwargs):
     if backend == "cuda":
         return _cuda_engine_core(engine_dir, max_model_len, engine_kwargs)
     from tokenwire.core.model_runner import build_engine_core
+    if backend == "cpu":                # the C forward, or the numpy one with a one-line warning
+        from tokenwire.kernels.cpu import create_model
+        return build_engine_core(engine_dir, max_model_len=max_model_len, model_factory=create_model,
+                                 **engine_kwargs)
     return build_engine_core(engine_dir, max_model_len=max_model_len, **engine_kwargs)
 
 

@@ -26,14 +26,19 @@ def reference(stories260k_dir):
 
 
 @pytest.fixture(scope="module")
-def server(stories260k_dir, tmp_path_factory):
+def engine_dir(stories260k_dir, tmp_path_factory):
     from tokenwire.engine_build.build import BuildOptions, build_engine, open_source
     from tokenwire.engine_build.quantize import QuantOptions
     root = tmp_path_factory.mktemp("stories")
-    engine = build_engine(open_source(str(stories260k_dir / "stories260K.bin")), root / "engine",
-                          BuildOptions(QuantOptions(method="none")))
     (root / "template.jinja").write_text(CHAT_TEMPLATE)
-    s = tokenwire.Server(str(engine), backend="reference", port=0, chat_template=str(root / "template.jinja")).start()
+    return build_engine(open_source(str(stories260k_dir / "stories260K.bin")), root / "engine",
+                        BuildOptions(QuantOptions(method="none")))
+
+
+@pytest.fixture(scope="module")
+def server(engine_dir):
+    template = engine_dir.parent / "template.jinja"
+    s = tokenwire.Server(str(engine_dir), backend="reference", port=0, chat_template=str(template)).start()
     yield s
     s.stop()
 
@@ -55,10 +60,16 @@ def test_greedy_completion_matches_run_c(client, reference):
     assert streamed == reference["text"]
 
 
-def test_native_stream_token_ids_match_run_c(server, reference):
-    n = len(reference["ids"])
-    lines = httpx.post(server.url + "/generate", json={"prompt_token_ids": reference["prompt_ids"],
-                                                       "max_tokens": n, "temperature": 0}, timeout=60).text
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_native_stream_token_ids_match_run_c(server, engine_dir, reference, backend):
+    s = server if backend == "reference" else tokenwire.Server(str(engine_dir), backend="cpu", port=0).start()
+    try:
+        n = len(reference["ids"])
+        lines = httpx.post(s.url + "/generate", json={"prompt_token_ids": reference["prompt_ids"],
+                                                      "max_tokens": n, "temperature": 0}, timeout=60).text
+    finally:
+        if s is not server:
+            s.stop()
     objs = [json.loads(x) for x in lines.splitlines()]
     assert [o["id"] for o in objs[:-1]] == reference["ids"]
     assert "".join(o["text"] for o in objs[:-1]) == reference["text"]
