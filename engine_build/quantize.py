@@ -7,9 +7,9 @@ Contract:
 - `quantize_model(config, tensors, options, calibration_token_ids, progress)` returns
   `(encoded_tensors, tensor_meta, report)`: the tensors to write, the manifest's "tensors"
   entry, and a `QuantReport` (per-tensor errors; report.py adds perplexity).
-- Each weight goes through a chain of small pure steps, asserting shapes on the way:
-  `pad_k` -> `get_group_qparams` -> `quantize` -> `pack`. `kernels/reference.py` is the exact
-  inverse (`dequantize_int4`), and the tests round-trip through it.
+- Each weight goes through the chain of small pure steps in int4.py (`pad_k` ->
+  `get_group_qparams` -> `quantize` -> `pack`); the searches of quant_search.py only choose
+  its clip ratios, input scales or (GPTQ) the order errors are absorbed in.
 
 Algorithms (`QuantOptions.algorithm`):
 - "rtn":  round to nearest over each group's full [min, max] range.
@@ -36,9 +36,10 @@ import numpy as np
 
 from ..core.config import ModelConfig
 from ..core.model import linear_shapes, vector_shapes
-from ..kernels.reference import dequantize_int4, dequantize_int8
 from .calibration import capture_activations, fold_awq_layer
 from .errors import BuildError
+from .int4 import dequantize, quantize_int4, quantize_int8
+from .quant_search import awq_input_scales, gptq_int4, group_gram, search_clip
 
 GROUP_SIZES = (32, 64, 128)
 # Default 64, from the stories260K sweep (python -m tokenwire.engine_build.report; AWQ, perplexity
@@ -52,8 +53,6 @@ DEFAULT_ALGORITHM = "awq"
 NEEDS_CALIBRATION = ("awq", "gptq", "awq_gptq")
 METHODS = ("none", "int4")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")          # for embedding and lm_head
-CLIP_RATIOS = np.linspace(1.0, 0.5, 11)                # range kept: 100%, 95%, ..., 50%
-AWQ_ALPHAS = np.linspace(0.0, 1.0, 11)                 # alpha = 0 is plain RTN: the search never loses on its data
 FLOAT_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
@@ -89,173 +88,6 @@ class QuantOptions:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise BuildError(None, message)
-
-
-# ---------------------------------------------------------------------- the pure steps
-
-def pad_k(w: np.ndarray, group_size: int) -> np.ndarray:
-    """w: [N, K] -> float32 [N, Kp], K padded with zeros to a multiple of the group size."""
-    n, k = w.shape
-    kp = -(-k // group_size) * group_size
-    out = np.zeros((n, kp), dtype=np.float32)
-    out[:, :k] = w
-    return out
-
-
-def get_group_qparams(w: np.ndarray, group_size: int, symmetric: bool, clip=1.0):
-    """w: [N, Kp] -> (scales float16 [N, Kp/G], zeros float16 [N, Kp/G]).
-
-    `clip` (scalar or [N, Kp/G]) shrinks each group's range. Asymmetric: the range always
-    holds 0 and the zero point is an integer, so 0 (the K padding) is exact. Symmetric:
-    scale = max|w| / 7 and zero point 8. Scales are rounded to float16 here, once, so
-    `quantize` rounds against exactly the scale the kernels will multiply by.
-    """
-    n, kp = w.shape
-    assert kp % group_size == 0, f"K={kp} is not padded to a multiple of {group_size}"
-    g = w.reshape(n, kp // group_size, group_size)
-    if symmetric:
-        scales = np.max(np.abs(g), axis=-1) * clip / 7
-    else:
-        lo, hi = np.minimum(g.min(axis=-1), 0) * clip, np.maximum(g.max(axis=-1), 0) * clip
-        scales = (hi - lo) / 15
-    scales = _to_float16_scale(scales)
-    if symmetric:
-        zeros = np.full(scales.shape, 8, dtype=np.float16)
-    else:
-        zeros = np.clip(np.round(-lo / scales.astype(np.float32)), 0, 15).astype(np.float16)
-    return scales, zeros
-
-
-def _to_float16_scale(scales: np.ndarray) -> np.ndarray:
-    if not np.all(np.isfinite(scales)) or np.max(scales, initial=0) > 65504:
-        raise BuildError(None, "a weight group's range does not fit float16 scales (non-finite or huge weights)")
-    s16 = scales.astype(np.float16)
-    return np.where(s16 == 0, np.float16(1), s16)     # all-zero (or sub-fp16) group: every q is the zero point
-
-
-def quantize(w: np.ndarray, scales: np.ndarray, zeros: np.ndarray, group_size: int) -> np.ndarray:
-    """w: [N, Kp] -> uint8 q [N, Kp] in 0..15, q = clamp(round(w / s) + z)."""
-    assert scales.shape == zeros.shape == (w.shape[0], w.shape[1] // group_size)
-    s = np.repeat(scales.astype(np.float32), group_size, axis=1)
-    z = np.repeat(zeros.astype(np.float32), group_size, axis=1)
-    return np.clip(np.round(w / s) + z, 0, 15).astype(np.uint8)
-
-
-def pack(q: np.ndarray) -> np.ndarray:
-    """uint8 [N, Kp] (values 0..15) -> uint8 [N, Kp/2]: even k in the low nibble, odd k in the high."""
-    assert q.dtype == np.uint8 and q.shape[1] % 2 == 0 and q.max(initial=0) <= 15
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
-
-
-def quantize_int4(w: np.ndarray, group_size: int, symmetric: bool, clip=1.0) -> dict:
-    """float [N, K] -> {"qweight": uint8 [N, Kp/2], "scales": f16 [N, Kp/G], "zeros": f16 [N, Kp/G]}."""
-    wp = pad_k(w, group_size)
-    scales, zeros = get_group_qparams(wp, group_size, symmetric, clip)
-    return {"qweight": pack(quantize(wp, scales, zeros, group_size)), "scales": scales, "zeros": zeros}
-
-
-def quantize_int8(w: np.ndarray) -> dict:
-    """float [N, K] -> {"qweight": int8 [N, K], "scales": f16 [N]}, per-row absmax / 127."""
-    scales = _to_float16_scale(np.max(np.abs(w), axis=1) / 127)
-    q = np.clip(np.round(w / scales.astype(np.float32)[:, None]), -127, 127).astype(np.int8)
-    return {"qweight": q, "scales": scales}
-
-
-def dequantize(parts: dict, in_features: int) -> np.ndarray:
-    """The inverse, through kernels/reference.py. -> float32 [N, K]"""
-    if "zeros" in parts:
-        return dequantize_int4(parts["qweight"], parts["scales"], parts["zeros"], in_features)
-    return dequantize_int8(parts["qweight"], parts["scales"])
-
-
-# ---------------------------------------------------------------------- error-reducing searches
-
-def group_gram(x: Optional[np.ndarray], k: int, group_size: int) -> np.ndarray:
-    """Activations x: [T, K] (None: identity) -> float32 [Kp/G, G, G], each group's X^T X / T."""
-    kp = -(-k // group_size) * group_size
-    if x is None:
-        return np.broadcast_to(np.eye(group_size, dtype=np.float32), (kp // group_size, group_size, group_size))
-    xg = pad_k(x, group_size).reshape(len(x), kp // group_size, group_size)     # [T, ng, G]
-    return np.einsum("tgi,tgj->gij", xg, xg) / len(x)
-
-
-def search_clip(w: np.ndarray, gram: np.ndarray, group_size: int, symmetric: bool) -> np.ndarray:
-    """Per group, the CLIP_RATIOS entry with the least output error d^T C d. -> float32 [N, Kp/G]"""
-    wp = pad_k(w, group_size)
-    n, kp = wp.shape
-    best_err = np.full((n, kp // group_size), np.inf)
-    best = np.ones((n, kp // group_size), dtype=np.float32)
-    for ratio in CLIP_RATIOS:
-        scales, zeros = get_group_qparams(wp, group_size, symmetric, ratio)
-        q = quantize(wp, scales, zeros, group_size).astype(np.float32)
-        w_hat = (q - np.repeat(zeros.astype(np.float32), group_size, 1)) * np.repeat(scales.astype(np.float32), group_size, 1)
-        d = (wp - w_hat).reshape(n, kp // group_size, group_size)                  # [N, ng, G]
-        err = np.einsum("ngi,gij,ngj->ng", d, gram, d)
-        better = err < best_err
-        best_err, best = np.where(better, err, best_err), np.where(better, ratio, best)
-    return best
-
-
-def awq_input_scales(w: np.ndarray, x: np.ndarray, group_size: int, symmetric: bool,
-                     tie: Optional[tuple] = None) -> np.ndarray:
-    """Search alpha for s = mean|x|^alpha minimising ||x w^T - (x/s) Q(w s)^T||. -> float32 [K]
-
-    `tie` = (num_kv_heads, group, head_dim) for o_proj: the `group` query heads of one KV
-    head read the same V rows, so they must share one scale; mean|x| is averaged over them.
-    """
-    mean_abs = np.mean(np.abs(x), axis=0) + 1e-8                          # [K]
-    if tie is not None:
-        mean_abs = _tie_mean(mean_abs, tie)
-    y = x @ w.T
-    best_err, best = np.inf, np.ones_like(mean_abs, dtype=np.float32)
-    for alpha in AWQ_ALPHAS:
-        s = mean_abs ** alpha
-        s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
-        w_hat = dequantize(quantize_int4(w * s, group_size, symmetric), w.shape[1]) / s
-        err = float(np.sum((x @ w_hat.T - y) ** 2))
-        if err < best_err:
-            best_err, best = err, s
-    return best
-
-
-def _tie_mean(mean_abs: np.ndarray, tie: tuple) -> np.ndarray:
-    """mean_abs [Hq*hd] -> [Hq*hd] where the `group` query heads of one KV head share their mean."""
-    num_kv_heads, group, hd = tie
-    m = mean_abs.reshape(num_kv_heads, group, hd).mean(axis=1, keepdims=True)
-    return np.broadcast_to(m, (num_kv_heads, group, hd)).reshape(-1)
-
-
-def gptq_int4(w: np.ndarray, x: np.ndarray, group_size: int, symmetric: bool, damp: float = 0.01) -> dict:
-    """GPTQ: quantize columns left to right, pushing each column's error onto the columns not
-    yet quantized, weighted by the inverse Hessian of ||x w^T - x w_hat^T||^2 (H = x^T x / T).
-    Each group's scale/zero come from its weights as updated so far, clip-searched against
-    H's diagonal block (that group's X^T X). w: [N, K], x: [T, K] -> the int4 parts."""
-    wp = pad_k(w, group_size).astype(np.float64)                          # [N, Kp]
-    n, kp = wp.shape
-    xp = pad_k(x, group_size).astype(np.float64)
-    h = xp.T @ xp / len(xp)                                               # [Kp, Kp]
-    dead = np.diag(h) == 0                                                # padding and never-active inputs
-    h[dead, dead] = 1.0
-    wp[:, dead] = 0.0
-    h += damp * np.mean(np.diag(h)) * np.eye(kp)
-    h_inv = np.linalg.cholesky(np.linalg.inv(h)).T                        # upper Cholesky factor of H^-1
-    scales = np.empty((n, kp // group_size), dtype=np.float16)
-    zeros = np.empty((n, kp // group_size), dtype=np.float16)
-    q = np.empty((n, kp), dtype=np.uint8)
-    for g, k0 in enumerate(range(0, kp, group_size)):
-        k1 = k0 + group_size
-        block = wp[:, k0:k1]                                              # [N, G], updated in place
-        gram = h[None, k0:k1, k0:k1].astype(np.float32)
-        clip = search_clip(block.astype(np.float32), gram, group_size, symmetric)
-        scales[:, g:g + 1], zeros[:, g:g + 1] = get_group_qparams(block.astype(np.float32), group_size, symmetric, clip)
-        s, z = scales[:, g].astype(np.float64), zeros[:, g].astype(np.float64)
-        err = np.empty((n, group_size))                                   # [N, G] scaled errors
-        for j in range(group_size):
-            q[:, k0 + j] = np.clip(np.round(block[:, j] / s) + z, 0, 15)
-            err[:, j] = (block[:, j] - (q[:, k0 + j] - z) * s) / h_inv[k0 + j, k0 + j]
-            block[:, j + 1:] -= np.outer(err[:, j], h_inv[k0 + j, k0 + j + 1:k1])
-        wp[:, k1:] -= err @ h_inv[k0:k1, k1:]                             # the rest of the row, in one GEMM
-    return {"qweight": pack(q), "scales": scales, "zeros": zeros}
 
 
 # ---------------------------------------------------------------------- the whole model

@@ -12,9 +12,9 @@ from tokenwire.core.config import ModelConfig
 from tokenwire.core.model import ReferenceModel, linear_shapes, sequence_logits, vector_shapes
 from tokenwire.engine_build.calibration import capture_activations, fold_awq_layer, split_sequences
 from tokenwire.engine_build.errors import BuildError
-from tokenwire.engine_build.quantize import (QuantOptions, awq_input_scales, dense_engine_tensors, get_group_qparams, gptq_int4,
-                                             group_gram, pack, pad_k, quantize, quantize_int4, quantize_int8,
-                                             quantize_model, search_clip)
+from tokenwire.engine_build.int4 import get_group_qparams, pack, pad_k, quantize, quantize_int4, quantize_int8
+from tokenwire.engine_build.quant_search import awq_input_scales, gptq_int4, group_gram, search_clip
+from tokenwire.engine_build.quantize import QuantOptions, dense_engine_tensors, quantize_model
 from tokenwire.kernels.reference import dequantize_int4, dequantize_int8, unpack_int4
 
 
