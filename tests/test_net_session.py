@@ -464,3 +464,43 @@ def test_shutdown_with_no_streams_closes(session_cls):
     s = session_cls(Limits())
     s.begin_shutdown()
     assert s.wants_close
+
+
+# ------------------------------------------------------- malformed requests
+
+def raw_client():
+    """A client that sends whatever headers it is given (no outbound validation)."""
+    c = h2.connection.H2Connection(h2.config.H2Configuration(
+        client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False))
+    c.initiate_connection()
+    return c
+
+
+@pytest.mark.parametrize("headers", [
+    REQUEST_HEADERS + [("Content-Length", "2")],                       # upper-case name
+    REQUEST_HEADERS + [("connection", "keep-alive")],                  # connection-specific
+    REQUEST_HEADERS + [("te", "gzip")],
+    REQUEST_HEADERS + [("x-a", "b\r\nx-b: c")],                        # CR LF in a value
+    [h for h in REQUEST_HEADERS if h[0] != ":path"],                   # no :path
+    [h for h in REQUEST_HEADERS if h[0] != ":scheme"],
+    REQUEST_HEADERS[:2] + [("x-a", "b")] + REQUEST_HEADERS[2:],        # pseudo-header after a field
+    REQUEST_HEADERS + [(":status", "200")],                            # response pseudo-header
+    REQUEST_HEADERS[:1] + REQUEST_HEADERS,                             # repeated :method
+], ids=["uppercase", "connection", "te", "crlf", "no-path", "no-scheme", "late-pseudo", "status", "repeated"])
+def test_malformed_request_is_a_stream_error(headers):
+    s, c = H2Session(Limits()), raw_client()
+    s.receive_data(c.data_to_send())
+    c.send_headers(1, headers, end_stream=True)
+    c.send_headers(3, REQUEST_HEADERS, end_stream=True)       # the connection goes on
+    events = s.receive_data(c.data_to_send())
+    assert [(type(e), e.stream_id) for e in events] == [(Request, 3)]
+    sent = [f for f in frames(s.data_to_send()) if f[0] == 3]
+    assert sent == [(3, 0, 1, struct.pack(">I", ErrorCodes.PROTOCOL_ERROR))]
+    assert not s.wants_close
+
+
+def test_cookie_fields_are_combined_and_authority_becomes_host():
+    s, c = H2Session(Limits()), client()
+    c.send_headers(1, REQUEST_HEADERS + [("cookie", "a=1"), ("cookie", "b=2")], end_stream=True)
+    (ev,) = s.receive_data(c.data_to_send())
+    assert ev.headers["cookie"] == "a=1; b=2" and ev.headers["host"] == "localhost"
