@@ -23,13 +23,25 @@ int tw_model_init(tw_model *m) {
     return m->k_cache && m->v_cache ? 0 : -1;
 }
 
+static void free_own(tw_thread_scratch *own) {
+    tw_free(own->x);
+    tw_free(own->h);
+    tw_free(own->mlp);
+    tw_free(own->rope);
+    tw_free(own->scores);
+    tw_act_free(&own->act);
+    memset(own, 0, sizeof *own);
+}
+
 static void free_scratch(tw_model *m) {
-    float **bufs[] = {&m->x, &m->h, &m->qkv, &m->attn, &m->tmp, &m->gate_up, &m->mlp, &m->rope, &m->scores};
+    float **bufs[] = {&m->qkv, &m->attn, &m->tmp, &m->gate_up};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) {
         tw_free(*bufs[i]);
         *bufs[i] = NULL;
     }
-    tw_act_free(&m->act);
+    for (int i = 0; m->own && i < m->cap_threads; i++) free_own(&m->own[i]);
+    tw_free(m->own);
+    m->own = NULL;
     m->cap_tokens = m->cap_ctx = m->cap_threads = 0;
 }
 
@@ -129,55 +141,57 @@ const char *tw_batch_check(const tw_model *m, const tw_batch *b) {
 
 /* ------------------------------------------------------------------ scratch */
 
-static int grow(float **p, size_t count) {
-    tw_free(*p);
-    *p = tw_alloc(count * sizeof(float));
-    return *p ? 0 : -1;
+static float *floats(size_t count) { return tw_alloc((count ? count : 1) * sizeof(float)); }
+
+static void widen(const tw_weight *w, int *max_kp, int *max_groups) {
+    if (w->kind != TW_W_I4) return;
+    *max_kp = w->i4.kp > *max_kp ? w->i4.kp : *max_kp;
+    *max_groups = w->i4.num_groups > *max_groups ? w->i4.num_groups : *max_groups;
 }
 
-static int widest_k(const tw_model *m, int *max_kp, int *max_groups) {
-    const tw_weight *all[4];
-    *max_kp = 8;
-    *max_groups = 1;
+static int alloc_own(const tw_model *m, tw_thread_scratch *own, int tokens, int ctx) {
+    int max_kp = 8, max_groups = 1;
     for (int l = 0; l < m->num_layers; l++) {
         const tw_layer *L = &m->layers[l];
-        all[0] = &L->qkv, all[1] = &L->o, all[2] = &L->gate_up, all[3] = &L->down;
-        for (int i = 0; i < 4; i++)
-            if (all[i]->kind == TW_W_I4) {
-                *max_kp = all[i]->i4.kp > *max_kp ? all[i]->i4.kp : *max_kp;
-                *max_groups = all[i]->i4.num_groups > *max_groups ? all[i]->i4.num_groups : *max_groups;
-            }
+        widen(&L->qkv, &max_kp, &max_groups), widen(&L->o, &max_kp, &max_groups);
+        widen(&L->gate_up, &max_kp, &max_groups), widen(&L->down, &max_kp, &max_groups);
     }
-    const tw_weight *head = m->lm_head.kind >= 0 ? &m->lm_head : &m->embed;
-    if (head->kind == TW_W_I4) {
-        *max_kp = head->i4.kp > *max_kp ? head->i4.kp : *max_kp;
-        *max_groups = head->i4.num_groups > *max_groups ? head->i4.num_groups : *max_groups;
-    }
-    return 0;
+    widen(m->lm_head.kind >= 0 ? &m->lm_head : &m->embed, &max_kp, &max_groups);
+    const size_t T = (size_t)tokens;
+    own->x = floats(T * m->dim);
+    own->h = floats(T * m->dim);
+    own->mlp = floats(T * m->hidden);
+    own->rope = floats(T * m->head_dim);
+    own->scores = floats((size_t)ctx);
+    int act_ok = tw_act_init(&own->act, tokens, max_kp, max_groups) == 0;
+    return own->x && own->h && own->mlp && own->rope && own->scores && act_ok ? 0 : -1;
 }
 
-int tw_model_reserve(tw_model *m, const tw_batch *b, int num_threads) {
-    int max_ctx = 1;
-    for (int s = 0; s < b->num_seqs; s++) max_ctx = b->context_lens[s] > max_ctx ? b->context_lens[s] : max_ctx;
-    if (max_ctx > m->cap_ctx || num_threads > m->cap_threads) {
-        const int ctx = max_ctx > m->cap_ctx ? max_ctx : m->cap_ctx, th = num_threads > m->cap_threads ? num_threads : m->cap_threads;
-        if (grow(&m->scores, (size_t)ctx * th)) return -1;
-        m->cap_ctx = ctx;
-        m->cap_threads = th;
-    }
+/* Grow the scratch for this batch on `threads` threads (outside the step: it allocates). */
+int tw_model_reserve(tw_model *m, const tw_batch *b, int threads) {
+    int ctx = 1;
+    for (int s = 0; s < b->num_seqs; s++) ctx = b->context_lens[s] > ctx ? b->context_lens[s] : ctx;
     const int T = b->num_tokens > 0 ? b->num_tokens : 1;
-    if (T <= m->cap_tokens) return 0;
-    const size_t D = m->dim, I = m->hidden, q = (size_t)m->num_heads * m->head_dim;
-    int max_kp, max_groups;
-    widest_k(m, &max_kp, &max_groups);
-    tw_act_free(&m->act);
-    if (grow(&m->x, T * D) || grow(&m->h, T * (D > q ? D : q)) || grow(&m->qkv, T * q_row(m)) || grow(&m->attn, T * q) ||
-        grow(&m->tmp, T * D) || grow(&m->gate_up, T * 2 * I) || grow(&m->mlp, T * I) ||
-        grow(&m->rope, (size_t)T * m->head_dim) || tw_act_init(&m->act, T, max_kp, max_groups)) {
+    if (T <= m->cap_tokens && ctx <= m->cap_ctx && threads <= m->cap_threads) return 0;
+    const int tokens = T > m->cap_tokens ? T : m->cap_tokens;
+    ctx = ctx > m->cap_ctx ? ctx : m->cap_ctx;
+    threads = threads > m->cap_threads ? threads : m->cap_threads;
+    free_scratch(m);
+    const size_t q = (size_t)m->num_heads * m->head_dim;
+    m->qkv = floats((size_t)tokens * q_row(m));
+    m->attn = floats((size_t)tokens * q);
+    m->tmp = floats((size_t)tokens * m->dim);
+    m->gate_up = floats((size_t)tokens * 2 * m->hidden);
+    m->own = tw_alloc((size_t)threads * sizeof(tw_thread_scratch));
+    m->cap_threads = m->own ? threads : 0;
+    int ok = m->qkv && m->attn && m->tmp && m->gate_up && m->own;
+    for (int i = 0; ok && i < threads; i++) ok = alloc_own(m, &m->own[i], tokens, ctx) == 0;
+    if (!ok) {
         free_scratch(m);
         return -1;
     }
-    m->cap_tokens = T;
+    m->cap_tokens = tokens;
+    m->cap_ctx = ctx;
     return 0;
 }
 
@@ -188,122 +202,99 @@ typedef struct {
     tw_batch *b;
 } step_job;
 
-/* y [rows][w->n] = x [rows][w->k] @ W^T, thread ith's share (ends with every thread's tiles done
- * only after the caller's next barrier). */
-static void product(const tw_model *m, const tw_weight *w, const float *x, int ldx, int rows,
-                    float *y, int ith, int nth) {
-    if (w->kind == TW_W_I4) tw_int4_linear_part(&w->i4, &m->act, x, ldx, rows, y, w->n, m->prec, ith, nth);
+/* y [rows][w->n] = x [rows][w->k] @ W^T: this thread's output tiles / rows, no barrier. */
+static void product(const tw_model *m, tw_thread_scratch *own, const tw_weight *w, const float *x, int ldx,
+                    int rows, float *y, int ith, int nth) {
+    if (w->kind == TW_W_I4) tw_int4_linear_private(&w->i4, &own->act, x, ldx, rows, y, w->n, m->prec, ith, nth);
     else tw_rows_linear_part(w->data, w->row_scales, w->kind, w->n, w->k, x, ldx, rows, y, w->n, ith, nth);
 }
 
-static void embed_rows(tw_model *m, const tw_batch *b, int t0, int t1) {
-    for (int t = t0; t < t1; t++) {
-        float *x = m->x + (size_t)t * m->dim;
+static void embed_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own) {
+    for (int t = 0; t < b->num_tokens; t++) {
+        float *x = own->x + (size_t)t * m->dim;
         tw_weight_row(&m->embed, b->token_ids[t], x);
         for (int i = 0; i < m->dim; i++) x[i] *= m->embed_mult;
-        tw_rope_table(m->rope + (size_t)t * m->head_dim, b->positions[t], m->inv_freq, m->head_dim / 2);
+        tw_rope_table(own->rope + (size_t)t * m->head_dim, b->positions[t], m->inv_freq, m->head_dim / 2);
     }
 }
 
-/* bias, RoPE on q and k, then k and v into the cache slot of each token */
-static void rope_and_cache(tw_model *m, int layer, const tw_batch *b, int t0, int t1) {
-    const int hd = m->head_dim, q = m->num_heads * hd, kv = m->num_kv_heads * hd;
-    const size_t per_layer = (size_t)m->num_blocks * m->block_size * kv;
-    const float *bias = m->layers[layer].qkv_bias;
-    for (int t = t0; t < t1; t++) {
-        float *row = m->qkv + (size_t)t * q_row(m);
-        if (bias)
-            for (int i = 0; i < q + 2 * kv; i++) row[i] += bias[i];
-        const float *cs = m->rope + (size_t)t * hd;
-        tw_rope_apply(row, cs, m->num_heads, hd);
-        tw_rope_apply(row + q, cs, m->num_kv_heads, hd);
-        const size_t slot = (size_t)b->slot_mapping[t];
-        memcpy(m->k_cache + layer * per_layer + slot * kv, row + q, (size_t)kv * sizeof(float));
-        memcpy(m->v_cache + layer * per_layer + slot * kv, row + q + kv, (size_t)kv * sizeof(float));
-    }
-}
-
-static void attention(tw_model *m, int layer, const tw_batch *b, int ith, int nth) {
-    int i0, i1;
-    tw_split(b->num_tokens * m->num_kv_heads, ith, nth, &i0, &i1);
-    float *scores = m->scores + (size_t)ith * m->cap_ctx;
-    for (int i = i0; i < i1; i++) tw_attend(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads, scores, m->attn);
-}
-
-static void residual_norm(tw_model *m, const float *norm, int t0, int t1, int add) {
-    for (int t = t0; t < t1; t++) {
-        float *x = m->x + (size_t)t * m->dim;
+/* x += the shared product output (when add), then h = RMSNorm(x) for every token */
+static void residual_norm(const tw_model *m, tw_thread_scratch *own, const float *norm, int tokens, int add) {
+    for (int t = 0; t < tokens; t++) {
+        float *x = own->x + (size_t)t * m->dim;
         if (add)
             for (int i = 0; i < m->dim; i++) x[i] += m->tmp[(size_t)t * m->dim + i];
-        tw_rms_norm(m->h + (size_t)t * m->dim, x, norm, m->dim, m->eps);
+        tw_rms_norm(own->h + (size_t)t * m->dim, x, norm, m->dim, m->eps);
     }
 }
 
-static void mlp_rows(tw_model *m, int t0, int t1) {
+static void attention(const tw_model *m, int layer, const tw_batch *b, tw_thread_scratch *own, int ith, int nth) {
+    int i0, i1;
+    tw_split(b->num_seqs * m->num_kv_heads, ith, nth, &i0, &i1);
+    for (int i = i0; i < i1; i++)
+        tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads, own->rope, own->scores);
+}
+
+static void mlp_rows(const tw_model *m, tw_thread_scratch *own, int tokens) {
     const size_t I = m->hidden;
-    for (int t = t0; t < t1; t++)
-        tw_activation_mul(m->mlp + t * I, m->gate_up + t * 2 * I, m->gate_up + t * 2 * I + I, (int)I, m->activation);
+    for (int t = 0; t < tokens; t++)
+        tw_activation_mul(own->mlp + t * I, m->gate_up + t * 2 * I, m->gate_up + t * 2 * I + I, (int)I, m->activation);
 }
 
-static void final_rows(tw_model *m, const tw_batch *b, int r0, int r1) {
-    for (int r = r0; r < r1; r++) {
-        const float *x = m->x + (size_t)b->logits_indices[r] * m->dim;
-        tw_rms_norm(m->h + (size_t)r * m->dim, x, m->norm, m->dim, m->eps);
+static void logits_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own) {
+    for (int r = 0; r < b->num_logits; r++) {
+        float *x = own->x + (size_t)b->logits_indices[r] * m->dim;
+        for (int i = 0; i < m->dim; i++) x[i] += m->tmp[(size_t)b->logits_indices[r] * m->dim + i];
+        tw_rms_norm(own->h + (size_t)r * m->dim, x, m->norm, m->dim, m->eps);
     }
 }
 
+/* One step, as ReferenceModel.forward: a barrier wherever a thread reads what the products
+ * or the attention items of the others wrote. */
 static void step_task(void *arg, int ith, int nth) {
     step_job *job = arg;
     tw_model *m = job->m;
     tw_batch *b = job->b;
-    const int T = b->num_tokens;
-    int t0, t1;
-    tw_split(T, ith, nth, &t0, &t1);
-    embed_rows(m, b, t0, t1);
+    tw_thread_scratch *own = &m->own[ith];
+    const int T = b->num_tokens, D = m->dim, q = m->num_heads * m->head_dim;
+    embed_rows(m, b, own);
     for (int l = 0; l < m->num_layers; l++) {
         const tw_layer *L = &m->layers[l];
+        residual_norm(m, own, L->attn_norm, T, l > 0);              /* x += down output of layer l-1 */
+        product(m, own, &L->qkv, own->h, D, T, m->qkv, ith, nth);
         tw_pool_barrier(ith, nth);
-        residual_norm(m, L->attn_norm, t0, t1, l > 0);     /* x += down output of layer l-1 */
+        attention(m, l, b, own, ith, nth);
         tw_pool_barrier(ith, nth);
-        product(m, &L->qkv, m->h, m->dim, T, m->qkv, ith, nth);
+        product(m, own, &L->o, m->attn, q, T, m->tmp, ith, nth);
         tw_pool_barrier(ith, nth);
-        rope_and_cache(m, l, b, t0, t1);
+        residual_norm(m, own, L->mlp_norm, T, 1);
+        product(m, own, &L->gate_up, own->h, D, T, m->gate_up, ith, nth);
         tw_pool_barrier(ith, nth);
-        attention(m, l, b, ith, nth);
+        mlp_rows(m, own, T);
+        product(m, own, &L->down, own->mlp, m->hidden, T, m->tmp, ith, nth);
         tw_pool_barrier(ith, nth);
-        product(m, &L->o, m->attn, m->num_heads * m->head_dim, T, m->tmp, ith, nth);
-        tw_pool_barrier(ith, nth);
-        residual_norm(m, L->mlp_norm, t0, t1, 1);
-        tw_pool_barrier(ith, nth);
-        product(m, &L->gate_up, m->h, m->dim, T, m->gate_up, ith, nth);
-        tw_pool_barrier(ith, nth);
-        mlp_rows(m, t0, t1);
-        tw_pool_barrier(ith, nth);
-        product(m, &L->down, m->mlp, m->hidden, T, m->tmp, ith, nth);
     }
-    tw_pool_barrier(ith, nth);
-    for (int t = t0; t < t1; t++)
-        for (int i = 0; i < m->dim; i++) m->x[(size_t)t * m->dim + i] += m->tmp[(size_t)t * m->dim + i];
-    tw_pool_barrier(ith, nth);
-    int r0, r1;
-    tw_split(b->num_logits, ith, nth, &r0, &r1);
-    final_rows(m, b, r0, r1);
-    tw_pool_barrier(ith, nth);
+    logits_rows(m, b, own);
     const tw_weight *head = m->lm_head.kind >= 0 ? &m->lm_head : &m->embed;
-    if (b->num_logits > 0) product(m, head, m->h, m->dim, b->num_logits, b->logits, ith, nth);
+    if (b->num_logits > 0) product(m, own, head, own->h, D, b->num_logits, b->logits, ith, nth);
 }
 
-/* Threads pay for themselves only with enough work between barriers (a step has ~12 per
- * layer): a tiny model's decode step runs on one thread. */
+/* Threads pay for themselves only with enough work between barriers: a tiny model's decode
+ * step runs on one thread. */
 #define MIN_WEIGHT_BYTES_PER_THREAD (2u << 20)
 
-void tw_model_forward(tw_model *m, tw_batch *b, int threads) {
-    step_job job = {m, b};
+int tw_model_threads(const tw_model *m, const tw_batch *b, int threads) {
+    const int pool = tw_pool_num_threads();
     if (threads <= 0) {
         size_t work = tw_model_weight_bytes(m) * (size_t)(b->num_tokens > 0 ? b->num_tokens : 1);
         size_t by_work = work / MIN_WEIGHT_BYTES_PER_THREAD;
         threads = by_work < 1 ? 1 : (by_work > 1024 ? 1024 : (int)by_work);
     }
+    return threads < pool ? threads : pool;
+}
+
+void tw_model_forward(tw_model *m, tw_batch *b, int threads) {
+    step_job job = {m, b};
     tw_pool_run_n(step_task, &job, threads);
 }
 

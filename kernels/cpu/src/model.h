@@ -29,6 +29,18 @@ typedef struct {
 
 enum { TW_ACT_SILU = 0, TW_ACT_GELU_TANH = 1 };
 
+/* Row-wise work is cheap next to the products (O(T*D) against O(T*D*N)), so every thread
+ * does all of it on its own copy instead of splitting it and meeting at a barrier: a layer
+ * needs only the 5 barriers where a thread reads another's product output. */
+typedef struct {
+    float *x;                       /* [T][D]  the residual stream */
+    float *h;                       /* [T][D]  normed input of qkv / gate_up / lm_head */
+    float *mlp;                     /* [T][I]  act(gate) * up, the input of down */
+    float *rope;                    /* [T][hd] cos [hd/2] then sin [hd/2] per token */
+    float *scores;                  /* [cap_ctx] attention scores of one query */
+    tw_act act;                     /* [T] rows of the widest K */
+} tw_thread_scratch;
+
 typedef struct {
     /* architecture */
     int dim, hidden, num_layers, num_heads, num_kv_heads, head_dim, vocab;
@@ -46,16 +58,11 @@ typedef struct {
     float *k_cache, *v_cache;       /* [L][num_blocks * block_size][Hkv][hd] */
     /* scratch, grown on demand between steps */
     int cap_tokens, cap_ctx, cap_threads;
-    float *x;                       /* [T][D] residual stream */
-    float *h;                       /* [T][max(D, q)] normed input of a product */
-    float *qkv;                     /* [T][q + 2kv] */
-    float *attn;                    /* [T][q] */
-    float *tmp;                     /* [T][D] product output before the residual add */
-    float *gate_up;                 /* [T][2I] */
-    float *mlp;                     /* [T][I] act(gate) * up */
-    float *rope;                    /* [T][hd]: cos [hd/2] then sin [hd/2] */
-    float *scores;                  /* [threads][cap_ctx] */
-    tw_act act;                     /* [T] rows of the widest K */
+    float *qkv;                     /* [T][q + 2kv]   shared: qkv product, then RoPE'd in place */
+    float *attn;                    /* [T][q]         shared: attention output */
+    float *tmp;                     /* [T][D]         shared: o / down product output */
+    float *gate_up;                 /* [T][2I]        shared */
+    tw_thread_scratch *own;         /* [cap_threads]  each thread's private buffers */
 } tw_model;
 
 typedef struct {
@@ -75,9 +82,10 @@ int tw_model_init(tw_model *m);                                   /* after the f
 void tw_model_free(tw_model *m);
 const char *tw_model_missing(const tw_model *m);                  /* first unset weight, or NULL */
 const char *tw_batch_check(const tw_model *m, const tw_batch *b); /* error text, or NULL when valid */
-int tw_model_reserve(tw_model *m, const tw_batch *b, int num_threads); /* grow scratch; 0 ok */
-/* Runs on at most `threads` pool threads; threads <= 0: as many as the step's work is worth. */
-void tw_model_forward(tw_model *m, tw_batch *b, int threads);
+/* Threads a step runs on: at most `threads` (<= 0: as many as its work is worth) and the pool. */
+int tw_model_threads(const tw_model *m, const tw_batch *b, int threads);
+int tw_model_reserve(tw_model *m, const tw_batch *b, int threads);   /* grow scratch; 0 ok */
+void tw_model_forward(tw_model *m, tw_batch *b, int threads);       /* threads from tw_model_threads */
 size_t tw_weight_bytes(const tw_weight *w);                       /* bytes one product reads */
 size_t tw_model_weight_bytes(const tw_model *m);                  /* all layer products + lm_head */
 
@@ -88,5 +96,7 @@ void tw_rope_apply(float *x, const float *cs, int num_heads, int head_dim);
 void tw_activation_mul(float *out, const float *gate, const float *up, int n, int activation);
 void tw_weight_row(const tw_weight *w, int row, float *out);      /* one row of W as float32 */
 void tw_attend(const tw_model *m, int layer, const tw_batch *b, int t, int kv_head, float *scores, float *out);
+void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
+                       float *scores);
 
 #endif

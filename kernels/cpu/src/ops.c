@@ -79,10 +79,39 @@ void tw_weight_row(const tw_weight *w, int row, float *out) {
     }
 }
 
-static const float *cache_row(const tw_model *m, const float *cache, int layer, int slot, int kv_head) {
+static float *cache_row(const tw_model *m, float *cache, int layer, int slot, int kv_head) {
     const size_t per_slot = (size_t)m->num_kv_heads * m->head_dim;
     const size_t per_layer = (size_t)m->num_blocks * m->block_size * per_slot;
     return cache + layer * per_layer + (size_t)slot * per_slot + (size_t)kv_head * m->head_dim;
+}
+
+static void add(float *x, const float *bias, int n) {
+    for (int i = 0; i < n; i++) x[i] += bias[i];
+}
+
+/* Everything one sequence's tokens need from one KV head, self-contained so items run in
+ * parallel with no barrier: bias and RoPE on the group's query heads and on the key head,
+ * this step's K/V into the cache, then attention for each token (a later token of a
+ * prefill chunk sees the earlier ones, written just before). rope: [T][hd] tables. */
+void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
+                       float *scores) {
+    const int hd = m->head_dim, group = m->num_heads / m->num_kv_heads;
+    const int q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd, row = q_size + 2 * kv_size;
+    const int q0 = kv_head * group * hd, k0 = q_size + kv_head * hd, v0 = q_size + kv_size + kv_head * hd;
+    const float *bias = m->layers[layer].qkv_bias;
+    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
+        float *r = m->qkv + (size_t)t * row;
+        if (bias) {
+            add(r + q0, bias + q0, group * hd);
+            add(r + k0, bias + k0, hd);
+            add(r + v0, bias + v0, hd);
+        }
+        tw_rope_apply(r + q0, rope + (size_t)t * hd, group, hd);
+        tw_rope_apply(r + k0, rope + (size_t)t * hd, 1, hd);
+        memcpy(cache_row(m, m->k_cache, layer, b->slot_mapping[t], kv_head), r + k0, (size_t)hd * sizeof(float));
+        memcpy(cache_row(m, m->v_cache, layer, b->slot_mapping[t], kv_head), r + v0, (size_t)hd * sizeof(float));
+    }
+    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) tw_attend(m, layer, b, t, kv_head, scores, m->attn);
 }
 
 /* Token t's query heads of one KV head against its sequence's cached keys [lo, pos]:

@@ -275,7 +275,8 @@ static PyObject *Model_forward(Model *self, PyObject *args) {
         else if (token_seq && atomic_exchange(&self->busy, 1))
             PyErr_SetString(PyExc_RuntimeError, "this C model is already running a step in another thread");
         else if (token_seq) {
-            int rc = tw_model_reserve(&self->m, &b, tw_pool_num_threads());
+            threads = tw_model_threads(&self->m, &b, threads);
+            int rc = tw_model_reserve(&self->m, &b, threads);
             if (rc) PyErr_NoMemory();
             else {
                 Py_BEGIN_ALLOW_THREADS

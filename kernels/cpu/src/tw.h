@@ -86,6 +86,10 @@ typedef void (*tw_rows_kernel)(const void *w, const uint16_t *row_scales, int ki
 /* Inside a pool task: thread ith's share. `a` must hold >= m rows of w's kp. */
 void tw_int4_linear_part(const tw_int4 *w, const tw_act *buffers, const float *x, int ldx, int m,
                          float *y, int ldy, int prec, int ith, int nth);
+/* Same, with activation buffers of this thread's own: every thread prepares all m rows
+ * (O(m*K), against the product's O(m*K*N)) and no barrier is needed. */
+void tw_int4_linear_private(const tw_int4 *w, const tw_act *own, const float *x, int ldx, int m,
+                            float *y, int ldy, int prec, int ith, int nth);
 void tw_rows_linear_part(const void *w, const uint16_t *row_scales, int kind, int n, int k,
                          const float *x, int ldx, int m, float *y, int ldy, int ith, int nth);
 /* Whole products on the pool; x [m][k], y [m][n], both packed. */

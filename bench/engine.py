@@ -1,0 +1,270 @@
+"""`tokenwire bench engine`: decode and prefill tokens/s of a real architecture's shape,
+against the memory-bandwidth roofline measured in the same run.
+
+    tokenwire bench engine --shape qwen2.5-0.5b [--batch 1,4,16] [--threads N] [--json FILE]
+
+What it does, per shape:
+1. Builds a random-weight INT4 engine of that architecture's exact shape in memory (engine
+   format of docs/ENGINE_FORMAT.md: random 4-bit codes, scales and zero points; group size
+   64 as `tokenwire build`'s default; embedding and lm_head int4 unless --embedding says
+   otherwise). Speed does not depend on the values, and nothing is downloaded.
+2. Measures the machine's read bandwidth with the backend's probe on the same threads: a
+   streaming read (each thread its own contiguous slice, front to back, the kernels' loads)
+   of a fresh buffer of exactly the bytes one decode step reads, and of a 1 GiB buffer (larger
+   than any L3 this runs on). Median of the passes after a warm-up pass.
+3. For each batch size B: one prefill step of B prompts of --prompt-len tokens (prefill
+   tokens/s), then --steps timed decode steps of B tokens after one warm-up (decode tokens/s
+   from the median step).
+
+The roofline: a decode step must read every weight once, so it cannot take less than
+weight bytes / read bandwidth. `roofline_fraction` = that time / the measured step time,
+with the bandwidth of the same-size buffer (what the step itself sees, cache effects
+included, e.g. a model that partly fits a large L3). KV-cache reads are printed but not
+credited: the fraction is the conservative one.
+
+Backends plug in through BACKENDS: an object with `name`, `describe()`, `build(config,
+tensors, block_size, num_blocks, activations)` -> forward object (`forward(ForwardBatch)`)
+and `read_bandwidth(nbytes, reps)` -> seconds per pass.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {  # the published configs, in ModelConfig fields
+    "qwen2.5-0.5b": dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768,
+                         rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True, tie_word_embeddings=True),
+    "tinyllama-1.1b": dict(architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                           num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64, max_position_embeddings=2048,
+                           rms_norm_eps=1e-5, rope_theta=10000.0),
+    "llama-3.2-1b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                         rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+}
+LARGE_PROBE_BYTES = 1 << 30
+BLOCK_SIZE = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", action="append", choices=sorted(SHAPES),
+                        help="architecture shape; repeat for several (default: qwen2.5-0.5b)")
+    parser.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default: %(default)s)")
+    parser.add_argument("--threads", type=int, help="kernel threads (default: physical cores)")
+    parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS), help="(default: %(default)s)")
+    parser.add_argument("--activations", default="fp32,int8",
+                        help="INT4 product activations, comma-separated: fp32 (exact), int8 (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="(default: %(default)s)")
+    parser.add_argument("--embedding", default="int4", choices=("fp16", "int8", "int4"),
+                        help="embedding and lm_head encoding (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prefill tokens per sequence (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size (default: %(default)s)")
+    parser.add_argument("--probe-reps", type=int, default=7, help="timed bandwidth passes (default: %(default)s)")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+
+
+# ------------------------------------------------------------------ backends
+
+class CpuBackend:
+    name = "cpu"
+
+    def __init__(self, threads):
+        from ..kernels import cpu
+        if not cpu.AVAILABLE:
+            raise SystemExit(f"tokenwire bench engine: the C kernels are not built ({cpu.IMPORT_ERROR})")
+        if threads is not None:
+            cpu.set_num_threads(threads)
+        self.cpu = cpu
+        self.threads = cpu.num_threads()
+
+    def describe(self) -> str:
+        return f"backend cpu, {self.cpu.isa()} kernels, {self.threads} threads ({self.cpu.physical_cores()} physical cores)"
+
+    def build(self, config, tensors, block_size, num_blocks, activations):
+        from ..kernels.cpu.model import CpuModel
+        return CpuModel(config, tensors, block_size, num_blocks, activations=activations)
+
+    def read_bandwidth(self, nbytes: int, reps: int) -> list:
+        return self.cpu.read_bandwidth(nbytes, reps)
+
+
+BACKENDS = {"cpu": CpuBackend}
+
+
+# ------------------------------------------------------------------ the random engine
+
+def shape_config(shape: str):
+    from ..core.config import ModelConfig
+    return ModelConfig.from_dict(SHAPES[shape])
+
+
+def random_engine(config, group_size: int, embedding: str, seed: int = 0) -> dict:
+    """Engine tensors of `config` with random codes: every matrix INT4, embed/lm_head per `embedding`."""
+    from ..core.model import linear_shapes, vector_shapes
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, (n, k) in linear_shapes(config).items():
+        encoding = embedding if name in ("embed", "lm_head") else "int4"
+        tensors.update({f"{name}.{part}": a for part, a in random_matrix(rng, n, k, group_size, encoding).items()})
+    for name, shape in vector_shapes(config).items():
+        tensors[name] = (1.0 + 0.01 * rng.standard_normal(shape)).astype(np.float32)
+    return tensors
+
+
+def random_matrix(rng, n: int, k: int, group_size: int, encoding: str) -> dict:
+    if encoding == "fp16":
+        return {"weight": (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(np.float16)}
+    if encoding == "int8":
+        return {"qweight": rng.integers(-127, 128, (n, k), dtype=np.int8),
+                "scales": np.full(n, 0.02 / 64, dtype=np.float16)}
+    kp = -(-k // group_size) * group_size
+    codes = np.frombuffer(rng.bytes(n * kp // 2), dtype=np.uint8).reshape(n, kp // 2)
+    scales = (rng.random((n, kp // group_size), dtype=np.float32) * 0.01 + 0.005).astype(np.float16)
+    zeros = rng.integers(6, 11, (n, kp // group_size)).astype(np.float16)
+    return {"qweight": codes, "scales": scales, "zeros": zeros}
+
+
+# ------------------------------------------------------------------ measuring
+
+def bandwidth(backend, nbytes: int, reps: int) -> float:
+    """bytes/s: median over `reps` passes of a streaming read of `nbytes`."""
+    return nbytes / statistics.median(backend.read_bandwidth(nbytes, reps))
+
+
+def steps_for(batch: int, prompt: list, start: int, tables: list):
+    from ..core.executor import SeqStep
+    from ..core.sampling_params import SamplingParams
+    greedy = SamplingParams(temperature=0.0)
+    return [SeqStep(i, prompt if start == 0 else [prompt[0]], start, tables[i], True, greedy, 0, [], [])
+            for i in range(batch)]
+
+
+def time_batch(model, config, batch: int, prompt_len: int, num_steps: int) -> dict:
+    """Prefill B prompts in one step, then decode; -> prefill tokens/s, decode step times (s)."""
+    from ..core.forward_batch import build_forward_batch
+    total = prompt_len + num_steps + 1
+    blocks_per_seq = -(-total // BLOCK_SIZE)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
+    prompt = list(np.random.default_rng(batch).integers(0, config.vocab_size, prompt_len))
+    batch_data = build_forward_batch(steps_for(batch, prompt, 0, tables), BLOCK_SIZE)
+    t0 = time.perf_counter()
+    model.forward(batch_data)
+    prefill_s = time.perf_counter() - t0
+    step_s = []
+    for i in range(num_steps + 1):                          # the first decode step warms up
+        data = build_forward_batch(steps_for(batch, prompt[i % prompt_len:], prompt_len + i, tables), BLOCK_SIZE)
+        t0 = time.perf_counter()
+        model.forward(data)
+        if i:
+            step_s.append(time.perf_counter() - t0)
+    return {"prefill_tokens_per_s": batch * prompt_len / prefill_s, "step_s": step_s}
+
+
+def kv_bytes_per_step(config, batch: int, context: int) -> int:
+    return batch * context * 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+
+
+# ------------------------------------------------------------------ reporting
+
+def l3_bytes() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
+    except (OSError, ValueError):
+        return 0
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def print_header(shape, config, args, backend, weight_bytes, bw_same, bw_large):
+    c = config
+    print(f"\n== {shape}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, intermediate "
+          f"{c.intermediate_size}, heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}"
+          f"{', tied' if c.tie_word_embeddings else ''}")
+    print(f"   random-weight engine: INT4 group {args.group_size}, embedding/lm_head {args.embedding}; {backend.describe()}")
+    print(f"   weights read per decode step: {mb(weight_bytes)} (every layer's products + lm_head)")
+    l3 = l3_bytes()
+    print(f"   read bandwidth, streaming read on {backend.threads} threads, median of {args.probe_reps} passes after a warm-up:")
+    print(f"     {mb(weight_bytes)} buffer (= weights per step): {bw_same / 1e9:.2f} GB/s   <- the roofline")
+    print(f"     {mb(LARGE_PROBE_BYTES)} buffer (> L3 {mb(l3) if l3 else 'unknown'}): {bw_large / 1e9:.2f} GB/s")
+    print(f"   roofline: {mb(weight_bytes)} / {bw_same / 1e9:.2f} GB/s = {weight_bytes / bw_same * 1e3:.2f} ms per decode step")
+    print(f"   {'act':5} {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'weights GB/s':>13} {'% roofline':>11} "
+          f"{'KV MB/step':>11} {'prefill tok/s':>14}")
+
+
+def print_row(row):
+    print(f"   {row['activations']:5} {row['batch']:>5} {row['decode_tokens_per_s']:>13.1f} {row['decode_step_ms']:>8.2f} "
+          f"{row['weight_bytes_per_step'] / row['decode_step_ms'] / 1e6:>13.2f} {100 * row['roofline_fraction']:>10.1f}% "
+          f"{row['kv_bytes_per_step'] / 1e6:>11.1f} {row['prefill_tokens_per_s']:>14.1f}")
+
+
+def run_shape(shape: str, args, backend, batches, precisions) -> list:
+    config = shape_config(shape)
+    tensors = random_engine(config, args.group_size, args.embedding)
+    num_blocks = max(batches) * -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
+    models = {p: backend.build(config, tensors, BLOCK_SIZE, num_blocks, p) for p in precisions}
+    del tensors
+    weight_bytes = next(iter(models.values())).weight_bytes_per_token
+    bw_same = bandwidth(backend, weight_bytes, args.probe_reps)
+    bw_large = bandwidth(backend, LARGE_PROBE_BYTES, max(3, args.probe_reps // 2))
+    print_header(shape, config, args, backend, weight_bytes, bw_same, bw_large)
+    rows = []
+    for precision, model in models.items():
+        for batch in batches:
+            timing = time_batch(model, config, batch, args.prompt_len, args.steps)
+            step = statistics.median(timing["step_s"])
+            row = {"shape": shape, "backend": backend.name, "activations": precision, "batch": batch,
+                   "threads": backend.threads, "decode_tokens_per_s": batch / step, "decode_step_ms": step * 1e3,
+                   "prefill_tokens_per_s": timing["prefill_tokens_per_s"],
+                   "weight_bytes_per_token": weight_bytes / batch, "weight_bytes_per_step": weight_bytes,
+                   "read_bandwidth_bytes_per_s": bw_same, "read_bandwidth_large_bytes_per_s": bw_large,
+                   "roofline_fraction": weight_bytes / bw_same / step,
+                   "kv_bytes_per_step": kv_bytes_per_step(config, batch, args.prompt_len + args.steps // 2),
+                   "group_size": args.group_size, "embedding": args.embedding, "prompt_len": args.prompt_len,
+                   "decode_steps": args.steps}
+            print_row(row)
+            rows.append(row)
+        base = next(r for r in rows if r["activations"] == precision and r["batch"] == min(batches))
+        for r in rows:
+            if r["activations"] == precision and r["batch"] != base["batch"]:
+                print(f"   {precision}: batch {r['batch']} decodes {r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.1f}x "
+                      f"the tokens/s of batch {base['batch']}")
+    return rows
+
+
+def parse_list(text: str, what: str, allowed=None) -> list:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if allowed is not None:
+        bad = [t for t in items if t not in allowed]
+        if bad or not items:
+            raise SystemExit(f"tokenwire bench engine: {what} must be from {allowed}, got {text!r}")
+        return items
+    if not items or not all(t.isdigit() and int(t) >= 1 for t in items):
+        raise SystemExit(f"tokenwire bench engine: {what} must be positive integers, got {text!r}")
+    return sorted({int(t) for t in items})
+
+
+def run(args) -> int:
+    batches = parse_list(args.batch, "--batch")
+    precisions = parse_list(args.activations, "--activations", ("fp32", "int8"))
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit("tokenwire bench engine: --threads must be >= 1")
+    if args.prompt_len < 1 or args.steps < 1 or args.probe_reps < 1:
+        raise SystemExit("tokenwire bench engine: --prompt-len, --steps and --probe-reps must be >= 1")
+    backend = BACKENDS[args.backend](args.threads)
+    rows = []
+    for shape in args.shape or ["qwen2.5-0.5b"]:
+        rows += run_shape(shape, args, backend, batches, precisions)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"\nwrote {len(rows)} rows to {args.json}", file=sys.stderr)
+    return 0
