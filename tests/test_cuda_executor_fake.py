@@ -293,3 +293,15 @@ def test_bad_options_are_named():
     c = tiny_config()
     with pytest.raises(ValueError, match="cannot hold one context"):
         make(c, tiny_engine(c), num_blocks=4)
+
+
+def test_stepping_from_another_thread_binds_the_context_there():
+    import threading
+    c = tiny_config()
+    drv = FakeDriver()
+    ex = make(c, tiny_engine(c), driver=drv)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(run_greedy(ex, [3, 4, 5], 2)))
+    worker.start()
+    worker.join()
+    assert done and ("make_current", worker.ident) in drv.calls

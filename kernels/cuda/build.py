@@ -190,6 +190,7 @@ def store(path: Path, image: bytes, meta: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
         f.write(image)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
     path.with_suffix(".json").write_text(json.dumps(meta, indent=1) + "\n")
 

@@ -18,6 +18,7 @@ Contract:
   waited, and they must be waited in launch order.
 """
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
@@ -117,8 +118,10 @@ class CudaExecutor:
         self.ring = [self._make_slot() for _ in range(o.ring_slots)]
         self.buckets = self._buckets()
         self.graphs = {}                        # (bucket, mode) -> executable graph
+        self.graphs_enabled = o.use_graphs      # a benchmark may switch to eager launches to profile
         self.num_launched = self.num_waited = 0
         self._last_handle: Optional[StepHandle] = None
+        self._thread = threading.get_ident()     # the thread the context is current on
         self.drv.stream_synchronize(self.dev.copy_stream)
         if o.use_graphs and o.capture_at_start:
             for b in self.buckets:
@@ -200,6 +203,7 @@ class CudaExecutor:
     def launch(self, seqs: Sequence[SeqStep]) -> StepHandle:
         """Enqueue one step and return without waiting for the GPU (hot path)."""
         start_ns = time.perf_counter_ns()
+        self._bind_thread()
         slot_index = self.num_launched % len(self.ring)
         slot = self.ring[slot_index]
         if slot.in_flight:
@@ -222,9 +226,16 @@ class CudaExecutor:
         self._last_handle = handle
         return handle
 
+    def _bind_thread(self) -> None:
+        """The context is current per thread: bind it once on whichever thread steps (the engine's)."""
+        me = threading.get_ident()
+        if me != self._thread:
+            self.drv.make_current()
+            self._thread = me
+
     def _decode_bucket(self, seqs: Sequence[SeqStep]) -> int:
         """The graph bucket for an all-decode step, or 0 for an eager step."""
-        if not self.options.use_graphs or not seqs or len(seqs) > self.buckets[-1]:
+        if not self.graphs_enabled or not seqs or len(seqs) > self.buckets[-1]:
             return 0
         if any(len(s.token_ids) != 1 or not s.sample for s in seqs):
             return 0
@@ -284,6 +295,7 @@ class CudaExecutor:
         """Block the calling (engine) thread until the step's ids are in the host ring."""
         if handle.number != self.num_waited:
             raise RuntimeError(f"steps must be waited in launch order: expected step {self.num_waited}, got {handle.number}")
+        self._bind_thread()
         slot = self.ring[handle.slot]
         if self.options.wait == "spin":
             while not self.drv.event_query(slot.ready):
@@ -385,6 +397,7 @@ class CudaExecutor:
         if self.drv is None:
             return
         drv = self.drv
+        self._bind_thread()
         drv.stream_synchronize(self.dev.compute_stream)
         drv.stream_synchronize(self.dev.copy_stream)
         for graph in self.graphs.values():

@@ -1,0 +1,310 @@
+"""`tokenwire bench engine --backend cuda`: the CUDA backend on random-weight INT4 engines of
+real architectures' shapes, against the GPU's memory-bandwidth roofline measured in the same run.
+
+    python -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,8,32,128 [--json FILE]
+
+Per shape:
+1. A random-weight INT4 engine of that exact shape (bench/engine.py's `random_engine`: random
+   codes, scales and zero points; group 64; embedding and lm_head int4), loaded once into a
+   CudaExecutor. Speed does not depend on the values; nothing is downloaded.
+2. The roofline: a device-to-device copy of a large buffer (read + write bytes per second),
+   timed with CUDA events before the executor takes the memory.
+3. Per batch size B, decode steps of B one-token sequences at context --context, replayed from
+   the bucket's CUDA graph: tokens/s from the median wall step (launch + wait); weight bytes
+   read per step / step time = achieved bandwidth, and its fraction of the copy roofline;
+   host time per step (the `launch` call alone); completion-to-ring: from the step's "done"
+   event (sampling finished) to its ids in the pinned ring, on the GPU clock (event timing)
+   and as the host sees it (spinning on both events).
+4. Prefill tokens/s: one eager step of --prefill-tokens tokens (sequences of --prompt-len).
+5. --profile: one eager decode step at batch 1 with an event after every kernel: time per
+   kernel kind, and each projection's achieved bandwidth, to show what a missed target blames.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+SHAPES_CUDA = {
+    "llama-3.1-8b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+                         rms_norm_eps=1e-5, rope_theta=500000.0,
+                         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
+}
+BLOCK_SIZE = 16
+
+
+def all_shapes() -> dict:
+    from .engine import SHAPES
+    return {**SHAPES, **SHAPES_CUDA}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", action="append", choices=sorted(all_shapes()),
+                        help="architecture shape; repeat for several (default: llama-3.2-1b and llama-3.1-8b)")
+    parser.add_argument("--batch", default="1,8,32,128", help="decode batch sizes (default: %(default)s)")
+    parser.add_argument("--context", type=int, default=128, help="tokens already in each sequence's cache (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prefill tokens per sequence (default: %(default)s)")
+    parser.add_argument("--prefill-tokens", type=int, default=2048, help="tokens in the timed prefill step (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="(default: %(default)s)")
+    parser.add_argument("--embedding", default="int4", choices=("fp16", "int8", "int4"),
+                        help="embedding and lm_head encoding (default: %(default)s)")
+    parser.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"), help="(default: %(default)s)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="(default: %(default)s)")
+    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch between kernels (sm_90)")
+    parser.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
+    parser.add_argument("--profile", action="store_true", help="time every kernel of one eager decode step")
+    parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+
+
+# ------------------------------------------------------------------ measurements
+
+def copy_bandwidth(drv, nbytes: int, reps: int = 10) -> float:
+    """(read + write) bytes/s of a device-to-device copy, median of `reps` after a warm-up."""
+    stream = drv.stream_create()
+    src, dst = drv.mem_alloc(nbytes), drv.mem_alloc(nbytes)
+    start, end = drv.event_create(timing=True), drv.event_create(timing=True)
+    try:
+        times = []
+        for i in range(reps + 1):
+            drv.event_record(start, stream)
+            drv.memcpy_dtod_async(dst, src, nbytes, stream)
+            drv.event_record(end, stream)
+            drv.event_synchronize(end)
+            if i:
+                times.append(drv.event_elapsed_ms(start, end) / 1e3)
+        return 2 * nbytes / statistics.median(times)
+    finally:
+        for e in (start, end):
+            drv.event_destroy(e)
+        drv.mem_free(src)
+        drv.mem_free(dst)
+        drv.stream_destroy(stream)
+
+
+def weight_bytes_per_step(executor) -> int:
+    from ..kernels.cuda.weights import linear_bytes
+    w = executor.weights
+    return sum(linear_bytes(lin) for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)) \
+        + linear_bytes(w.lm_head)
+
+
+def decode_steps(batch: int, context: int, step: int, vocab_size: int):
+    """B one-token sequences at position context + step, each with its own blocks."""
+    from ..core.executor import SeqStep
+    from ..core.sampling_params import SamplingParams
+    greedy = SamplingParams(temperature=0.0)
+    blocks = -(-(context + step + 1) // BLOCK_SIZE)
+    per_seq = -(-(context + 4096) // BLOCK_SIZE)
+    return [SeqStep(i, [(7 * i + step) % vocab_size], context + step, list(range(i * per_seq, i * per_seq + blocks)),
+                    True, greedy, 0, [], []) for i in range(batch)]
+
+
+def time_decode(executor, batch: int, context: int, num_steps: int) -> dict:
+    """Median wall time per step, host launch time, and completion-to-ring (GPU and host views)."""
+    drv, vocab = executor.drv, executor.config.vocab_size
+    for i in range(3):                                               # warm-up (and graph capture)
+        executor.step(decode_steps(batch, context, i, vocab))
+    wall, host, ring_gpu, ring_host = [], [], [], []
+    for i in range(num_steps):
+        seqs = decode_steps(batch, context, 3 + i, vocab)
+        t0 = time.perf_counter_ns()
+        handle = executor.launch(seqs)
+        t1 = time.perf_counter_ns()
+        slot = executor.ring[handle.slot]
+        while not drv.event_query(slot.done):
+            pass
+        t2 = time.perf_counter_ns()
+        while not drv.event_query(slot.ready):
+            pass
+        t3 = time.perf_counter_ns()
+        executor.wait(handle)
+        t4 = time.perf_counter_ns()
+        wall.append((t4 - t0) / 1e9)
+        host.append((t1 - t0) / 1e3)
+        ring_host.append((t3 - t2) / 1e3)
+        ring_gpu.append(drv.event_elapsed_ms(slot.done, slot.ready) * 1e3)
+    return {"step_s": statistics.median(wall), "host_us": statistics.median(host),
+            "ring_gpu_us": statistics.median(ring_gpu), "ring_host_us": statistics.median(ring_host),
+            "graph": handle.graph}
+
+
+def time_prefill(executor, prompt_len: int, total_tokens: int, reps: int = 3) -> float:
+    from ..core.executor import SeqStep
+    from ..core.sampling_params import SamplingParams
+    greedy = SamplingParams(temperature=0.0)
+    n = max(1, total_tokens // prompt_len)
+    per_seq = -(-prompt_len // BLOCK_SIZE)
+    rng = np.random.default_rng(0)
+    seqs = [SeqStep(i, list(rng.integers(0, executor.config.vocab_size, prompt_len)), 0,
+                    list(range(i * per_seq, (i + 1) * per_seq)), True, greedy, 0, [], []) for i in range(n)]
+    executor.step(seqs)                                              # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        executor.step(seqs)
+        times.append(time.perf_counter() - t0)
+    return n * prompt_len / statistics.median(times)
+
+
+def profile_decode(executor, context: int) -> list:
+    """One eager decode step at batch 1, an event after each kernel. -> [(kernel, ms, bytes or 0)]"""
+    drv, dev = executor.drv, executor.dev
+    records = []
+    original = dev.launch
+
+    def timed(name, grid, block, stream, smem=0, **args):
+        original(name, grid, block, stream, smem=smem, **args)
+        event = drv.event_create(timing=True)
+        drv.event_record(event, stream)
+        records.append((name, args.get("qw") or args.get("w") or args.get("qweight") or 0, event))
+    executor.step(decode_steps(1, context, 0, executor.config.vocab_size))       # warm
+    start = drv.event_create(timing=True)
+    executor.graphs_enabled = False
+    dev.launch = timed
+    try:
+        drv.event_record(start, dev.compute_stream)
+        executor.step(decode_steps(1, context, 1, executor.config.vocab_size))
+    finally:
+        dev.launch = original
+        executor.graphs_enabled = executor.options.use_graphs
+    sizes = _weight_sizes(executor)
+    out, prev = [], start
+    for name, wptr, event in records:
+        out.append((name, drv.event_elapsed_ms(prev, event), sizes.get(wptr, 0), sizes.get(("name", wptr), "")))
+        prev = event
+    for _, _, event in records:
+        drv.event_destroy(event)
+    drv.event_destroy(start)
+    return out
+
+
+def _weight_sizes(executor) -> dict:
+    from ..kernels.cuda.weights import linear_bytes
+    w, sizes = executor.weights, {}
+    for layer in w.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            sizes[lin.w] = linear_bytes(lin)
+            sizes[("name", lin.w)] = lin.name.split(".")[-1]
+    sizes[w.lm_head.w] = linear_bytes(w.lm_head)
+    sizes[("name", w.lm_head.w)] = "lm_head"
+    return sizes
+
+
+def print_profile(rows: list) -> None:
+    total = sum(ms for _, ms, _, _ in rows)
+    by_kind = defaultdict(lambda: [0.0, 0, 0])
+    for name, ms, nbytes, proj in rows:
+        key = f"{name} ({proj})" if proj else name
+        by_kind[key][0] += ms
+        by_kind[key][1] += 1
+        by_kind[key][2] += nbytes
+    print(f"   profile, one eager decode step at batch 1 (events between kernels, launch gaps included): {total:.3f} ms")
+    for key, (ms, n, nbytes) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
+        bw = f"{nbytes / (ms / 1e3) / 1e12:6.2f} TB/s" if nbytes else ""
+        print(f"     {key:34} x{n:<4} {ms:8.3f} ms {100 * ms / total:5.1f}%  {bw}")
+
+
+# ------------------------------------------------------------------ one shape
+
+def build_executor(shape: str, args, driver=None, image_fn=None):
+    from ..core.config import ModelConfig
+    from ..kernels.cuda.executor import CudaExecutor, CudaOptions
+    from .engine import random_engine
+    config = ModelConfig.from_dict(all_shapes()[shape])
+    tensors = random_engine(config, args.group_size, args.embedding)
+    batches = parse_batches(args.batch)
+    per_seq = -(-(args.context + 4096) // BLOCK_SIZE)
+    num_blocks = max(max(batches) * per_seq, -(-args.max_model_len // BLOCK_SIZE), args.prefill_tokens // BLOCK_SIZE + 64)
+    options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch=max(batches),
+                          max_num_tokens=args.prefill_tokens, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
+                          pdl=args.pdl, matmul=args.matmul, timing_events=True, graph_batch_sizes=tuple(batches))
+    kwargs = {"driver": driver} if driver is not None else {}
+    if image_fn is not None:
+        kwargs["image_fn"] = image_fn
+    return config, CudaExecutor(config, tensors, options, **kwargs)
+
+
+def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None) -> list:
+    config, ex = build_executor(shape, args, driver or drv, image_fn)
+    try:
+        weights = weight_bytes_per_step(ex)
+        c, dev = config, ex.dev
+        print(f"\n== {shape}: {c.num_layers} layers, hidden {c.hidden_size}, intermediate {c.intermediate_size}, "
+              f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
+              f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul}, pdl {dev.pdl}")
+        print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
+              f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
+              f"= {weights / roofline * 1e3:.3f} ms per step")
+        print(f"   {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'weights TB/s':>12} {'% roofline':>10} "
+              f"{'host us/step':>12} {'ring us gpu':>11} {'ring us host':>12} {'KV MB/step':>10}")
+        prefill = time_prefill(ex, min(args.prompt_len, args.prefill_tokens), args.prefill_tokens)
+        rows = []
+        for batch in parse_batches(args.batch):
+            t = time_decode(ex, batch, args.context, args.steps)
+            kv = batch * (args.context + args.steps // 2) * 2 * c.num_layers * c.num_kv_heads * c.head_dim \
+                * (4 if args.kv_dtype == "float32" else 2)
+            row = {"shape": shape, "backend": "cuda", "batch": batch, "threads": None, "device": dev.name,
+                   "decode_tokens_per_s": batch / t["step_s"], "decode_step_ms": t["step_s"] * 1e3,
+                   "prefill_tokens_per_s": prefill, "weight_bytes_per_token": weights / batch,
+                   "weight_bytes_per_step": weights, "read_bandwidth_bytes_per_s": roofline,
+                   "achieved_bytes_per_s": weights / t["step_s"], "roofline_fraction": weights / roofline / t["step_s"],
+                   "host_us_per_step": t["host_us"], "ring_us_gpu": t["ring_gpu_us"], "ring_us_host": t["ring_host_us"],
+                   "graph": t["graph"], "kv_bytes_per_step": kv, "context": args.context, "pdl": dev.pdl,
+                   "group_size": args.group_size, "embedding": args.embedding, "kv_dtype": args.kv_dtype}
+            print(f"   {batch:>5} {row['decode_tokens_per_s']:>13.1f} {row['decode_step_ms']:>8.3f} "
+                  f"{row['achieved_bytes_per_s'] / 1e12:>12.2f} {100 * row['roofline_fraction']:>9.1f}% "
+                  f"{row['host_us_per_step']:>12.1f} {row['ring_us_gpu']:>11.1f} {row['ring_us_host']:>12.1f} {kv / 1e6:>10.1f}")
+            rows.append(row)
+        print(f"   prefill: {prefill:.0f} tokens/s ({args.prefill_tokens} tokens per step, "
+              f"sequences of {min(args.prompt_len, args.prefill_tokens)})")
+        if args.profile:
+            print_profile(profile_decode(ex, args.context))
+        return rows
+    finally:
+        ex.close()
+
+
+def parse_batches(text: str) -> list:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) >= 1 for t in items):
+        raise SystemExit(f"tokenwire bench engine: --batch must be positive integers, got {text!r}")
+    return sorted({int(t) for t in items})
+
+
+def run(args, driver=None, image_fn=None) -> int:
+    """Entry point (also the hook bench/engine.py calls for --backend cuda)."""
+    from ..kernels.cuda.driver import CudaDriver, CudaUnavailable
+    for name in ("context", "steps", "prompt_len", "prefill_tokens", "max_model_len"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"tokenwire bench engine: --{name.replace('_', '-')} must be >= 1")
+    try:
+        drv = driver if driver is not None else CudaDriver(0)
+    except CudaUnavailable as exc:
+        raise SystemExit(f"tokenwire bench engine --backend cuda: {exc}") from None
+    free, _ = drv.mem_get_info()
+    roofline = copy_bandwidth(drv, min(2 << 30, free // 8))
+    rows = []
+    for shape in args.shape or ["llama-3.2-1b", "llama-3.1-8b"]:
+        rows += run_shape(shape, args, drv, roofline, driver=drv, image_fn=image_fn)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        print(f"\nwrote {len(rows)} rows to {args.json}", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenwire.bench.engine_cuda", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
