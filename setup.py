@@ -77,7 +77,10 @@ packages, package_dir = namespace_packages()
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"tokenwire.kernels": ["cuda/*.cu", "cuda/*.cuh", "cuda/*.h"]},
+    package_data={
+        "tokenwire.kernels": ["cuda/*.cu", "cuda/*.cuh", "cuda/*.h"],
+        "tokenwire.engine_build": ["data/*.txt"],
+    },
     ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
 )

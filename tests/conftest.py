@@ -2,7 +2,11 @@
 NVIDIA GPU with cuda-python is present."""
 
 import functools
+import os
 from pathlib import Path
+
+# Before numpy loads (see tokenwire/cli.py): single-threaded BLAS for the reference forward.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import pytest
 

@@ -6,6 +6,7 @@ heavy dependencies inside `run`, so `tokenwire --help` stays fast.
 
 import argparse
 import importlib
+import os
 import sys
 
 # command -> (module, one-line help)
@@ -46,6 +47,10 @@ def build_parser(argv):
 
 
 def main(argv=None):
+    # Before numpy loads: multi-threaded OpenBLAS makes the small per-step products of the
+    # reference forward ~100x slower on a loaded 2-core machine, and the engine already
+    # owns the cores it uses. An explicit setting in the environment wins.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     return args._run(args) or 0
