@@ -299,3 +299,25 @@ def test_missing_config_field(broken):
     del cfg["hidden_size"]
     (broken / "config.json").write_text(json.dumps(cfg))
     expect_error(broken, "config.json", "'hidden_size' is missing")
+
+
+def test_sentencepiece_tokenizer_model_without_tokenizer_json(tmp_path, stories260k_dir):
+    """Older Llama directories ship only tokenizer.model: it is converted like a llama2.c vocabulary."""
+    make_tiny_hf(tmp_path, "llama", vocab_size=512)
+    (tmp_path / "tokenizer.json").unlink()
+    shutil.copy(stories260k_dir / "tok512.model", tmp_path / "tokenizer.model")
+    src = import_hf(tmp_path)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(src.tokenizer.files["tokenizer.json"].decode())
+    assert tok.encode("Once upon a time", add_special_tokens=False).ids == [403, 407, 261, 378]
+    assert src.tokenizer.add_bos and src.config.bos_token_id == 1
+    names = [p.name for p in src.files]
+    assert "tokenizer.model" in names and "tokenizer.json" not in names       # the checksum covers what was read
+
+
+def test_named_chat_templates_pick_default(tmp_path):
+    make_tiny_hf(tmp_path, "llama")
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "PLAIN"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert import_hf(tmp_path).tokenizer.chat_template == "PLAIN"
