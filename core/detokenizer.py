@@ -135,13 +135,14 @@ class ByteTableDecoder:
     """Fast path: per token, one list lookup; a C UTF-8 decode only around multi-byte
     characters split over tokens (their bytes wait in `pending`, at most 3)."""
 
-    __slots__ = ("table", "text_table", "pending")
-    stopped = False                         # a bare decoder never stops a request (see TextStream)
+    __slots__ = ("table", "text_table", "pending", "stopped")
 
     def __init__(self, table: list, text_table: list):
         self.table = table                  # list[bytes] per id
         self.text_table = text_table        # list[str | None] per id: None unless its bytes are whole UTF-8
         self.pending = b""                  # an incomplete UTF-8 sequence held back
+        self.stopped = False                # a bare decoder never stops a request (see TextStream); a slot
+                                            # rather than a class attribute: read once per token
 
     def push(self, token_id: int) -> str:
         """Hot path: once per generated token."""
@@ -285,8 +286,9 @@ class IncrementalDecoder:
 # ------------------------------------------------------------------ stop strings
 
 class StopStringMatcher:
-    """Cuts the text at the first stop string, across pushes; holds back only a tail that
-    could still grow into one."""
+    """Cuts the text at the first stop string to complete, across pushes; holds back only a
+    tail that could still grow into one. "First to complete" (earliest end, then earliest
+    start) makes the cut independent of how the text was split into pushes."""
 
     __slots__ = ("stops", "max_hold", "pending", "stopped")
 
@@ -300,11 +302,11 @@ class StopStringMatcher:
         if not text:
             return ""
         buf = self.pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i + len(s), i) for s, i in zip(self.stops, map(buf.find, self.stops)) if i >= 0]
+        if hits:                            # the stop completed first wins, as it would token by token
             self.stopped = True
             self.pending = ""
-            return buf[:cut]
+            return buf[:min(hits)[1]]
         hold = self._partial_match_len(buf)
         self.pending = buf[len(buf) - hold:] if hold else ""
         return buf[:len(buf) - hold]

@@ -55,7 +55,7 @@ class Request:
     """A request from submission to its end. Owned by the engine thread once submitted."""
 
     __slots__ = ("request_id", "params", "timeline", "priority", "arrival_seq", "seed",
-                 "prompt_token_ids", "output_token_ids", "num_prompt_tokens", "step_done_ns",
+                 "prompt_token_ids", "output_token_ids", "last_token_ids", "num_prompt_tokens", "step_done_ns",
                  "max_total_tokens", "stop_token_ids", "text_stream", "state",
                  "num_computed_tokens", "num_scheduled_tokens", "block_table",
                  "finish_reason", "error", "num_preemptions")
@@ -71,6 +71,7 @@ class Request:
         self.seed = seed                            # resolved: never None
         self.prompt_token_ids = prompt_token_ids    # list[int] [L]
         self.output_token_ids = []                  # list[int], grows by one per decode step
+        self.last_token_ids = ()                    # (output_token_ids[-1],): the next decode feed, made once
         self.num_prompt_tokens = len(prompt_token_ids)
         self.step_done_ns = timeline.step_done_ns   # the timeline's per-token stamps, one hop closer
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len

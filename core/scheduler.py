@@ -22,6 +22,7 @@ is 0 outside a step. No tensor library here: ints, lists, a heap.
 
 import bisect
 import heapq
+import itertools
 from operator import attrgetter
 from typing import Optional
 
@@ -33,6 +34,7 @@ from .request import Request, RequestState
 WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
 _sort_key = attrgetter("sort_key")
 _new_tuple = tuple.__new__          # NamedTuple construction without the Python-level __new__ (hot path)
+_NONES = itertools.repeat(None)
 
 
 class Scheduler:
@@ -54,7 +56,9 @@ class Scheduler:
         self.running = []                   # list[Request], sorted by sort_key
         self.num_preemptions = 0
         self.num_samples = 0                # SeqSteps with sample=True in the last schedule()
+        self.num_decodes = 0                # of which the first ones, one token each
         self.finished_ids = []              # request ids that ended since the owner last cleared this
+        self.finished_now = 0               # requests finished by the current update()
 
     @property
     def num_waiting(self) -> int:
@@ -75,9 +79,8 @@ class Scheduler:
     def schedule(self, now_ns: int) -> tuple:
         """-> (scheduled requests, their SeqSteps), in the same order (hot path: once per step)."""
         scheduled, seqs = [], []
-        self.num_samples = 0
         budget, num_preempted, prefilling = self._schedule_decodes(scheduled, seqs)
-        self.num_samples += len(seqs)
+        self.num_decodes = self.num_samples = len(seqs)
         if prefilling and budget:
             budget, more = self._schedule_prefills(prefilling, budget, scheduled, seqs)
             num_preempted += more
@@ -101,9 +104,8 @@ class Scheduler:
                 if req.state is not DECODING:
                     break                   # it preempted itself: every newer request is gone too
                 bm.append_slot(req.block_table, start + 1)
-            req.num_scheduled_tokens = 1
             scheduled.append(req)
-            seqs.append(_new_tuple(SeqStep, (req.request_id, (req.output_token_ids[-1],), start, req.block_table, True,
+            seqs.append(_new_tuple(SeqStep, (req.request_id, req.last_token_ids, start, req.block_table, True,
                                              req.params, req.seed, req.prompt_token_ids, req.output_token_ids)))
             num_decodes += 1
         return self.max_num_batched_tokens - num_decodes, num_preempted, prefilling
@@ -149,7 +151,7 @@ class Scheduler:
         for victim in reversed(self.running[:]):
             if self.block_manager.can_allocate(num_blocks) or victim is req:
                 break
-            if victim.num_scheduled_tokens == 0:
+            if victim.state is PREFILLING and victim.num_scheduled_tokens == 0:   # decodes are all scheduled
                 self._preempt(victim)
                 num_preempted += 1
         return num_preempted
@@ -203,40 +205,55 @@ class Scheduler:
     # ------------------------------------------------------------------ update
 
     def update(self, scheduled: list, sampled_ids, logprobs, now_ns: int) -> list:
-        """Apply one step's results (hot path: once per step; the loop body once per token).
-        `sampled_ids[k]` belongs to the k-th scheduled request whose chunk reached its last
-        token. -> list[RequestOutput]"""
-        outputs, k, num_finished = [], 0, 0
-        for req in scheduled:
-            num_computed = req.num_computed_tokens + req.num_scheduled_tokens
-            req.num_computed_tokens = num_computed
+        """Apply one step's results (hot path: once per step). `scheduled` starts with the
+        `num_decodes` decodes, one sampled id each; then come prefill chunks, and
+        `sampled_ids[k]` belongs to the k-th chunk that reached its last token. -> list[RequestOutput]"""
+        outputs = []
+        num_decodes = self.num_decodes
+        if num_decodes:
+            self._update_decodes(scheduled[:num_decodes], sampled_ids, logprobs, now_ns, outputs)
+        k = num_decodes
+        for req in scheduled[num_decodes:]:
+            req.num_computed_tokens += req.num_scheduled_tokens
             req.num_scheduled_tokens = 0
-            output_ids = req.output_token_ids
-            if num_computed < req.num_prompt_tokens + len(output_ids):
+            if req.num_computed_tokens < req.num_tokens:
                 continue                    # a prefill chunk short of the end: nothing sampled
-            token_id = sampled_ids[k]
-            lp = None if logprobs is None or logprobs[k] is None else (logprobs[k],)
+            lp = None if logprobs is None else logprobs[k]
+            req.transition(DECODING)
+            self._update_decodes([req], sampled_ids[k:k + 1], None if lp is None else [lp], now_ns, outputs,
+                                 computed=False)
             k += 1
+        if self.finished_now:
+            self.finished_now = 0
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _update_decodes(self, reqs: list, sampled_ids, logprobs, now_ns: int, outputs: list,
+                        computed: bool = True) -> None:
+        """Append one token to each request, stop or go on, and make its RequestOutput. The
+        loop body runs once per generated token: hence the local names and the inline checks."""
+        append = outputs.append
+        lps = logprobs if logprobs is not None else _NONES
+        for req, token_id, lp in zip(reqs, sampled_ids, lps):
+            if computed:
+                req.num_computed_tokens += 1
+            output_ids = req.output_token_ids
             output_ids.append(token_id)
+            req.last_token_ids = token_ids = (token_id,)     # this output's ids, and the next step's feed
             req.step_done_ns.append(now_ns)
-            if req.state is not DECODING:
-                req.transition(DECODING)
             if token_id in req.stop_token_ids:
                 finish, text = FINISH_STOP, ""      # the stop token's own text is not output
             else:
                 stream = req.text_stream
                 text = stream.push(token_id)
                 finish = FINISH_STOP if stream.stopped else \
-                    FINISH_LENGTH if num_computed >= req.max_total_tokens - 1 else None
+                    FINISH_LENGTH if req.num_computed_tokens >= req.max_total_tokens - 1 else None
             if finish is not None:
                 text += req.text_stream.finish()
                 self._finish(req, RequestState.FINISHED, finish, now_ns)
-                num_finished += 1
-            outputs.append(_new_tuple(RequestOutput, (req.request_id, (token_id,), text, lp, finish,
-                                                      req.num_prompt_tokens, len(output_ids), now_ns, None)))
-        if num_finished:
-            self.running = [r for r in self.running if not r.is_finished]
-        return outputs
+                self.finished_now += 1
+            append(_new_tuple(RequestOutput, (req.request_id, token_ids, text, None if lp is None else (lp,),
+                                              finish, req.num_prompt_tokens, len(output_ids), now_ns, None)))
 
     def _finish(self, req: Request, state: RequestState, reason: str, now_ns: int,
                 error: Optional[str] = None) -> None:

@@ -164,10 +164,12 @@ def test_stop_string_split_over_pushes_is_cut_and_held_text_released():
     assert m.push("OP and more") == "" and m.stopped
 
 
-def test_earliest_stop_string_wins_and_nothing_after_it_leaks():
+def test_the_stop_string_completed_first_wins_and_nothing_after_it_leaks():
     m = StopStringMatcher(["bc", "abcd"])
     assert m.push("xxab") == "xx"
-    assert m.push("cd tail") == "" and m.stopped       # "abcd" starts before "bc"
+    assert m.push("cd tail") == "a" and m.stopped            # "bc" completes before "abcd"
+    m = StopStringMatcher(["bcd", "abcd", "zz"])
+    assert m.push("xabcd") == "x" and m.stopped               # same end: the earlier start
 
 
 def test_text_stream_finish_flushes_a_held_prefix_but_not_after_a_stop(spm):
@@ -190,7 +192,8 @@ def test_stop_strings_never_leak_whatever_the_chunking(text, cuts, stops):
         assert not any(s in out for s in stops)
         if m.stopped:
             break
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    first = min(hits)[1] if hits else -1                  # the stop that completes first
     if first >= 0:
         assert m.stopped and out == text[:first]
     else:
