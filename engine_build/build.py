@@ -40,18 +40,33 @@ def open_source(spec, tokenizer: Optional[str] = None) -> SourceModel:
     """A Hugging Face directory, a hub name (`org/name`) or a llama2.c checkpoint file -> SourceModel."""
     from . import hub
     path = Path(spec)
+    if path.is_file():
+        _check_checkpoint_file(path)
+        from .llama2c import import_llama2c
+        return import_llama2c(path, tokenizer=tokenizer)
+    if tokenizer is not None and (path.is_dir() or hub.looks_like_hub_name(str(spec))):
+        raise BuildError(spec, "--tokenizer applies to llama2.c checkpoints only; a Hugging Face model "
+                               "brings its own tokenizer.json")
     if path.is_dir():
         if (path / "engine.json").exists():
             raise BuildError(path, "is already a tokenwire engine directory (serve it directly)")
         from .hf import import_hf
         return import_hf(path)
-    if path.is_file():
-        from .llama2c import import_llama2c
-        return import_llama2c(path, tokenizer=tokenizer)
     if hub.looks_like_hub_name(str(spec)):
         from .hf import import_hf
         return import_hf(hub.download(str(spec)), kind="hub", name=str(spec))
     raise BuildError(spec, "no such file or directory, and not a Hugging Face hub name (org/name)")
+
+
+def _check_checkpoint_file(path: Path) -> None:
+    """A single file is a llama2.c checkpoint; say so when it is plainly something else."""
+    hints = {".safetensors": "pass the Hugging Face model directory that holds it (with config.json)",
+             ".json": "pass the Hugging Face model directory that holds it",
+             ".gguf": "GGUF files are not supported; use the original Hugging Face model",
+             ".pt": "PyTorch checkpoints are not supported; use safetensors or llama2.c's export.py",
+             ".pth": "PyTorch checkpoints are not supported; use safetensors or llama2.c's export.py"}
+    if path.suffix in hints:
+        raise BuildError(path, f"not a llama2.c checkpoint: {hints[path.suffix]}")
 
 
 def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOptions(), progress: bool = False,

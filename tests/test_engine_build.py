@@ -208,6 +208,13 @@ def test_cli_hub_name_offline_is_a_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_cli_wrong_kind_of_source(tmp_path, tiny_llama, stories260k_dir, capsys):
+    assert build(tiny_llama / "model.safetensors", tmp_path / "out") == 2
+    assert "model.safetensors: not a llama2.c checkpoint: pass the Hugging Face model directory" in capsys.readouterr().err
+    assert build(tiny_llama, tmp_path / "out", "--tokenizer", str(stories260k_dir / "tok512.bin")) == 2
+    assert "--tokenizer applies to llama2.c checkpoints only" in capsys.readouterr().err
+
+
 def test_cli_bad_llama2c_file(tmp_path, capsys):
     (tmp_path / "m.bin").write_bytes(b"\x00" * 40)
     assert build(tmp_path / "m.bin", tmp_path / "out") == 2
