@@ -8,7 +8,7 @@ import sys
 
 
 def add_arguments(parser) -> None:
-    from .quantize import ALGORITHMS, DEFAULT_GROUP_SIZE, GROUP_SIZES, METHODS, PRECISIONS
+    from .quantize import ALGORITHMS, DEFAULT_GROUP_SIZE, GROUP_SIZES, METHODS, PRECISIONS, QuantOptions
     parser.add_argument("source", metavar="SRC", help="Hugging Face model directory, hub name (org/name) "
                                                       "or llama2.c checkpoint .bin")
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="engine directory to write")
@@ -16,8 +16,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE,
                         help=f"INT4 group size along K (default {DEFAULT_GROUP_SIZE})")
     parser.add_argument("--sym", action="store_true", help="symmetric INT4 (zero point 8)")
-    parser.add_argument("--algorithm", choices=ALGORITHMS, default="awq",
-                        help="rtn, clip (range search) or awq (activation-aware scaling + clip; default)")
+    default = QuantOptions().algorithm
+    parser.add_argument("--algorithm", choices=ALGORITHMS, default=default,
+                        help=f"INT4 rounding: {', '.join(ALGORITHMS)} (see engine_build/quantize.py; default {default})")
     parser.add_argument("--embedding", choices=PRECISIONS, default=None,
                         help="token embedding encoding (default fp16 with int4, fp32 with none)")
     parser.add_argument("--lm-head", choices=PRECISIONS, default=None, help="untied classifier encoding (same default)")
