@@ -315,6 +315,39 @@ def test_stalled_stream_does_not_stall_the_others(server):
     assert c.data[stalled].splitlines()[:-1] == c.data[others[0]].splitlines()[:-1]
 
 
+def test_transport_back_pressure_pauses_then_resumes(server):
+    """A client that stops reading fills the socket: the transport pauses the session's output,
+    which stays queued in the session and leaves, complete and in order, once the client reads."""
+    c = RawH2("127.0.0.1", server.port, window=2**31 - 1, rcvbuf=4096)
+    try:
+        c.conn.increment_flow_control_window(2**31 - 1 - 65535)
+        c.flush()
+        # ~3.6 MB of SSE: more than the kernel's socket buffers hold while the client does not read
+        sids = [c.post("/v1/completions", {"prompt": "hi", "max_tokens": 3000, "stream": True}) for _ in range(8)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(p.paused for p in list(server.app.connections)):
+            time.sleep(0.005)
+        assert any(p.paused for p in list(server.app.connections)), "the transport never paused"
+        c.read_until(lambda: c.ended >= set(sids))
+    finally:
+        c.close()
+    texts = {completion_text(sse_events(c.data[sid].decode())) for sid in sids}
+    assert len(texts) == 1 and MOCK_START in texts.pop()
+    assert all(c.data[sid].count(b"data: ") == 3002 for sid in sids)
+
+
+def test_tcp_nodelay_is_set(server):
+    import socket as socketlib
+    c = RawH2("127.0.0.1", server.port)
+    try:
+        sid = c.get("/health")
+        c.read_until(lambda: sid in c.ended)
+        socks = [p.transport.get_extra_info("socket") for p in list(server.app.connections)]
+        assert socks and all(s.getsockopt(socketlib.IPPROTO_TCP, socketlib.TCP_NODELAY) for s in socks)
+    finally:
+        c.close()
+
+
 # -------------------------------------------------------- cancellation
 
 def _wait_blocks_free(url, steps_before, timeout=5.0):

@@ -13,8 +13,13 @@ import h2.settings
 
 
 class RawH2:
-    def __init__(self, host: str, port: int, window: int | None = None, timeout: float = 10.0):
-        self.sock = socket.create_connection((host, port), timeout=timeout)
+    def __init__(self, host: str, port: int, window: int | None = None, timeout: float = 10.0,
+                 rcvbuf: int | None = None):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf is not None:          # before connect, so the TCP window is small from the start
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(timeout)
+        self.sock.connect((host, port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
         self.conn.initiate_connection()
