@@ -100,6 +100,7 @@ class Server:
         self.loop_kind = loop
         self.limits = limits or Limits()
         self.ssl = tls_context(tls_cert, tls_key) if tls_cert else None
+        self._cert_file = tls_cert
         self.load_options = dict(served_model_name=served_model_name, chat_template=chat_template,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs, mock_step_us=mock_step_us,
                                  max_queued_requests=self.limits.max_queued_requests)
@@ -230,6 +231,10 @@ class Server:
         self.app.attach(engine, info, loop)
         engine.start()
         log.info("serving %s (%s backend)", info.name, self.backend if self._prebuilt is None else "prebuilt")
+        tls = f" --cacert {self._cert_file}" if self.ssl else ""
+        log.info("try: curl%s --http2%s %s/v1/completions -H 'content-type: application/json' "
+                 "-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32, \"stream\": true}'",
+                 tls, "" if self.ssl else "-prior-knowledge", self.url)
         return True
 
     def _request_stop(self, timeout: float) -> None:
@@ -241,6 +246,8 @@ class Server:
         """Refuse new work, let in-flight streams finish (bounded by `timeout`)."""
         for server in self._servers:
             server.close()
+        if self.app.exchanges:
+            log.info("shutting down: %d streams in flight finish first (at most %g s)", len(self.app.exchanges), timeout)
         self.app.begin_shutdown()
         deadline = time.monotonic() + timeout
         while (self.app.exchanges or self.app.connections) and time.monotonic() < deadline:
