@@ -66,7 +66,9 @@ class EngineCore:
         self._arrival_seq = itertools.count()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._close_on_exit = False         # shutdown() came from the engine thread itself
         self.num_steps = 0
+        self.num_scheduled = 0              # sequences in the last step
         self.num_tokens_generated = 0
         self.num_cancellations = 0
 
@@ -133,6 +135,7 @@ class EngineCore:
             self.scheduler.add(req)
         outputs = self._apply_cancels(cancels, now_ns) if cancels else []
         scheduled, seqs = self.scheduler.schedule(now_ns)
+        self.num_scheduled = len(seqs)
         if seqs:
             outputs += self._run_executor(scheduled, seqs)
         self.num_steps += 1
@@ -178,18 +181,26 @@ class EngineCore:
         self._thread.start()
 
     def _run(self) -> None:
-        while self._wait_for_work():
+        idle = False
+        while self._wait_for_work(idle):
             try:
                 outputs = self.step()
             except Exception as e:      # a bug in core: fail everything rather than die
                 log.exception("engine step raised; failing every request")
                 outputs = self._fail_everything(f"internal engine error: {type(e).__name__}: {e}")
             self._deliver(outputs)
+            idle = not outputs and not self.num_scheduled
         self._deliver(self._fail_everything("the engine shut down"))
+        if self._close_on_exit:
+            self.executor.close()
 
-    def _wait_for_work(self) -> bool:
-        """Block until there is something to do. -> False when shutting down."""
+    def _wait_for_work(self, idle: bool) -> bool:
+        """Block until there is something to do. -> False when shutting down. After a step
+        that did nothing (it should not happen: a lone request always fits), wait 1 ms
+        rather than spin."""
         with self._cond:
+            if idle:
+                self._cond.wait(0.001)
             while not self._stopping and not (self._inbox or self._cancels or self.scheduler.has_unfinished()):
                 self._cond.wait()
             return not self._stopping
@@ -217,6 +228,9 @@ class EngineCore:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if self._thread is threading.current_thread():
+            self._close_on_exit = True      # called from on_step: the loop ends after this step
+            return
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():

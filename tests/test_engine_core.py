@@ -173,3 +173,43 @@ def test_shutdown_fails_what_is_left():
     engine.shutdown(timeout=5)
     assert seen and seen[-1].request_id == 1 and seen[-1].finish_reason == FINISH_ERROR
     assert "shut down" in seen[-1].error
+
+
+def test_engine_thread_survives_an_executor_failure():
+    seen = []
+    got = threading.Condition()
+
+    def on_step(outs):
+        with got:
+            seen.extend(outs)
+            got.notify_all()
+
+    def wait_for(pred):
+        with got:
+            assert got.wait_for(lambda: pred(seen), timeout=10)
+
+    ex = FlakyExecutor(fail_on={2})
+    engine = EngineCore(ex, ex.tokenizer, eos_token_ids=(1,), max_model_len=128, on_step=on_step)
+    engine.start()
+    engine.add_request(1, [5, 6], SamplingParams(max_tokens=50), Timeline())
+    wait_for(lambda s: any(o.finish_reason == FINISH_ERROR for o in s))
+    assert engine.is_alive()
+    engine.add_request(2, [5, 6], SamplingParams(max_tokens=3), Timeline())
+    wait_for(lambda s: any(o.request_id == 2 and o.finish_reason == FINISH_LENGTH for o in s))
+    engine.shutdown(timeout=5)
+
+
+def test_shutdown_called_from_on_step_does_not_deadlock():
+    engine = None
+    stopped = threading.Event()
+
+    def on_step(outs):
+        engine.shutdown(timeout=5)
+        stopped.set()
+
+    engine = build_mock_engine_core(on_step=on_step)
+    engine.start()
+    engine.add_request(1, [5, 6], SamplingParams(max_tokens=100), Timeline())
+    assert stopped.wait(5)
+    engine._thread.join(5)
+    assert not engine.is_alive()
