@@ -149,6 +149,29 @@ def test_dense_and_int8_rows(isa, dtype):
         assert np.all(np.abs(out - exact) <= bound)
 
 
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_gated_activations_match_the_reference_within_a_few_ulp(isa, gelu):
+    from tokenwire.core.model import gelu_tanh, silu
+    rng = np.random.default_rng(10)
+    gate = np.concatenate([rng.standard_normal(997) * 4, np.linspace(-120, 120, 101), [0.0, -0.0, 1e-30, -88.7, 89.0]])
+    gate = gate.astype(np.float32)
+    up = rng.standard_normal(gate.size).astype(np.float32)
+    out = np.empty_like(gate)
+    cpu._cpu.gated(gate, up, out, gelu)
+    g64 = gate.astype(np.float64)
+    act = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3))) if gelu else g64 / (1 + np.exp(-g64))
+    exact = act * up
+    # a few ulp of the result, plus for GELU's negative tail the float32 cancellation in
+    # (1 + tanh) that the reference formula has too: eps relative to |x * up| / 2
+    bound = 8 * np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64) + 1e-37
+    if gelu:
+        bound += 4 * EPS32 * np.abs(0.5 * g64 * up)
+    assert np.all(np.abs(out - exact) <= bound), np.max(np.abs(out - exact) / bound)
+    with np.errstate(over="ignore"):                                          # exp(120) -> inf, as intended
+        ref = ((gelu_tanh if gelu else silu)(gate) * up).astype(np.float64)   # numpy float32, core/model.py
+    assert np.all(np.abs(ref - exact) <= bound)
+
+
 def test_the_gil_is_released_for_the_whole_call():
     """While one long product runs in a thread, the main thread keeps executing Python."""
     rng = np.random.default_rng(8)

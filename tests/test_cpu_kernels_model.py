@@ -104,6 +104,22 @@ def test_mixed_steps_match_the_reference(family, encoding):
         assert_logits_close(model.forward(batch), reference.forward(batch))
 
 
+@pytest.mark.parametrize("isa", [name for name in cpu.ISAS if cpu.isa_supported(name)])
+def test_every_isa_runs_the_same_forward(isa):
+    config = CONFIGS["gemma_tied_gelu"]
+    tensors = engine_tensors(config, ENCODINGS["int4_g64_int8_embed"])
+    reference = ReferenceModel(config, tensors, block_size=4, num_blocks=32)
+    before = cpu.isa()
+    try:
+        cpu.set_isa(isa)
+        model = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
+        for steps in mixed_steps(config.vocab_size):
+            batch = build_forward_batch(steps, 4)
+            assert_logits_close(model.forward(batch), reference.forward(batch))
+    finally:
+        cpu.set_isa(before)
+
+
 def test_thread_count_never_changes_the_logits():
     config = CONFIGS["llama_gqa"]
     tensors = engine_tensors(config, ENCODINGS["int4_g32_fp16_embed"])

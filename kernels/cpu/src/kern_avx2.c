@@ -205,6 +205,56 @@ static void axpy_avx2(float *y, float alpha, const float *x, int n) {
     for (; i < n; i++) y[i] += alpha * x[i];
 }
 
+/* ---------------------------------------------------------------- exp and the gated activations */
+
+/* exp(x) as exp512 in kern_avx512.c; 2^n is built in the exponent field, so x is clamped to
+ * where that stays normal and past the overflow point the result is set to inf. */
+INLINE __m256 exp256(__m256 x_in) {
+    const __m256 x = _mm256_max_ps(_mm256_min_ps(x_in, _mm256_set1_ps(88.3f)), _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 overflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(88.72284f), _CMP_GT_OQ);
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)), _mm256_set1_ps(__builtin_inff()), overflow);
+}
+
+INLINE __m256 gated256(__m256 x, __m256 up, int gelu) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if (!gelu) return _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x)))), up);
+    const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), x), x), x);
+    const __m256 y = _mm256_mul_ps(_mm256_set1_ps((float)0.7978845608028654), _mm256_add_ps(x, x3));
+    const __m256 e = exp256(_mm256_add_ps(y, y));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(one, t)), up);
+}
+
+static void gated_avx2(float *out, const float *gate, const float *up, int n, int gelu) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, gated256(_mm256_loadu_ps(gate + i), _mm256_loadu_ps(up + i), gelu));
+    if (i < n) tw_kernels_scalar.gated(out + i, gate + i, up + i, n - i, gelu);
+}
+
+static float exp_sum_avx2(float *x, int n, float sub) {
+    const __m256 s = _mm256_set1_ps(sub);
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), s));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return hsum8(acc) + (i < n ? tw_kernels_scalar.exp_sum(x + i, n - i, sub) : 0.0f);
+}
+
 static float read_sum_avx2(const uint8_t *p, size_t bytes) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (size_t i = 0; i < bytes; i += 128) {
@@ -223,6 +273,7 @@ const tw_kernels tw_kernels_avx2 = {
     .isa = TW_ISA_AVX2, .name = "avx2",
     .int4 = {int4_f32_avx2, int4_q8_avx2},
     .rows = rows_avx2, .dot = dot_avx2, .axpy = axpy_avx2, .read_sum = read_sum_avx2,
+    .gated = gated_avx2, .exp_sum = exp_sum_avx2,
 };
 
 #if defined(__clang__)

@@ -220,6 +220,65 @@ static void axpy_avx512(float *y, float alpha, const float *x, int n) {
     }
 }
 
+/* ---------------------------------------------------------------- exp and the gated activations */
+
+/* exp(x) to ~1 ulp: x = n ln2 + r (Cody-Waite), exp(r) by a degree-6 polynomial on
+ * |r| <= ln2/2, times 2^n with vscalefps (which also saturates to 0 / inf). */
+INLINE __m512 exp512(__m512 x) {
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.8f)), _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, ln2_hi, x);
+    r = _mm512_fnmadd_ps(n, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+INLINE __m512 gated512(__m512 x, __m512 up, int gelu) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (!gelu) return _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)))), up);
+    /* 0.5 x (1 + tanh(k0 (x + k1 x^3))), tanh(y) = 1 - 2 / (exp(2y) + 1) */
+    const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), x), x);
+    const __m512 y = _mm512_mul_ps(_mm512_set1_ps((float)0.7978845608028654), _mm512_add_ps(x, x3));
+    const __m512 e = exp512(_mm512_add_ps(y, y));
+    const __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+    return _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(one, t)), up);
+}
+
+static void gated_avx512(float *out, const float *gate, const float *up, int n, int gelu) {
+    int i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, gated512(_mm512_loadu_ps(gate + i), _mm512_loadu_ps(up + i), gelu));
+    if (i < n) {
+        const __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(out + i, mask, gated512(_mm512_maskz_loadu_ps(mask, gate + i), _mm512_maskz_loadu_ps(mask, up + i), gelu));
+    }
+}
+
+static float exp_sum_avx512(float *x, int n, float sub) {
+    const __m512 s = _mm512_set1_ps(sub);
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), s));
+        _mm512_storeu_ps(x + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (i < n) {
+        const __mmask16 mask = (__mmask16)((1u << (n - i)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), s)));
+        _mm512_mask_storeu_ps(x + i, mask, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
 /* The memory-bandwidth probe: the same 64-byte streaming loads the INT4 kernels issue. */
 static float read_sum_avx512(const uint8_t *p, size_t bytes) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
@@ -236,6 +295,7 @@ const tw_kernels tw_kernels_avx512 = {
     .isa = TW_ISA_AVX512, .name = "avx512",
     .int4 = {int4_f32_avx512, int4_q8_avx512},
     .rows = rows_avx512, .dot = dot_avx512, .axpy = axpy_avx512, .read_sum = read_sum_avx512,
+    .gated = gated_avx512, .exp_sum = exp_sum_avx512,
 };
 
 #if defined(__clang__)

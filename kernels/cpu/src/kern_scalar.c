@@ -109,8 +109,23 @@ static float read_sum_scalar(const uint8_t *p, size_t bytes) {
     return (float)(acc[0] ^ acc[1] ^ acc[2] ^ acc[3]);
 }
 
+static void gated_scalar(float *out, const float *gate, const float *up, int n, int gelu) {
+    const float k0 = (float)0.7978845608028654, k1 = 0.044715f;
+    for (int i = 0; i < n; i++) {
+        const float x = gate[i];
+        out[i] = (gelu ? 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) : x / (1.0f + expf(-x))) * up[i];
+    }
+}
+
+static float exp_sum_scalar(float *x, int n, float sub) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - sub);
+    return sum;
+}
+
 const tw_kernels tw_kernels_scalar = {
     .isa = TW_ISA_SCALAR, .name = "scalar",
     .int4 = {int4_f32_scalar, int4_q8_scalar},
     .rows = rows_scalar, .dot = dot_scalar, .axpy = axpy_scalar, .read_sum = read_sum_scalar,
+    .gated = gated_scalar, .exp_sum = exp_sum_scalar,
 };

@@ -45,19 +45,6 @@ void tw_int4_linear_part(const tw_int4 *w, const tw_act *buffers, const float *x
     tw_active()->int4[prec == TW_PREC_Q8](w, &a, y, ldy, t0, t1);
 }
 
-void tw_int4_linear_private(const tw_int4 *w, const tw_act *own, const float *x, int ldx, int m,
-                            float *y, int ldy, int prec, int ith, int nth) {
-    int t0, t1;
-    tw_act a = *own;
-    a.m = m;
-    a.kp = w->kp;
-    a.num_groups = w->num_groups;
-    if (prec == TW_PREC_Q8) tw_act_prepare_q8(&a, x, ldx, w->k, 0, m);
-    else tw_act_prepare_f32(&a, x, ldx, w->k, 0, m);
-    tw_split(w->num_tiles, ith, nth, &t0, &t1);
-    tw_active()->int4[prec == TW_PREC_Q8](w, &a, y, ldy, t0, t1);
-}
-
 void tw_rows_linear_part(const void *w, const uint16_t *row_scales, int kind, int n, int k,
                          const float *x, int ldx, int m, float *y, int ldy, int ith, int nth) {
     int n0, n1;

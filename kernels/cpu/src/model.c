@@ -202,11 +202,46 @@ typedef struct {
     tw_batch *b;
 } step_job;
 
-/* y [rows][w->n] = x [rows][w->k] @ W^T: this thread's output tiles / rows, no barrier. */
-static void product(const tw_model *m, tw_thread_scratch *own, const tw_weight *w, const float *x, int ldx,
-                    int rows, float *y, int ith, int nth) {
-    if (w->kind == TW_W_I4) tw_int4_linear_private(&w->i4, &own->act, x, ldx, rows, y, w->n, m->prec, ith, nth);
-    else tw_rows_linear_part(w->data, w->row_scales, w->kind, w->n, w->k, x, ldx, rows, y, w->n, ith, nth);
+/* Thread 0 stamps each stage; the others run unobserved (they do the same work). */
+typedef struct {
+    tw_model *m;
+    int ith, nth;
+    uint64_t last;
+} clock0;
+
+static void stamp(clock0 *c, int stage) {
+    if (c->ith) return;
+    uint64_t now = (uint64_t)(tw_now_seconds() * 1e9);
+    c->m->prof.ns[stage] += now - c->last;
+    c->last = now;
+}
+
+static void sync(clock0 *c) {
+    tw_pool_barrier(c->ith, c->nth);
+    stamp(c, TW_PROF_BARRIER);
+}
+
+/* y [rows][w->n] = x [rows][w->k] @ W^T: this thread's output tiles / rows, no barrier.
+ * INT4: the thread prepares all rows of the activations in its own buffers first. */
+static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const float *x, int ldx,
+                    int rows, float *y, int stage) {
+    const tw_model *m = c->m;
+    if (w->kind != TW_W_I4) {
+        tw_rows_linear_part(w->data, w->row_scales, w->kind, w->n, w->k, x, ldx, rows, y, w->n, c->ith, c->nth);
+        stamp(c, stage);
+        return;
+    }
+    int t0, t1;
+    tw_act a = own->act;
+    a.m = rows;
+    a.kp = w->i4.kp;
+    a.num_groups = w->i4.num_groups;
+    if (m->prec == TW_PREC_Q8) tw_act_prepare_q8(&a, x, ldx, w->k, 0, rows);
+    else tw_act_prepare_f32(&a, x, ldx, w->k, 0, rows);
+    stamp(c, TW_PROF_PREP);
+    tw_split(w->i4.num_tiles, c->ith, c->nth, &t0, &t1);
+    tw_active()->int4[m->prec == TW_PREC_Q8](&w->i4, &a, y, w->n, t0, t1);
+    stamp(c, stage);
 }
 
 static void embed_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own) {
@@ -257,26 +292,37 @@ static void step_task(void *arg, int ith, int nth) {
     tw_batch *b = job->b;
     tw_thread_scratch *own = &m->own[ith];
     const int T = b->num_tokens, D = m->dim, q = m->num_heads * m->head_dim;
+    clock0 c = {m, ith, nth, ith ? 0 : (uint64_t)(tw_now_seconds() * 1e9)};
+    const uint64_t start = c.last;
     embed_rows(m, b, own);
     for (int l = 0; l < m->num_layers; l++) {
         const tw_layer *L = &m->layers[l];
         residual_norm(m, own, L->attn_norm, T, l > 0);              /* x += down output of layer l-1 */
-        product(m, own, &L->qkv, own->h, D, T, m->qkv, ith, nth);
-        tw_pool_barrier(ith, nth);
+        stamp(&c, TW_PROF_ROWS);
+        product(&c, own, &L->qkv, own->h, D, T, m->qkv, TW_PROF_QKV);
+        sync(&c);
         attention(m, l, b, own, ith, nth);
-        tw_pool_barrier(ith, nth);
-        product(m, own, &L->o, m->attn, q, T, m->tmp, ith, nth);
-        tw_pool_barrier(ith, nth);
+        stamp(&c, TW_PROF_ATTN);
+        sync(&c);
+        product(&c, own, &L->o, m->attn, q, T, m->tmp, TW_PROF_O);
+        sync(&c);
         residual_norm(m, own, L->mlp_norm, T, 1);
-        product(m, own, &L->gate_up, own->h, D, T, m->gate_up, ith, nth);
-        tw_pool_barrier(ith, nth);
+        stamp(&c, TW_PROF_ROWS);
+        product(&c, own, &L->gate_up, own->h, D, T, m->gate_up, TW_PROF_GATE_UP);
+        sync(&c);
         mlp_rows(m, own, T);
-        product(m, own, &L->down, own->mlp, m->hidden, T, m->tmp, ith, nth);
-        tw_pool_barrier(ith, nth);
+        stamp(&c, TW_PROF_ROWS);
+        product(&c, own, &L->down, own->mlp, m->hidden, T, m->tmp, TW_PROF_DOWN);
+        sync(&c);
     }
     logits_rows(m, b, own);
+    stamp(&c, TW_PROF_ROWS);
     const tw_weight *head = m->lm_head.kind >= 0 ? &m->lm_head : &m->embed;
-    if (b->num_logits > 0) product(m, own, head, own->h, D, b->num_logits, b->logits, ith, nth);
+    if (b->num_logits > 0) product(&c, own, head, own->h, D, b->num_logits, b->logits, TW_PROF_LM_HEAD);
+    if (ith == 0) {
+        m->prof.steps++;
+        m->prof.step_ns += c.last - start;
+    }
 }
 
 /* Threads pay for themselves only with enough work between barriers: a tiny model's decode

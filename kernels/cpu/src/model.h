@@ -41,6 +41,17 @@ typedef struct {
     tw_act act;                     /* [T] rows of the widest K */
 } tw_thread_scratch;
 
+/* Where thread 0's time goes in a step (ns, summed over steps; read and reset from Python). */
+enum { TW_PROF_ROWS, TW_PROF_PREP, TW_PROF_QKV, TW_PROF_ATTN, TW_PROF_O, TW_PROF_GATE_UP, TW_PROF_DOWN,
+       TW_PROF_LM_HEAD, TW_PROF_BARRIER, TW_PROF_STAGES };
+#define TW_PROF_NAMES {"rows", "act_prep", "qkv_proj", "attention", "o_proj", "gate_up_proj", "down_proj", \
+                       "lm_head", "barrier_wait"}
+
+typedef struct {
+    uint64_t ns[TW_PROF_STAGES];
+    uint64_t steps, step_ns;
+} tw_profile;
+
 typedef struct {
     /* architecture */
     int dim, hidden, num_layers, num_heads, num_kv_heads, head_dim, vocab;
@@ -63,6 +74,7 @@ typedef struct {
     float *tmp;                     /* [T][D]         shared: o / down product output */
     float *gate_up;                 /* [T][2I]        shared */
     tw_thread_scratch *own;         /* [cap_threads]  each thread's private buffers */
+    tw_profile prof;
 } tw_model;
 
 typedef struct {

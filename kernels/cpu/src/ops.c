@@ -40,15 +40,7 @@ void tw_rope_apply(float *x, const float *cs, int num_heads, int head_dim) {
 }
 
 void tw_activation_mul(float *out, const float *gate, const float *up, int n, int activation) {
-    if (activation == TW_ACT_GELU_TANH) {
-        const float k0 = (float)0.7978845608028654, k1 = 0.044715f;    /* sqrt(2/pi) rounded as numpy does */
-        for (int i = 0; i < n; i++) {
-            const float x = gate[i];
-            out[i] = 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * up[i];
-        }
-    } else {
-        for (int i = 0; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+    tw_active()->gated(out, gate, up, n, activation == TW_ACT_GELU_TANH);
 }
 
 /* Row `row` of W as float32, as kernels/reference.py decodes it: (q - z) * s, q * s, or the value. */
@@ -134,11 +126,7 @@ void tw_attend(const tw_model *m, int layer, const tw_batch *b, int t, int kv_he
             scores[j - lo] = sc;
             max = sc > max ? sc : max;
         }
-        float sum = 0.0f;
-        for (int j = 0; j <= pos - lo; j++) {
-            scores[j] = expf(scores[j] - max);
-            sum += scores[j];
-        }
+        const float sum = kern->exp_sum(scores, pos - lo + 1, max);
         memset(o, 0, (size_t)hd * sizeof(float));
         for (int j = lo; j <= pos; j++) {
             const int slot = table[j / bs] * bs + j % bs;

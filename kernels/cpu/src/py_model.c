@@ -301,7 +301,24 @@ static PyObject *Model_precision(Model *self, void *unused) {
     return PyUnicode_FromString(self->m.prec == TW_PREC_Q8 ? "int8" : "fp32");
 }
 
+/* profile(reset=False) -> {"steps": n, "step_ns": total, stage: ns, ...} of thread 0 */
+static PyObject *Model_profile(Model *self, PyObject *args) {
+    int reset = 0;
+    if (!PyArg_ParseTuple(args, "|p", &reset)) return NULL;
+    static const char *names[] = TW_PROF_NAMES;
+    tw_profile *p = &self->m.prof;
+    PyObject *d = Py_BuildValue("{s:K,s:K}", "steps", (unsigned long long)p->steps, "step_ns", (unsigned long long)p->step_ns);
+    for (int i = 0; d && i < TW_PROF_STAGES; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(p->ns[i]);
+        if (!v || PyDict_SetItemString(d, names[i], v) < 0) Py_CLEAR(d);
+        Py_XDECREF(v);
+    }
+    if (d && reset) memset(p, 0, sizeof *p);
+    return d;
+}
+
 static PyMethodDef Model_methods[] = {
+    {"profile", (PyCFunction)Model_profile, METH_VARARGS, "profile(reset=False) -> ns per stage of thread 0"},
     {"set_int4", (PyCFunction)Model_set_int4, METH_VARARGS, "set_int4(name, layer, qweight, scales, zeros)"},
     {"set_dense", (PyCFunction)Model_set_dense, METH_VARARGS, "set_dense(name, layer, weight)"},
     {"set_int8", (PyCFunction)Model_set_int8, METH_VARARGS, "set_int8(name, layer, qweight, scales)"},

@@ -203,6 +203,23 @@ static PyObject *py_rows_linear(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* gated(gate f32 [n], up f32 [n], out f32 [n], gelu: bool): out = act(gate) * up */
+static PyObject *py_gated(PyObject *mod, PyObject *args) {
+    PyObject *og, *ou, *oo;
+    int gelu;
+    if (!PyArg_ParseTuple(args, "OOOp", &og, &ou, &oo, &gelu)) return NULL;
+    Py_buffer g, u, o;
+    if (tw_py_buffer(og, &g, "gate", 'f', 1, 0)) return NULL;
+    if (tw_py_buffer(ou, &u, "up", 'f', 1, 0)) return PyBuffer_Release(&g), NULL;
+    if (tw_py_buffer(oo, &o, "out", 'f', 1, 1)) return PyBuffer_Release(&g), PyBuffer_Release(&u), NULL;
+    int ok = g.shape[0] == u.shape[0] && g.shape[0] == o.shape[0];
+    if (ok) tw_active()->gated(o.buf, g.buf, u.buf, (int)g.shape[0], gelu);
+    else PyErr_SetString(PyExc_ValueError, "gate, up and out must have the same length");
+    PyBuffer_Release(&g), PyBuffer_Release(&u), PyBuffer_Release(&o);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------ machine */
 
 static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512"};
@@ -287,6 +304,7 @@ static PyMethodDef methods[] = {
     {"pack_int4", py_pack_int4, METH_VARARGS, "pack_int4(qweight, scales, zeros, in_features) -> Int4Matrix"},
     {"int4_linear", py_int4_linear, METH_VARARGS, "int4_linear(x, w, out, precision='fp32'): out = x @ W.T"},
     {"rows_linear", py_rows_linear, METH_VARARGS, "rows_linear(x, weight, row_scales, out): dense or int8 rows"},
+    {"gated", py_gated, METH_VARARGS, "gated(gate, up, out, gelu): out = silu(gate) * up, or tanh-GELU"},
     {"isa", py_isa, METH_NOARGS, "the active kernel ISA"},
     {"isa_supported", py_isa_supported, METH_O, "isa_supported(name) -> bool"},
     {"set_isa", py_set_isa, METH_O, "set_isa(name): choose 'scalar', 'avx2' or 'avx512'"},

@@ -86,10 +86,6 @@ typedef void (*tw_rows_kernel)(const void *w, const uint16_t *row_scales, int ki
 /* Inside a pool task: thread ith's share. `a` must hold >= m rows of w's kp. */
 void tw_int4_linear_part(const tw_int4 *w, const tw_act *buffers, const float *x, int ldx, int m,
                          float *y, int ldy, int prec, int ith, int nth);
-/* Same, with activation buffers of this thread's own: every thread prepares all m rows
- * (O(m*K), against the product's O(m*K*N)) and no barrier is needed. */
-void tw_int4_linear_private(const tw_int4 *w, const tw_act *own, const float *x, int ldx, int m,
-                            float *y, int ldy, int prec, int ith, int nth);
 void tw_rows_linear_part(const void *w, const uint16_t *row_scales, int kind, int n, int k,
                          const float *x, int ldx, int m, float *y, int ldy, int ith, int nth);
 /* Whole products on the pool; x [m][k], y [m][n], both packed. */
@@ -110,6 +106,9 @@ typedef struct {
     float (*dot)(const float *a, const float *b, int n);
     void (*axpy)(float *y, float a, const float *x, int n);   /* y += a * x */
     float (*read_sum)(const uint8_t *p, size_t bytes);        /* stream-read; bytes % 256 == 0 */
+    /* out = act(gate) * up, act = SiLU (gelu = 0) or tanh-GELU (gelu = 1) */
+    void (*gated)(float *out, const float *gate, const float *up, int n, int gelu);
+    float (*exp_sum)(float *x, int n, float sub);             /* x = exp(x - sub); returns the sum */
 } tw_kernels;
 
 int tw_isa_supported(int isa);
