@@ -28,7 +28,7 @@ from .block_manager import BlockManager
 from .detokenizer import Detokenizer
 from .errors import InvalidRequest, PromptTooLong, QueueFull
 from .executor import Executor
-from .outputs import EngineStats, RequestOutput, Timeline
+from .outputs import EngineStats, Timeline
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler

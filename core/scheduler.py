@@ -281,8 +281,13 @@ class Scheduler:
         return [self.fail(req, error, now_ns) for req in list(self.running)]
 
     def fail_all(self, error: str, now_ns: int) -> list:
-        reqs = list(self.running) + [entry[2] for entry in self.waiting]
-        return [self.fail(req, error, now_ns) for req in reqs]
+        reqs = self.running + [entry[2] for entry in sorted(self.waiting)]
+        self.running, self.waiting = [], []
+        outputs = []
+        for req in reqs:
+            self._finish(req, RequestState.FAILED, FINISH_ERROR, now_ns, error)
+            outputs.append(self._final_output(req, now_ns))
+        return outputs
 
     def _remove(self, req: Request) -> None:
         if req.state is WAITING:

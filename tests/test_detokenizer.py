@@ -5,7 +5,7 @@ tokens; and stop strings across token boundaries."""
 
 import pytest
 from hypothesis import given, settings, strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models
 
 from tokenwire.core.detokenizer import (ByteTableDecoder, Detokenizer, IncrementalDecoder, StartOfTextDecoder,
                                         StopStringMatcher, TextStream, decoder_kind)
