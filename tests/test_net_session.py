@@ -504,3 +504,17 @@ def test_cookie_fields_are_combined_and_authority_becomes_host():
     c.send_headers(1, REQUEST_HEADERS + [("cookie", "a=1"), ("cookie", "b=2")], end_stream=True)
     (ev,) = s.receive_data(c.data_to_send())
     assert ev.headers["cookie"] == "a=1; b=2" and ev.headers["host"] == "localhost"
+
+
+def test_memo_decoder_replays_a_block_only_against_the_same_table():
+    from tokenwire.net.http2 import _MemoDecoder
+    import hpack
+    enc, dec = hpack.Encoder(), _MemoDecoder()
+    a, c = [(b"x-a", b"1")], [(b"x-c", b"3")]
+    dec.decode(enc.encode(a), raw=True)                 # literal with indexing: x-a enters the table
+    pure = enc.encode(a)                                # now a single indexed field (dynamic index 62)
+    assert dec.decode(pure, raw=True) == a
+    assert dec.decode(pure, raw=True) == a              # replayed from the memo
+    assert pure in dec._memo
+    dec.decode(enc.encode(c), raw=True)                 # x-c enters in front: index 62 is x-c now
+    assert dec.decode(pure, raw=True) == c              # the memo does not answer for the old table
