@@ -172,26 +172,25 @@ def _sampling(body: dict, *, max_tokens, logprobs) -> SamplingParams:
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         name = "top_logprobs" if "top_logprobs" in body else "logprobs"
         raise bad_param(name, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    kwargs = {"max_tokens": max_tokens, "stop": stop, "logprobs": logprobs}
+    for name, kind in _SAMPLING_FIELDS.items():      # only what the body sets: defaults stay the dataclass's
+        if name in body:
+            value = _opt(body, name, kind, None)
+            if value is not None:
+                kwargs[name] = value
     stop_ids = body.get("stop_token_ids")
+    if stop_ids:
+        kwargs["stop_token_ids"] = tuple(_token_ids(stop_ids, "stop_token_ids", allow_empty=True))
     try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_opt(body, "temperature", float, 1.0),
-            top_p=_opt(body, "top_p", float, 1.0),
-            top_k=_opt(body, "top_k", int, 0),
-            min_p=_opt(body, "min_p", float, 0.0),
-            repetition_penalty=_opt(body, "repetition_penalty", float, 1.0),
-            frequency_penalty=_opt(body, "frequency_penalty", float, 0.0),
-            presence_penalty=_opt(body, "presence_penalty", float, 0.0),
-            seed=_opt(body, "seed", int, None),
-            stop=stop,
-            stop_token_ids=tuple(_token_ids(stop_ids, "stop_token_ids", allow_empty=True)) if stop_ids else (),
-            ignore_eos=_opt(body, "ignore_eos", bool, False),
-            logprobs=logprobs,
-            skip_special_tokens=_opt(body, "skip_special_tokens", bool, True),
-        )
+        return SamplingParams(**kwargs)
     except InvalidParameter as exc:
         raise bad_param(exc.param, str(exc)) from None
+
+
+# body key -> JSON type, for the SamplingParams fields taken from the body as they are
+_SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+                    "frequency_penalty": float, "presence_penalty": float, "seed": int, "ignore_eos": bool,
+                    "skip_special_tokens": bool}
 
 
 def _stream(body: dict) -> tuple[bool, bool]:
