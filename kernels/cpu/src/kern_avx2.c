@@ -31,6 +31,13 @@ INLINE void store_tile(float *y, __m256 lo, __m256 hi, int rows) {
     memcpy(y, tmp, (size_t)rows * sizeof(float));
 }
 
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 INLINE __m256 load_half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_load_si128((const __m128i *)p)); }
 
 /* ---------------------------------------------------------------- INT4 x fp32 */
@@ -132,6 +139,68 @@ static void int4_q8_avx2(const tw_int4 *w, const tw_act *a, float *y, int ldy, i
     }
 }
 
+/* ---------------------------------------------------------------- activation preparation */
+
+INLINE __m256 load_span(const float *p, int i, int end, int k) {
+    const int n = (end < k ? end : k) - i;
+    if (n >= 8) return _mm256_loadu_ps(p + i);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p + i, _mm256_cmpgt_epi32(_mm256_set1_epi32(n > 0 ? n : 0), lanes));
+}
+
+INLINE float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void prep_f32_avx2(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
+    const int kp = a->kp, ng = a->num_groups, gs = kp / ng;
+    for (int m = m0; m < m1; m++) {
+        const float *src = x + (size_t)m * ldx;
+        float *dst = a->x + (size_t)m * kp;
+        for (int g = 0; g < ng; g++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int i = g * gs; i < (g + 1) * gs; i += 8) {           /* gs is a multiple of 8 */
+                const __m256 v = load_span(src, i, (g + 1) * gs, k);
+                _mm256_storeu_ps(dst + i, v);
+                acc = _mm256_add_ps(acc, v);
+            }
+            a->xsum[(size_t)m * ng + g] = hsum8(acc);
+        }
+    }
+}
+
+static void prep_q8_avx2(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
+    const int kp = a->kp, ng = a->num_groups, gs = kp / ng;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int m = m0; m < m1; m++) {
+        const float *src = x + (size_t)m * ldx;
+        int8_t *dst = a->xq + (size_t)m * kp;
+        for (int g = 0; g < ng; g++) {
+            const int end = (g + 1) * gs;
+            __m256 vmax = _mm256_setzero_ps();
+            for (int i = g * gs; i < end; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load_span(src, i, end, k), absmask));
+            const float amax = hmax8(vmax);
+            const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m256i total = _mm256_setzero_si256();
+            for (int i = g * gs; i < end; i += 8) {
+                __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load_span(src, i, end, k), inv));
+                q = _mm256_max_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+                total = _mm256_add_epi32(total, q);
+                int32_t v[8];
+                _mm256_storeu_si256((__m256i *)v, q);
+                for (int j = 0; j < 8; j++) dst[i + (j % 2) * 4 + j / 2] = (int8_t)v[j];
+            }
+            int32_t t[8];
+            _mm256_storeu_si256((__m256i *)t, total);
+            a->xd[(size_t)m * ng + g] = amax / 127.0f;
+            a->xqsum[(size_t)m * ng + g] = amax / 127.0f * (float)(t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7]);
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- dense / int8 rows */
 
 INLINE __m256 load_row8(const void *w, int kind, size_t idx) {
@@ -154,12 +223,6 @@ INLINE float weight_at(const void *w, int kind, size_t idx) {
     }
 }
 
-INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 static void rows_avx2(const void *w, const uint16_t *row_scales, int kind, int k,
                       const float *x, int ldx, int m, float *y, int ldy, int n0, int n1) {
@@ -272,6 +335,7 @@ static float read_sum_avx2(const uint8_t *p, size_t bytes) {
 const tw_kernels tw_kernels_avx2 = {
     .isa = TW_ISA_AVX2, .name = "avx2",
     .int4 = {int4_f32_avx2, int4_q8_avx2},
+    .prep = {prep_f32_avx2, prep_q8_avx2},
     .rows = rows_avx2, .dot = dot_avx2, .axpy = axpy_avx2, .read_sum = read_sum_avx2,
     .gated = gated_avx2, .exp_sum = exp_sum_avx2,
 };

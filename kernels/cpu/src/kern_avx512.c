@@ -158,6 +158,63 @@ static void int4_q8_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy,
     }
 }
 
+/* ---------------------------------------------------------------- activation preparation */
+
+/* Lanes of [i, i + 16) that are inside both the group (ends at `end`) and the logical K. */
+INLINE __mmask16 span_mask(int i, int end, int k) {
+    int n = (end < k ? end : k) - i;
+    return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+static void prep_f32_avx512(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
+    const int kp = a->kp, ng = a->num_groups, gs = kp / ng;
+    for (int m = m0; m < m1; m++) {
+        const float *src = x + (size_t)m * ldx;
+        float *dst = a->x + (size_t)m * kp;
+        for (int g = 0; g < ng; g++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int i = g * gs; i < (g + 1) * gs; i += 16) {
+                const __mmask16 store = span_mask(i, (g + 1) * gs, kp);
+                const __m512 v = _mm512_maskz_loadu_ps(span_mask(i, (g + 1) * gs, k), src + i);
+                _mm512_mask_storeu_ps(dst + i, store, v);
+                acc = _mm512_add_ps(acc, v);
+            }
+            a->xsum[(size_t)m * ng + g] = _mm512_reduce_add_ps(acc);
+        }
+    }
+}
+
+/* Same quantization as tw_act_prepare_q8 (x * (127 / amax) rounded to nearest even), 16 at a
+ * time; the chunk order [k0 k2 k4 k6 k1 k3 k5 k7] is one byte shuffle. */
+static void prep_q8_avx512(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
+    const int kp = a->kp, ng = a->num_groups, gs = kp / ng;
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    for (int m = m0; m < m1; m++) {
+        const float *src = x + (size_t)m * ldx;
+        int8_t *dst = a->xq + (size_t)m * kp;
+        for (int g = 0; g < ng; g++) {
+            const int end = (g + 1) * gs;
+            __m512 vmax = _mm512_setzero_ps();
+            for (int i = g * gs; i < end; i += 16)
+                vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(span_mask(i, end, k), src + i)));
+            const float amax = _mm512_reduce_max_ps(vmax);
+            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m512i total = _mm512_setzero_si512();
+            for (int i = g * gs; i < end; i += 16) {
+                const __m512 v = _mm512_maskz_loadu_ps(span_mask(i, end, k), src + i);
+                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
+                q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+                total = _mm512_add_epi32(total, q);
+                const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q), order);
+                if (end - i >= 16) _mm_storeu_si128((__m128i *)(dst + i), bytes);
+                else _mm_storel_epi64((__m128i *)(dst + i), bytes);         /* a group ends mid-vector: 8 left */
+            }
+            a->xd[(size_t)m * ng + g] = amax / 127.0f;
+            a->xqsum[(size_t)m * ng + g] = amax / 127.0f * (float)_mm512_reduce_add_epi32(total);
+        }
+    }
+}
+
 /* ---------------------------------------------------------------- dense / int8 rows */
 
 INLINE __m512 load_row16(const void *w, int kind, size_t idx, __mmask16 mask) {
@@ -294,6 +351,7 @@ static float read_sum_avx512(const uint8_t *p, size_t bytes) {
 const tw_kernels tw_kernels_avx512 = {
     .isa = TW_ISA_AVX512, .name = "avx512",
     .int4 = {int4_f32_avx512, int4_q8_avx512},
+    .prep = {prep_f32_avx512, prep_q8_avx512},
     .rows = rows_avx512, .dot = dot_avx512, .axpy = axpy_avx512, .read_sum = read_sum_avx512,
     .gated = gated_avx512, .exp_sum = exp_sum_avx512,
 };

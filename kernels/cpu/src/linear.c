@@ -38,8 +38,7 @@ void tw_int4_linear_part(const tw_int4 *w, const tw_act *buffers, const float *x
     a.kp = w->kp;
     a.num_groups = w->num_groups;
     tw_split(m, ith, nth, &m0, &m1);
-    if (prec == TW_PREC_Q8) tw_act_prepare_q8(&a, x, ldx, w->k, m0, m1);
-    else tw_act_prepare_f32(&a, x, ldx, w->k, m0, m1);
+    tw_active()->prep[prec == TW_PREC_Q8](&a, x, ldx, w->k, m0, m1);
     tw_pool_barrier(ith, nth);
     tw_split(w->num_tiles, ith, nth, &t0, &t1);
     tw_active()->int4[prec == TW_PREC_Q8](w, &a, y, ldy, t0, t1);

@@ -236,8 +236,7 @@ static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const
     a.m = rows;
     a.kp = w->i4.kp;
     a.num_groups = w->i4.num_groups;
-    if (m->prec == TW_PREC_Q8) tw_act_prepare_q8(&a, x, ldx, w->k, 0, rows);
-    else tw_act_prepare_f32(&a, x, ldx, w->k, 0, rows);
+    tw_active()->prep[m->prec == TW_PREC_Q8](&a, x, ldx, w->k, 0, rows);
     stamp(c, TW_PROF_PREP);
     tw_split(w->i4.num_tiles, c->ith, c->nth, &t0, &t1);
     tw_active()->int4[m->prec == TW_PREC_Q8](&w->i4, &a, y, w->n, t0, t1);

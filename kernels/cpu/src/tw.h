@@ -69,7 +69,8 @@ typedef void (*tw_int4_kernel)(const tw_int4 *w, const tw_act *a, float *y, int 
 int tw_act_init(tw_act *a, int max_m, int max_kp, int max_groups);   /* 0 ok, -1 out of memory */
 void tw_act_free(tw_act *a);
 
-/* Activation preparation for rows [m0, m1) (pure, thread-split by rows). */
+/* Activation preparation for rows [m0, m1): the readable versions (the scalar table's);
+ * each ISA table has its own in .prep. */
 void tw_act_prepare_f32(tw_act *a, const float *x, int ldx, int k, int m0, int m1);
 void tw_act_prepare_q8(tw_act *a, const float *x, int ldx, int k, int m0, int m1);
 
@@ -98,10 +99,13 @@ void tw_rows_linear(const void *w, const uint16_t *row_scales, int kind, int n, 
 enum { TW_ISA_SCALAR = 0, TW_ISA_AVX2 = 1, TW_ISA_AVX512 = 2 };
 enum { TW_PREC_F32 = 0, TW_PREC_Q8 = 1 };
 
+typedef void (*tw_prep_kernel)(tw_act *a, const float *x, int ldx, int k, int m0, int m1);
+
 typedef struct {
     int isa;
     const char *name;
     tw_int4_kernel int4[2];          /* [TW_PREC_F32], [TW_PREC_Q8] */
+    tw_prep_kernel prep[2];          /* activation preparation for each; same results as int4_pack.c's */
     tw_rows_kernel rows;
     float (*dot)(const float *a, const float *b, int n);
     void (*axpy)(float *y, float a, const float *x, int n);   /* y += a * x */
