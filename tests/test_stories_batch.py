@@ -1,7 +1,9 @@
-"""The real CPU engine (engine directory -> ReferenceModel -> ModelRunner -> EngineCore) on the
-trained stories260K checkpoint: run.c's greedy output, batch-composition independence of greedy
-and seeded outputs, and preemption on a real paged cache."""
+"""The real CPU engine (engine directory -> forward -> ModelRunner -> EngineCore) on the trained
+stories260K checkpoint, with both CPU forwards (the numpy ReferenceModel and the C kernels'
+CpuModel): run.c's greedy output, batch-composition independence of greedy and seeded
+outputs, and preemption on a real paged cache."""
 
+import functools
 import json
 import threading
 
@@ -14,6 +16,7 @@ from tokenwire.engine_build.build import BuildOptions, build_engine, open_source
 from tokenwire.engine_build.engine_format import load_engine
 from tokenwire.engine_build.quantize import QuantOptions
 
+FORWARDS = ["reference", "c"]
 PROMPTS = ["Once upon a time", "Lily", "The dog", "One day, a little boy named Tom went to the park with his mom.",
            "She was sad", "Tim and Sue", "The sun was", "A big red ball", "He said,", "They"]
 
@@ -26,6 +29,19 @@ def engines(stories260k_dir, tmp_path_factory):
     for name, quant in (("fp32", QuantOptions(method="none")), ("int4", QuantOptions(method="int4", algorithm="rtn"))):
         out[name] = load_engine(build_engine(src, tmp_path_factory.mktemp(name) / "engine", BuildOptions(quant=quant)))
     return out
+
+
+@pytest.fixture(params=FORWARDS)
+def build(request):
+    """build_engine_core with one of the CPU forwards."""
+    if request.param == "reference":
+        from tokenwire.core.model import ReferenceModel as factory
+    else:
+        from tokenwire.kernels import cpu
+        if not cpu.AVAILABLE:
+            pytest.skip("the C extension kernels/cpu/_cpu is not built")
+        factory = cpu.create_model
+    return functools.partial(build_engine_core, model_factory=factory)
 
 
 def generate(core, requests):
@@ -48,56 +64,56 @@ def prompts(engine, n):
     return [engine.encode_prompt(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS))) for i in range(n)]
 
 
-def test_greedy_reproduces_run_c(engines, stories260k_dir):
+def test_greedy_reproduces_run_c(engines, stories260k_dir, build):
     ref = json.loads((stories260k_dir / "reference_greedy.json").read_text())
     run = max(ref["runs"], key=lambda r: len(r["generated_token_ids"]))
     engine = engines["fp32"]
     prompt = engine.encode_prompt("Once upon a time")
     assert prompt == ref["prompt_token_ids"]
     want = run["generated_token_ids"]
-    core = build_engine_core(engine, max_num_seqs=4)
+    core = build(engine, max_num_seqs=4)
     tokens, text, finish = generate(core, [(1, prompt, SamplingParams(temperature=0.0, max_tokens=len(want)))])[1]
     assert tokens == want and finish == FINISH_LENGTH
     assert "Once upon a time" + text == run["stdout"].rstrip("\n")[:len("Once upon a time" + text)]
 
 
-def test_32_concurrent_greedy_requests_match_their_solo_runs(engines):
+def test_32_concurrent_greedy_requests_match_their_solo_runs(engines, build):
     engine = engines["int4"]
     ps = prompts(engine, 32)
     params = SamplingParams(temperature=0.0, max_tokens=40)
-    solo, one_at_a_time = {}, build_engine_core(engine, max_num_seqs=1)
+    solo, one_at_a_time = {}, build(engine, max_num_seqs=1)
     for i, p in enumerate(ps):
         solo.update(generate(one_at_a_time, [(i, p, params)]))
     # a small token budget forces chunked prefill mixed with decodes
-    core = build_engine_core(engine, max_num_seqs=32, max_num_batched_tokens=64)
+    core = build(engine, max_num_seqs=32, max_num_batched_tokens=64)
     batched = generate(core, [(i, p, params) for i, p in enumerate(ps)])
     for i in range(32):
         assert batched[i] == solo[i], f"request {i}: {batched[i][1]!r} != {solo[i][1]!r}"
     assert len({tuple(t) for t, _, _ in solo.values()}) > 5                 # the prompts lead to different stories
 
 
-def test_seeded_sampling_is_the_same_in_any_batch(engines):
+def test_seeded_sampling_is_the_same_in_any_batch(engines, build):
     engine = engines["int4"]
     ps = prompts(engine, 24)
     target = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=1234, max_tokens=48, ignore_eos=True)
     other = [SamplingParams(temperature=t, seed=s, max_tokens=m, repetition_penalty=r)
              for t, s, m, r in [(0.0, 1, 30, 1.0), (1.2, 2, 60, 1.1), (0.7, 3, 12, 1.0)]]
-    alone = generate(build_engine_core(engine), [(0, ps[0], target)])[0]
-    small = generate(build_engine_core(engine), [(5, ps[5], other[0]), (0, ps[0], target), (6, ps[6], other[1])])[0]
+    alone = generate(build(engine), [(0, ps[0], target)])[0]
+    small = generate(build(engine), [(5, ps[5], other[0]), (0, ps[0], target), (6, ps[6], other[1])])[0]
     mix = [(i, ps[i], other[i % 3]) for i in range(1, 24)]
-    crowd = generate(build_engine_core(engine, max_num_batched_tokens=48), mix[:11] + [(0, ps[0], target)] + mix[11:])[0]
+    crowd = generate(build(engine, max_num_batched_tokens=48), mix[:11] + [(0, ps[0], target)] + mix[11:])[0]
     assert alone == small == crowd
-    reseeded = generate(build_engine_core(engine), [(0, ps[0], SamplingParams(**{**target.__dict__, "seed": 99}))])[0]
+    reseeded = generate(build(engine), [(0, ps[0], SamplingParams(**{**target.__dict__, "seed": 99}))])[0]
     assert reseeded[0] != alone[0]
 
 
-def test_preemption_on_the_real_cache_keeps_greedy_outputs(engines):
+def test_preemption_on_the_real_cache_keeps_greedy_outputs(engines, build):
     engine = engines["int4"]
     ps = prompts(engine, 12)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    roomy = generate(build_engine_core(engine, max_num_seqs=12), [(i, p, params) for i, p in enumerate(ps)])
+    roomy = generate(build(engine, max_num_seqs=12), [(i, p, params) for i, p in enumerate(ps)])
     # 512 positions fit; 12 requests of up to ~80 tokens need ~60 blocks of 16: give 40
-    tight = build_engine_core(engine, max_num_seqs=12, kv_cache_bytes=40 * 16 * 1280)
+    tight = build(engine, max_num_seqs=12, kv_cache_bytes=40 * 16 * 1280)
     assert tight.executor.num_blocks == 40
     cramped = generate(tight, [(i, p, params) for i, p in enumerate(ps)])
     assert tight.stats().num_preemptions > 0
