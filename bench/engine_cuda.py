@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=2048, help="(default: %(default)s)")
     parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch between kernels (sm_90)")
     parser.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
+    parser.add_argument("--activations", default="exact", choices=("exact", "fp16"),
+                        help="INT4 tensor-core activations: exact (hi/lo fp16 pair) or fp16 (default: %(default)s)")
     parser.add_argument("--profile", action="store_true", help="time every kernel of one eager decode step")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
@@ -225,7 +227,8 @@ def build_executor(shape: str, args, driver=None, image_fn=None):
     num_blocks = max(max(batches) * per_seq, -(-args.max_model_len // BLOCK_SIZE), args.prefill_tokens // BLOCK_SIZE + 64)
     options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch=max(batches),
                           max_num_tokens=args.prefill_tokens, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-                          pdl=args.pdl, matmul=args.matmul, timing_events=True, graph_batch_sizes=tuple(batches))
+                          pdl=args.pdl, matmul=args.matmul, activations=args.activations, timing_events=True,
+                          graph_batch_sizes=tuple(batches))
     kwargs = {"driver": driver} if driver is not None else {}
     if image_fn is not None:
         kwargs["image_fn"] = image_fn
@@ -239,7 +242,8 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
         c, dev = config, ex.dev
         print(f"\n== {shape}: {c.num_layers} layers, hidden {c.hidden_size}, intermediate {c.intermediate_size}, "
               f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
-              f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul}, pdl {dev.pdl}")
+              f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.activations} "
+              f"activations), pdl {dev.pdl}")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
               f"= {weights / roofline * 1e3:.3f} ms per step")
@@ -258,7 +262,8 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
                    "achieved_bytes_per_s": weights / t["step_s"], "roofline_fraction": weights / roofline / t["step_s"],
                    "host_us_per_step": t["host_us"], "ring_us_gpu": t["ring_gpu_us"], "ring_us_host": t["ring_host_us"],
                    "graph": t["graph"], "kv_bytes_per_step": kv, "context": args.context, "pdl": dev.pdl,
-                   "group_size": args.group_size, "embedding": args.embedding, "kv_dtype": args.kv_dtype}
+                   "group_size": args.group_size, "embedding": args.embedding, "kv_dtype": args.kv_dtype,
+                   "activations": args.activations}
             print(f"   {batch:>5} {row['decode_tokens_per_s']:>13.1f} {row['decode_step_ms']:>8.3f} "
                   f"{row['achieved_bytes_per_s'] / 1e12:>12.2f} {100 * row['roofline_fraction']:>9.1f}% "
                   f"{row['host_us_per_step']:>12.1f} {row['ring_us_gpu']:>11.1f} {row['ring_us_host']:>12.1f} {kv / 1e6:>10.1f}")

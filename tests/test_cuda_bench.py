@@ -31,7 +31,7 @@ def test_bench_rows_and_profile(tmp_path, monkeypatch, capsys):
             assert r[key] > 0, key
         assert r["graph"] is True
     text = capsys.readouterr().out
-    assert "profile, one eager decode step" in text and "int4_gemv_tc_nt1 (qkv_proj)" in text
+    assert "profile, one eager decode step" in text and "int4_mm_tc_x4 (qkv_proj)" in text
 
 
 def test_bench_rejects_bad_numbers():

@@ -305,3 +305,22 @@ def test_stepping_from_another_thread_binds_the_context_there():
     worker.start()
     worker.join()
     assert done and ("make_current", worker.ident) in drv.calls
+
+
+def test_fractional_zero_points_take_the_simt_kernel():
+    c = tiny_config()
+    t = tiny_engine(c)
+    t["layers.0.o_proj.zeros"] = (t["layers.0.o_proj.zeros"].astype(np.float32) + 0.5).astype(np.float16)
+    ex = make(c, t)
+    assert ex.weights.layers[0].o.kind == "int4_simt" and ex.weights.layers[0].qkv.kind == "int4_tc"
+    prompt = [5, 9, 13, 2, 77]
+    assert run_greedy(ex, prompt, 6) == greedy_generate(ReferenceModel(c, t, block_size=16, num_blocks=64), prompt, 6)
+
+
+def test_fp16_activations_run_the_fp16_kernels():
+    c = tiny_config()
+    drv = FakeDriver()
+    ex = make(c, tiny_engine(c), driver=drv, activations="fp16")
+    run_greedy(ex, [3, 4, 5, 6], 3)
+    assert any(k.startswith("int4_mm_tc_h") for k in drv.launches)
+    assert not any(k.startswith("int4_mm_tc_x") for k in drv.launches)

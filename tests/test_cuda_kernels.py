@@ -121,29 +121,43 @@ def test_repack_matches_the_numpy_layout(gpu):
 
 
 MATMUL_CASES = [  # M, N, K, G
-    (1, 1, 32, 32), (1, 17, 96, 32), (1, 300, 640, 128), (3, 128, 200, 64), (4, 16, 128, 64),
-    (5, 130, 256, 128), (8, 40, 64, 32), (9, 33, 384, 64), (16, 256, 512, 128), (17, 19, 128, 32),
-    (33, 129, 200, 64), (64, 128, 1024, 128), (100, 77, 96, 32), (257, 300, 256, 64),
+    (1, 1, 32, 32), (1, 17, 96, 32), (1, 300, 640, 128), (1, 16, 4096, 128), (3, 128, 200, 64),
+    (4, 16, 128, 64), (5, 130, 256, 128), (8, 40, 64, 32), (9, 33, 384, 64), (3, 200, 2048, 64),
+    (16, 256, 512, 128), (17, 19, 128, 32), (33, 129, 200, 64), (64, 128, 1024, 128), (100, 77, 96, 32),
+    (257, 300, 256, 64),
 ]
 
 
-@pytest.mark.parametrize("matmul", ["tc", "simt"])
+def matmul_acts(gpu, lin, M, mode):
+    """The K-split workspace and counters launch_matmul takes from Activations, sized for this product."""
+    from tokenwire.kernels.cuda.forward import matmul_plan
+    plan = matmul_plan(lin, M, gpu.dev.num_sms, mode) if lin.kind == "int4_tc" else None
+    ws = gpu.zeros(4 * max(plan.ws_floats if plan else 0, 1))
+    counters = gpu.zeros(4 * max(plan.counters if plan else 0, 1))
+    return SimpleNamespace(mm_ws=ws, mm_counters=counters, mm_mode=mode)
+
+
+@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt"])
 @pytest.mark.parametrize("M,N,K,G", MATMUL_CASES)
 def test_int4_matmul(gpu, matmul, M, N, K, G):
-    if matmul == "tc" and not gpu.dev.tensor_cores:
+    if matmul != "simt" and not gpu.dev.tensor_cores:
         pytest.skip("tensor-core kernels need sm_80+")
     rng = np.random.default_rng(M * 1000 + N + K)
     parts = quantize_int4(rng.standard_normal((N, K)).astype(np.float32), G, False)
     bias = rng.standard_normal(N).astype(np.float32)
-    lin = upload_int4(gpu, parts, N, K, matmul, bias=bias)
+    lin = upload_int4(gpu, parts, N, K, "simt" if matmul == "simt" else "tc", bias=bias)
     x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+    xr = x.astype(np.float16).astype(np.float32) if matmul == "fp16" else x      # what the fp16 kernels multiply
     width = round_up(K, 128)
     y0 = rng.standard_normal((M, N + 3)).astype(np.float32)
     xp, yp = gpu.upload(padded(x, width)), gpu.upload(y0)
-    launch_matmul(gpu.dev, lin, xp, width, M, yp, N + 3, True, gpu.stream)
+    acts = matmul_acts(gpu, lin, M, "exact" if matmul == "simt" else matmul)
     want = y0.copy()
-    want[:, :N] += int4_linear(x, parts["qweight"], parts["scales"], parts["zeros"], K) + bias
-    assert_close(gpu.download(yp, np.float32, (M, N + 3)), want)
+    want[:, :N] += int4_linear(xr, parts["qweight"], parts["scales"], parts["zeros"], K) + bias
+    for _ in range(2):                                    # twice: K-split counters must re-arm themselves
+        gpu.drv.memcpy_htod_async(yp, y0, y0.nbytes, gpu.stream)
+        launch_matmul(gpu.dev, lin, xp, width, M, yp, N + 3, True, acts, gpu.stream)
+        assert_close(gpu.download(yp, np.float32, (M, N + 3)), want)
 
 
 @pytest.mark.parametrize("kind", ["dense_f32", "dense_f16", "dense_i8"])
@@ -163,7 +177,8 @@ def test_dense_matmul(gpu, kind, M, N, K):
     lin = Linear("w", kind, N, K, ldw, gpu.upload(rows), aux, 0, 0)
     x = rng.standard_normal((M, K)).astype(np.float32)
     xp, yp = gpu.upload(padded(x, 128 * math.ceil(K / 128))), gpu.zeros(M * N * 4)
-    launch_matmul(gpu.dev, lin, xp, 128 * math.ceil(K / 128), M, yp, N, False, gpu.stream)
+    launch_matmul(gpu.dev, lin, xp, 128 * math.ceil(K / 128), M, yp, N, False, matmul_acts(gpu, lin, M, "exact"),
+                  gpu.stream)
     assert_close(gpu.download(yp, np.float32, (M, N)), x @ ref_w.T)
 
 

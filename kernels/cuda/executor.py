@@ -30,7 +30,7 @@ from ...core.executor import SeqStep, StepOutput, TopLogprobs
 from .build import kernel_image
 from .device import Device
 from .forward import (LARGE_SPLIT, KVCache, StepGeometry, launch_forward, launch_sampler, make_activations,
-                      plan_activations, queries_per_item)
+                      matmul_workspace, plan_activations, queries_per_item)
 from .kernels import MAX_TOP_LOGPROBS
 from .meta import (count_items, decode_layout, eager_layout, fill_decode, fill_eager, fill_sampling,
                    needs_full_sampler)
@@ -52,6 +52,7 @@ class CudaOptions:
     graph_batch_sizes: Optional[tuple] = None   # None: 1, 2, 4, ... up to max_batch
     capture_at_start: bool = True           # capture the greedy decode graphs in __init__
     matmul: str = "auto"                    # "tc" (sm_80+), "simt", or auto
+    activations: str = "exact"              # INT4 tensor-core products: "exact" (hi/lo fp16 pair) or "fp16"
     pdl: bool = False                       # programmatic dependent launch (sm_90)
     split_size: int = 512                   # keys per attention split (multiple of 32)
     ring_slots: int = 4
@@ -65,6 +66,8 @@ class CudaOptions:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.matmul not in ("auto", "tc", "simt"):
             raise ValueError(f"matmul must be auto, tc or simt, got {self.matmul!r}")
+        if self.activations not in ("exact", "fp16"):
+            raise ValueError(f"activations must be exact or fp16, got {self.activations!r}")
         if self.wait not in ("spin", "block"):
             raise ValueError(f"wait must be spin or block, got {self.wait!r}")
         if self.split_size % 32 or self.split_size <= 0:
@@ -130,11 +133,13 @@ class CudaExecutor:
     # ------------------------------------------------------------ allocation (once)
 
     def _alloc_activations(self):
-        o, drv = self.options, self.drv
-        plan = plan_activations(self.config, self.max_tokens, o.max_batch, self.max_splits)
+        o, drv, w = self.options, self.drv, self.weights
+        linears = [lin for l in w.layers for lin in (l.qkv, l.o, l.gate_up, l.down)] + [w.lm_head]
+        ws, counters = matmul_workspace(linears, self.max_tokens, self.dev.num_sms, o.activations)
+        plan = plan_activations(self.config, self.max_tokens, o.max_batch, self.max_splits, ws, counters)
         base = drv.mem_alloc(plan["_total"])
-        drv.memset_async(base, plan["_total"], self.dev.copy_stream)     # padding columns stay zero
-        return make_activations(plan, base, self.max_tokens, o.max_batch, self.max_splits)
+        drv.memset_async(base, plan["_total"], self.dev.copy_stream)     # padding columns and counters start at zero
+        return make_activations(plan, base, self.max_tokens, o.max_batch, self.max_splits, o.activations)
 
     def _alloc_meta(self) -> tuple:
         o = self.options

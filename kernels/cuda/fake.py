@@ -26,7 +26,7 @@ import numpy as np
 
 from ...core import sampling as ref_sampling
 from ..reference import dequantize_int4
-from .kernels import MAX_TOP_LOGPROBS, SPECS
+from .kernels import MAX_TOP_LOGPROBS, MM_KERNELS, SPECS
 from .layout import TcShape, dequantize_tc, pack_tc, round_up
 
 BASE_ADDRESS = 0x7F0000000000
@@ -290,20 +290,25 @@ def _store(d, y, ldy, out: np.ndarray, accumulate):
     dst[...] = (dst + out) if accumulate else out
 
 
-def _int4_tc(d, grid, x, ldx, M, qw, sz, num_units, group_size, bias, y, ldy, N, accumulate, nt=None):
+def _int4_tc(d, grid, x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate,
+             ws, counters, tokens, fp16):
     Np, Kp = round_up(N, 128), num_units * 128
-    if nt is not None:
-        assert grid[0] * 16 >= N and grid[1] * 4 * nt >= M, f"grid {grid} does not cover M={M} N={N}"
-    else:
-        assert grid[0] * 128 >= N and grid[1] * 64 >= M, f"grid {grid} does not cover M={M} N={N}"
+    assert grid[0] * 128 == Np and grid[1] * tokens >= M, f"grid {grid} does not cover M={M} N={N}"
+    assert grid[2] * units_per_split >= num_units > (grid[2] - 1) * units_per_split, f"K splits {grid}"
     assert ldx >= Kp and ldx % 4 == 0, f"activation width {ldx} vs padded K {Kp}"
+    if grid[2] > 1:       # the partials and counters the kernel would use must exist and be re-armed
+        d.view(ws, np.float32, grid[2] * grid[1] * tokens * Np)
+        assert not d.view(counters, np.int32, grid[0] * grid[1]).any(), "K-split counters not re-armed"
     key = (qw, sz, N, num_units, group_size)
     w = d._weights_cache.get(key)
     if w is None:
         shape = TcShape(N, Kp, group_size, Np, Kp, Np // 16, Kp // 64, Kp // group_size, num_units)
         w = d._weights_cache[key] = dequantize_tc(d.view(qw, np.uint32, shape.qw_words),
                                                    d.view(sz, np.uint32, shape.sz_words), shape)
-    out = _f32(d, x, M, ldx)[:, :Kp] @ w.T
+    xs = _f32(d, x, M, ldx)[:, :Kp]
+    if fp16:
+        xs = xs.astype(np.float16).astype(np.float32)
+    out = xs @ w.T
     if bias:
         out = out + d.view(bias, np.float32, N)
     _store(d, y, ldy, out.astype(np.float32), accumulate)
@@ -530,10 +535,8 @@ def _logprobs(d, grid, logits, ldl, vocab_size, iparams, tokens, token_logprob, 
 
 
 EMULATORS = {
-    "int4_gemv_tc_nt1": lambda d, g, **k: _int4_tc(d, g, **k, nt=1),
-    "int4_gemv_tc_nt2": lambda d, g, **k: _int4_tc(d, g, **k, nt=2),
-    "int4_gemv_tc_nt4": lambda d, g, **k: _int4_tc(d, g, **k, nt=4),
-    "int4_gemm_tc": _int4_tc,
+    **{name: (lambda tokens, fp16: lambda d, g, **k: _int4_tc(d, g, **k, tokens=tokens, fp16=fp16))(t, mode == "fp16")
+       for mode, kernels in MM_KERNELS.items() for t, name in kernels},
     "int4_mm_simt": _int4_mm_simt,
     "int4_repack_tc": _int4_repack_tc,
     "dense_mm_f32": _dense(np.float32),

@@ -19,7 +19,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from .device import attention_smem_bytes, sample_smem_bytes
-from .kernels import DENSE_MT, GEMM_ROWS, GEMM_TOKENS, MAX_TOP_LOGPROBS, SIMT_MT
+from .kernels import DENSE_MT, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, SIMT_MT
 from .layout import round_up
 from .weights import ALIGN, DeviceWeights, Linear
 
@@ -58,6 +58,9 @@ class Activations(NamedTuple):
     top_logprobs: int               # float64 [R, 20]
     ws_ml: int                      # float2 [max_rows, Hq, max_splits]
     ws_acc: int                     # fp32 [max_rows, Hq, max_splits, hd]
+    mm_ws: int                      # fp32 partials of K-split INT4 products (matmul_workspace)
+    mm_counters: int                # int32 arrival counters of those products, zero between launches
+    mm_mode: str                    # "exact" (fp32-level) or "fp16" activations in INT4 products
 
 
 class StepGeometry(NamedTuple):
@@ -82,7 +85,8 @@ class StepGeometry(NamedTuple):
     pen_entries: int = 0            # int32 [E, 2] (token, count in the output)
 
 
-def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, max_splits: int) -> dict:
+def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, max_splits: int,
+                     mm_ws_floats: int = 0, mm_counters: int = 0) -> dict:
     """name -> (offset, width) of every activation buffer; '_total' -> bytes."""
     w = lambda n: round_up(n, 128)                                      # noqa: E731
     rows = [("h", max_tokens, w(c.hidden_size), 4), ("xn", max_tokens, w(c.hidden_size), 4),
@@ -93,7 +97,8 @@ def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, max_splits:
             ("tokens", max_rows, 1, 4), ("token_logprob", max_rows, 1, 8),
             ("top_ids", max_rows, MAX_TOP_LOGPROBS, 4), ("top_logprobs", max_rows, MAX_TOP_LOGPROBS, 8),
             ("ws_ml", max_rows * c.num_heads * max_splits, 2, 4),
-            ("ws_acc", max_rows * c.num_heads * max_splits, c.head_dim, 4)]
+            ("ws_acc", max_rows * c.num_heads * max_splits, c.head_dim, 4),
+            ("mm_ws", max(mm_ws_floats, 1), 1, 4), ("mm_counters", max(mm_counters, 1), 1, 4)]
     plan, offset = {}, 0
     for name, n, width, itemsize in rows:
         plan[name] = (offset, width)
@@ -102,7 +107,8 @@ def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, max_splits:
     return plan
 
 
-def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, max_splits: int) -> Activations:
+def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, max_splits: int,
+                     mm_mode: str = "exact") -> Activations:
     buffers = {name: v for name, v in plan.items() if name != "_total"}
     p = {name: base + off for name, (off, _) in buffers.items()}
     ld = {name: width for name, (_, width) in buffers.items()}
@@ -110,7 +116,8 @@ def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, max_
                        p["h"], ld["h"], p["xn"], ld["xn"], p["qkv"], ld["qkv"], p["q"], ld["q"],
                        p["attn"], ld["attn"], p["gu"], ld["gu"], p["act"], ld["act"], p["hn"], ld["hn"],
                        p["logits"], p["plogits"], ld["logits"], p["tokens"], p["token_logprob"],
-                       p["top_ids"], p["top_logprobs"], p["ws_ml"], p["ws_acc"])
+                       p["top_ids"], p["top_logprobs"], p["ws_ml"], p["ws_acc"], p["mm_ws"], p["mm_counters"],
+                       mm_mode)
 
 
 def heads_per_block(c: ModelConfig) -> int:
@@ -125,18 +132,49 @@ def queries_per_item(c: ModelConfig) -> int:
 
 # ------------------------------------------------------------------ launches
 
-def launch_matmul(dev, lin: Linear, x: int, ldx: int, M: int, y: int, ldy: int, accumulate: bool, stream) -> None:
+class MatmulPlan(NamedTuple):
+    kernel: str
+    grid: tuple                     # (row blocks, token tiles, K splits)
+    units_per_split: int            # 128-wide K units per block
+    ws_floats: int                  # K-split partials it needs (0: no split)
+    counters: int
+
+
+def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
+    """Tensor-core kernel, grid and K split for an INT4 product of M tokens: enough blocks for
+    two per SM, splitting K when the rows alone are too few (decode of a small matrix)."""
+    tokens, kernel = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
+    Np, num_units = round_up(lin.N, MM_ROWS), lin.Kp // 128
+    row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)
+    blocks, target = row_blocks * tiles, 2 * num_sms
+    ksplit = 1 if blocks >= target else min(num_units, -(-target // blocks))
+    ups = -(-num_units // ksplit)
+    ksplit = -(-num_units // ups)
+    if ksplit == 1:
+        return MatmulPlan(kernel, (row_blocks, tiles, 1), ups, 0, 0)
+    return MatmulPlan(kernel, (row_blocks, tiles, ksplit), ups, ksplit * tiles * tokens * Np, row_blocks * tiles)
+
+
+def matmul_workspace(linears, max_tokens: int, num_sms: int, mode: str) -> tuple:
+    """(partial floats, counters) the largest K-split product of any weight and step size needs."""
+    ws = counters = 0
+    for lin in {(l.N, l.Kp): l for l in linears if l.kind == "int4_tc"}.values():
+        for M in range(1, max_tokens + 1):
+            plan = matmul_plan(lin, M, num_sms, mode)
+            ws, counters = max(ws, plan.ws_floats), max(counters, plan.counters)
+    return ws, counters
+
+
+def launch_matmul(dev, lin: Linear, x: int, ldx: int, M: int, y: int, ldy: int, accumulate: bool,
+                  acts: Activations, stream) -> None:
     """y[M, N] (+)= x[M, K] W^T (+ bias) with the kernel for the weight's kind and M."""
     assert ldx >= lin.Kp, f"{lin.name}: activation width {ldx} < padded K {lin.Kp}"
     common = dict(x=x, ldx=ldx, M=M, bias=lin.bias, y=y, ldy=ldy, N=lin.N, accumulate=int(accumulate))
     if lin.kind == "int4_tc":
-        Np, num_units = round_up(lin.N, GEMM_ROWS), lin.Kp // 128
-        tc = dict(common, qw=lin.w, sz=lin.aux, num_units=num_units, group_size=lin.group_size)
-        if M <= 16:
-            nt = 1 if M <= 4 else 2 if M <= 8 else 4
-            dev.launch(f"int4_gemv_tc_nt{nt}", (Np // 16, -(-M // (4 * nt))), 256, stream, **tc)
-        else:
-            dev.launch("int4_gemm_tc", (Np // GEMM_ROWS, -(-M // GEMM_TOKENS)), 256, stream, **tc)
+        plan = matmul_plan(lin, M, dev.num_sms, acts.mm_mode)
+        dev.launch(plan.kernel, plan.grid, 256, stream, **common, qw=lin.w, sz=lin.aux, num_units=lin.Kp // 128,
+                   group_size=lin.group_size, units_per_split=plan.units_per_split, ws=acts.mm_ws,
+                   counters=acts.mm_counters)
     elif lin.kind == "int4_simt":
         dev.launch("int4_mm_simt", (-(-lin.N // 4), -(-M // SIMT_MT)), 128, stream, **common,
                    qweight=lin.w, scales=lin.aux, zeros=lin.zeros, words_per_row=lin.Kp // 8,
@@ -190,17 +228,17 @@ def launch_forward(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, kv:
     glu = "glu_silu" if c.activation == "silu" else "glu_gelu_tanh"
     for i, layer in enumerate(w.layers):
         launch_rmsnorm(dev, c, a.h, a.ld_h, layer.attn_norm, a.xn, a.ld_xn, 0, T, stream)
-        launch_matmul(dev, layer.qkv, a.xn, a.ld_xn, T, a.qkv, a.ld_qkv, False, stream)
+        launch_matmul(dev, layer.qkv, a.xn, a.ld_xn, T, a.qkv, a.ld_qkv, False, a, stream)
         launch_attention(dev, c, w, i, a, kv, g, stream)
-        launch_matmul(dev, layer.o, a.attn, a.ld_attn, T, a.h, a.ld_h, True, stream)
+        launch_matmul(dev, layer.o, a.attn, a.ld_attn, T, a.h, a.ld_h, True, a, stream)
         launch_rmsnorm(dev, c, a.h, a.ld_h, layer.mlp_norm, a.xn, a.ld_xn, 0, T, stream)
-        launch_matmul(dev, layer.gate_up, a.xn, a.ld_xn, T, a.gu, a.ld_gu, False, stream)
+        launch_matmul(dev, layer.gate_up, a.xn, a.ld_xn, T, a.gu, a.ld_gu, False, a, stream)
         dev.launch(glu, (-(-c.intermediate_size // 256), T), 256, stream, gate_up=a.gu, ldg=a.ld_gu,
                    out=a.act, ldo=a.ld_act, I=c.intermediate_size)
-        launch_matmul(dev, layer.down, a.act, a.ld_act, T, a.h, a.ld_h, True, stream)
+        launch_matmul(dev, layer.down, a.act, a.ld_act, T, a.h, a.ld_h, True, a, stream)
     if g.num_rows:
         launch_rmsnorm(dev, c, a.h, a.ld_h, w.norm, a.hn, a.ld_hn, g.logits_rows, g.num_rows, stream)
-        launch_matmul(dev, w.lm_head, a.hn, a.ld_hn, g.num_rows, a.logits, a.ld_logits, False, stream)
+        launch_matmul(dev, w.lm_head, a.hn, a.ld_hn, g.num_rows, a.logits, a.ld_logits, False, a, stream)
 
 
 def launch_sampler(dev, c: ModelConfig, acts: Activations, g: StepGeometry, mode: str, stream) -> None:

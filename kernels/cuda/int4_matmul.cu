@@ -1,19 +1,18 @@
 // INT4 group-wise weight x fp32 activation products: y[m, n] = sum_k W[n, k] x[m, k]
 // with W[n, k] = (q[n, k] - zero[n, k/G]) * scale[n, k/G]  (docs/ENGINE_FORMAT.md).
 //
-// Three kernels:
-//   int4_gemv_tc_*   decode, M <= 16 tokens: one block per 16 weight rows, its warps split K.
-//   int4_gemm_tc     prefill and large batches: 128 weight rows x 64 tokens per block.
+// Kernels:
+//   int4_mm_tc_*     tensor cores (sm_80+), every M: decode (4..16 tokens per block) and prefill
+//                    (64), K split across blocks when the rows alone cannot fill the GPU.
 //   int4_mm_simt     any architecture, the engine's own packing; the fallback and a cross-check.
+//   int4_repack_tc   engine packing -> "tc" layout, once at load time.
 //
-// Tensor-core path (sm_80+): mma.m16n8k16 with A = the weights' raw 4-bit codes q (exact in
-// fp16) and B = the activations split in two fp16 parts, x = hi + lo (22 significant bits),
-// fed as two B columns per token. Per group of G k's the warp keeps the raw dot products
-// P = sum q x, and folds them into the fp32 result with the group's scale and zero point:
-//     y += scale * (P_hi + P_lo - zero * sum_k x)
-// so the result carries fp32-level accuracy, and no per-weight float conversion is needed.
+// Tensor-core path: mma.m16n8k16 with A = the weights' codes minus their zero points (exact
+// small integers in fp16) and B = the activations, either split in two fp16 parts
+// x = hi + lo fed as two B columns (22 significant bits: fp32-level results, the default) or
+// rounded to fp16 (the faster "h" kernels). The fp32 products of each group are scaled once.
 //
-// Device weight layout "tc" (written once at load time by kernels/cuda/layout.py):
+// Device weight layout "tc" (written once at load time by int4_repack_tc; layout.py is its twin):
 //   rows padded to Np = multiple of 128, K padded to Kp = multiple of 128 (zero codes, zero scales)
 //   qw: u32 [Np/16 tiles][Kp/64 chunks][32 lanes][4 steps]  -- one uint4 per lane per chunk
 //       word `s` of lane (g = lane/4, t = lane%4) is the A fragment of k16-step s of the chunk:
@@ -36,19 +35,6 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     return d;
 }
 
-// One packed word -> the four half2 A registers of a k16 step (exact small integers 0..15).
-// (w & 0x000f000f) | 0x64006400 is half2(1024 + q, 1024 + q'); the high nibble of each byte
-// gives 1024 + 16q, brought back with one fma by 1/16 and -64.
-__device__ __forceinline__ void dequant_word(u32 w, u32 a[4]) {
-    const u32 MAGIC = 0x64006400u;          // half2(1024, 1024)
-    const u32 SIXTEENTH = 0x2c002c00u;      // half2(1/16, 1/16)
-    const u32 MINUS_64 = 0xd400d400u;       // half2(-64, -64)
-    a[0] = hsub2((w & 0x000f000fu) | MAGIC, MAGIC);
-    a[1] = hfma2((w & 0x00f000f0u) | MAGIC, SIXTEENTH, MINUS_64);
-    a[2] = hsub2(((w >> 8) & 0x000f000fu) | MAGIC, MAGIC);
-    a[3] = hfma2(((w >> 8) & 0x00f000f0u) | MAGIC, SIXTEENTH, MINUS_64);
-}
-
 __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile(
@@ -59,16 +45,6 @@ __device__ __forceinline__ void mma_16816(float c[4], const u32 a[4], u32 b0, u3
 #else
     __trap();   // the host never selects the tensor-core kernels below sm_80
 #endif
-}
-
-// Two fp32 activations -> half2 of their high parts, or of the remainders x - hi.
-__device__ __forceinline__ u32 split_pair(float x0, float x1, bool low_part) {
-    f16_t h0 = f32_to_f16(x0), h1 = f32_to_f16(x1);
-    if (low_part) {
-        h0 = f32_to_f16(x0 - f16_to_f32(h0));
-        h1 = f32_to_f16(x1 - f16_to_f32(h1));
-    }
-    return pack_f16x2(h0, h1);
 }
 
 __device__ __forceinline__ void unpack_scale_zero(u32 sz, float& scale, float& zero) {
@@ -83,224 +59,234 @@ __device__ __forceinline__ void store_result(float* y, int ldy, int m, int n, fl
     *dst = accumulate ? *dst + v : v;
 }
 
-// ------------------------------------------------------------------ decode GEMV (M <= 4 * NT)
+// ------------------------------------------------------------------ the tensor-core product
 
-// grid (Np/16 row tiles, ceil(M / (4 NT))), block 32 * WARPS. Warp w takes the 128-wide K
-// units w, w + WARPS, ...; PREFETCH units' weights are in flight before the first is used.
-// Lane (g, t) feeds B column g of every n8 tile j: token 4j + g/2, the hi part when g is even.
-template <int NT, int WARPS, int PREFETCH>
-__device__ __forceinline__ void int4_gemv_tc(
+// Zero points folded into A: (1024 + q) - (1024 + z) and (1024 + 16q)/16 - (64 + z) are q - z,
+// exact in fp16 for integer z in 0..15 (the quantizer's; weights.py sends other zeros to SIMT).
+struct ZeroFold {
+    u32 lo_g;      // half2(1024 + z) of row g      (registers 0 and 2: low nibbles)
+    u32 hi_g8;     // half2(-(64 + z)) of row g + 8 (registers 1 and 3: high nibbles)
+};
+
+__device__ __forceinline__ ZeroFold zero_fold(float z_g, float z_g8) {
+    const f16_t lo = f32_to_f16(1024.0f + z_g), hi = f32_to_f16(-(64.0f + z_g8));
+    return {pack_f16x2(lo, lo), pack_f16x2(hi, hi)};
+}
+
+__device__ __forceinline__ void dequant_word_zero(u32 w, const ZeroFold& zf, u32 a[4]) {
+    const u32 MAGIC = 0x64006400u, SIXTEENTH = 0x2c002c00u;
+    a[0] = hsub2((w & 0x000f000fu) | MAGIC, zf.lo_g);
+    a[1] = hfma2((w & 0x00f000f0u) | MAGIC, SIXTEENTH, zf.hi_g8);
+    a[2] = hsub2(((w >> 8) & 0x000f000fu) | MAGIC, zf.lo_g);
+    a[3] = hfma2(((w >> 8) & 0x00f000f0u) | MAGIC, SIXTEENTH, zf.hi_g8);
+}
+
+__device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
+    return pack_f16x2(f32_to_f16(lo), f32_to_f16(hi));
+}
+
+// int4_mm_tc<NT, SPLIT>: y[M, N] (+)= x[M, K] W^T (+ bias), weights in the "tc" layout.
+//
+// grid (Np / 128 row blocks, ceil(M / TOKENS) token tiles, K splits), block 256 (8 warps).
+// Warp w owns weight rows [16 w, 16 w + 16) of the row block, for every k of the block's K
+// range (units_per_split units of 128). Per unit the block stages its tokens' activations
+// once in shared memory, already as B fragments, and every warp reads them from there.
+// B columns: SPLIT (exact) feeds each token as two fp16 columns, hi = fp16(x) and
+// lo = fp16(x - hi), 4 tokens per n8 tile; otherwise one fp16 column per token, 8 per tile.
+// The weights of the next PREFETCH units are in flight while a unit is multiplied.
+// With more than one K split, each block writes fp32 partials to ws and the last block of a
+// (row block, token tile) to arrive adds them in split order (deterministic), applies the
+// epilogue and re-arms the counter, so graphs replay it as is.
+template <int NT, bool SPLIT, int PREFETCH>
+__device__ __forceinline__ void int4_mm_tc(
     const float* __restrict__ x, int ldx, int M,                 // x: [M, ldx], zero beyond K
     const uint4* __restrict__ qw, const u32* __restrict__ sz,    // "tc" layout
-    int num_units, int group_size,                               // Kp / 128, G
-    const float* __restrict__ bias, float* y, int ldy, int N, int accumulate) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int tile = blockIdx.x, tok0 = blockIdx.y * 4 * NT;
-    const int num_groups = num_units * 128 / group_size;
-    const int spg_mask = group_size / 16 - 1;                     // k16 steps per group, minus one
-    const uint4* qtile = qw + (size_t)tile * num_units * 2 * 32 + lane;
-    const u32* stile = sz + (size_t)tile * num_groups * 16;
-    const bool low_part = g & 1;
-
-    const float* xrow[NT];
-    bool valid[NT];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-        const int m = tok0 + 4 * j + (g >> 1);
-        valid[j] = m < M;
-        xrow[j] = x + (size_t)(valid[j] ? m : 0) * ldx + 2 * t;
-    }
-    float acc[NT][2], part[NT][4], xs[NT];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-        acc[j][0] = acc[j][1] = xs[j] = 0.0f;
-        part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.0f;
-    }
-    pdl_wait();
-
-    for (int u0 = warp; u0 < num_units; u0 += WARPS * PREFETCH) {
-        uint4 wbuf[PREFETCH][2];
-#pragma unroll
-        for (int p = 0; p < PREFETCH; ++p) {
-            const int u = u0 + p * WARPS;
-            if (u < num_units) {
-                wbuf[p][0] = __ldg(qtile + (size_t)(2 * u) * 32);
-                wbuf[p][1] = __ldg(qtile + (size_t)(2 * u + 1) * 32);
-            }
-        }
-#pragma unroll
-        for (int p = 0; p < PREFETCH; ++p) {
-            const int u = u0 + p * WARPS;
-            if (u >= num_units) break;
-            const u32 words[8] = {wbuf[p][0].x, wbuf[p][0].y, wbuf[p][0].z, wbuf[p][0].w,
-                                  wbuf[p][1].x, wbuf[p][1].y, wbuf[p][1].z, wbuf[p][1].w};
-#pragma unroll
-            for (int s = 0; s < 8; ++s) {
-                const int k0 = u * 128 + s * 16;
-                u32 a[4];
-                dequant_word(words[s], a);
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    float2 v0 = make_float2(0.0f, 0.0f), v1 = v0;
-                    if (valid[j]) {
-                        v0 = __ldg(reinterpret_cast<const float2*>(xrow[j] + k0));
-                        v1 = __ldg(reinterpret_cast<const float2*>(xrow[j] + k0 + 8));
-                    }
-                    xs[j] += (v0.x + v0.y) + (v1.x + v1.y);
-                    mma_16816(part[j], a, split_pair(v0.x, v0.y, low_part), split_pair(v1.x, v1.y, low_part));
-                }
-                if (((s + 1) & spg_mask) == 0) {                  // a group ends with this step
-                    const int gi = k0 / group_size;
-                    float s0, z0, s1, z1;
-                    unpack_scale_zero(__ldg(stile + gi * 16 + g), s0, z0);
-                    unpack_scale_zero(__ldg(stile + gi * 16 + g + 8), s1, z1);
-#pragma unroll
-                    for (int j = 0; j < NT; ++j) {
-                        float xsum = xs[j] + __shfl_xor_sync(FULL_MASK, xs[j], 1);
-                        xsum += __shfl_xor_sync(FULL_MASK, xsum, 2);          // token 4j + g/2
-                        const float xt = __shfl_sync(FULL_MASK, xsum, 8 * t);  // token 4j + t
-                        acc[j][0] += s0 * ((part[j][0] + part[j][1]) - z0 * xt);
-                        acc[j][1] += s1 * ((part[j][2] + part[j][3]) - z1 * xt);
-                        part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.0f;
-                        xs[j] = 0.0f;
-                    }
-                }
-            }
-        }
-    }
-    pdl_launch_dependents();
-
-    __shared__ float red[WARPS][16][4 * NT];                       // per-warp partial results
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-        red[warp][g][4 * j + t] = acc[j][0];
-        red[warp][g + 8][4 * j + t] = acc[j][1];
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < 16 * 4 * NT; i += blockDim.x) {
-        const int r = i / (4 * NT), col = i % (4 * NT);
-        float v = 0.0f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) v += red[w][r][col];
-        const int n = tile * 16 + r, m = tok0 + col;
-        if (n < N && m < M) store_result(y, ldy, m, n, v, bias, accumulate);
-    }
-}
-
-#define GEMV_ARGS const float* __restrict__ x, int ldx, int M, const uint4* __restrict__ qw, \
-    const u32* __restrict__ sz, int num_units, int group_size, const float* __restrict__ bias, \
-    float* y, int ldy, int N, int accumulate
-#define GEMV_PASS x, ldx, M, qw, sz, num_units, group_size, bias, y, ldy, N, accumulate
-
-extern "C" __global__ void __launch_bounds__(256) int4_gemv_tc_nt1(GEMV_ARGS) { int4_gemv_tc<1, 8, 4>(GEMV_PASS); }
-extern "C" __global__ void __launch_bounds__(256) int4_gemv_tc_nt2(GEMV_ARGS) { int4_gemv_tc<2, 8, 4>(GEMV_PASS); }
-extern "C" __global__ void __launch_bounds__(256) int4_gemv_tc_nt4(GEMV_ARGS) { int4_gemv_tc<4, 8, 2>(GEMV_PASS); }
-
-// ------------------------------------------------------------------ prefill GEMM (any M)
-
-// grid (Np/128 row blocks, ceil(M / 64) token tiles), block 256 (8 warps, one 16-row tile each).
-// Per 128-wide K unit the block stages its 64 tokens once, already split into B fragments
-// (fragment order, so each warp reads one 8-byte word per lane per n8 tile), and the
-// per-group activation sums; every warp then multiplies its own weight tile against them.
-#define GEMM_ROWS 128
-#define GEMM_TOKENS 64
-#define GEMM_NT (2 * GEMM_TOKENS / 8)                              // n8 tiles: hi and lo column per token
-
-extern "C" __global__ void __launch_bounds__(256) int4_gemm_tc(
-    const float* __restrict__ x, int ldx, int M,
-    const uint4* __restrict__ qw, const u32* __restrict__ sz,
-    int num_units, int group_size,
-    const float* __restrict__ bias, float* y, int ldy, int N, int accumulate) {
-    __shared__ uint2 frag[8][GEMM_NT][32];                         // [k16 step][n8 tile][lane] B fragments
-    __shared__ float xsum[GEMM_TOKENS][4];                         // [token][group within the unit]
+    int num_units, int group_size, int units_per_split,
+    const float* __restrict__ bias, float* y, int ldy, int N, int accumulate,
+    float* __restrict__ ws, int* __restrict__ counters) {        // K-split partials / arrival counters
+    constexpr int TPT = SPLIT ? 4 : 8;                           // tokens per n8 tile
+    constexpr int TOKENS = NT * TPT;
+    constexpr int NACC = SPLIT ? 2 : 4;                          // results per tile and lane
+    __shared__ uint2 frag[8][NT][32];                            // [k16 step][n8 tile][lane] B fragments
+    __shared__ int is_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int tile = blockIdx.x * (GEMM_ROWS / 16) + warp;
-    const int tok0 = blockIdx.y * GEMM_TOKENS;
+    const int tile = blockIdx.x * 8 + warp;
+    const int tok0 = blockIdx.y * TOKENS;
     const int num_groups = num_units * 128 / group_size;
-    const int groups_per_unit = 128 / group_size;
+    const int groups_per_unit = 128 / group_size, steps_per_group = group_size / 16;
+    const int u_begin = blockIdx.z * units_per_split, u_end = min(num_units, u_begin + units_per_split);
     const uint4* qtile = qw + (size_t)tile * num_units * 2 * 32 + lane;
     const u32* stile = sz + (size_t)tile * num_groups * 16;
-    // staging assignment: thread -> token tid/4, k range (tid%4)*32 .. +32 of the unit
-    const int st_tok = tid >> 2, st_k = (tid & 3) * 32;
-    const bool st_valid = tok0 + st_tok < M;
-    const float* st_row = x + (size_t)(st_valid ? tok0 + st_tok : 0) * ldx + st_k;
 
-    // part: this group's raw products, C fragment of n8 tile j; acc: rows g and g+8, token 4j + t
-    float acc[GEMM_NT][2], part[GEMM_NT][4];
+    float acc[NT][NACC], part[NT][4];
 #pragma unroll
-    for (int j = 0; j < GEMM_NT; ++j) {
-        acc[j][0] = acc[j][1] = 0.0f;
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) acc[j][i] = 0.0f;
         part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.0f;
     }
-    pdl_wait();
-
-    for (int u = 0; u < num_units; ++u) {
-        const uint4 w0 = __ldg(qtile + (size_t)(2 * u) * 32);      // weights first: longest latency
-        const uint4 w1 = __ldg(qtile + (size_t)(2 * u + 1) * 32);
-        // stage this thread's 32 activations as B fragments, and their sum
-        float sum = 0.0f;
+    // weights (never written by an earlier kernel) may load before the dependency wait
+    uint4 wbuf[PREFETCH][2];
+    u32 szbuf[PREFETCH][4][2];                                   // [unit][group in unit][row g, row g + 8]
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (st_valid) v = __ldg(reinterpret_cast<const float4*>(st_row + u * 128) + i);
-            sum += (v.x + v.y) + (v.z + v.w);
+    for (int p = 0; p < PREFETCH; ++p) {
+        const int u = u_begin + p;
+        if (u < u_end) {
+            wbuf[p][0] = __ldg(qtile + (size_t)(2 * u) * 32);
+            wbuf[p][1] = __ldg(qtile + (size_t)(2 * u + 1) * 32);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {                          // the pairs (k, k+1) at k = st_k + 4i + 2h
-                const int k = st_k + 4 * i + 2 * h;
-                const float x0 = h ? v.z : v.x, x1 = h ? v.w : v.y;
-                const int step = k >> 4, kk = k & 15;
-                const int col = 2 * st_tok;                        // hi column; lo is col + 1
-                const int j = col >> 3, fg = col & 7, ft = (kk & 7) >> 1, reg = kk >> 3;
-                u32* hi_word = reinterpret_cast<u32*>(&frag[step][j][fg * 4 + ft]) + reg;
-                u32* lo_word = reinterpret_cast<u32*>(&frag[step][j][(fg + 1) * 4 + ft]) + reg;
-                *hi_word = split_pair(x0, x1, false);
-                *lo_word = split_pair(x0, x1, true);
-            }
-        }
-        if (group_size >= 64) sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-        if (group_size >= 128) sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-        if (((tid & 3) & (group_size / 32 - 1)) == 0) xsum[st_tok][st_k / group_size] = sum;
-        __syncthreads();
-
-        const u32 words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-            u32 a[4];
-            dequant_word(words[s], a);
-#pragma unroll
-            for (int j = 0; j < GEMM_NT; ++j) {
-                const uint2 b = frag[s][j][lane];
-                mma_16816(part[j], a, b.x, b.y);
-            }
-            if (((s + 1) & (group_size / 16 - 1)) == 0) {
-                const int gu = (s * 16) / group_size;             // group within the unit
-                const int gi = u * groups_per_unit + gu;
-                float s0, z0, s1, z1;
-                unpack_scale_zero(__ldg(stile + gi * 16 + g), s0, z0);
-                unpack_scale_zero(__ldg(stile + gi * 16 + g + 8), s1, z1);
-#pragma unroll
-                for (int j = 0; j < GEMM_NT; ++j) {
-                    // C columns 2t, 2t+1 of n8 tile j: token 4j + t, its hi and lo parts
-                    const float xt = xsum[4 * j + t][gu];
-                    acc[j][0] += s0 * ((part[j][0] + part[j][1]) - z0 * xt);
-                    acc[j][1] += s1 * ((part[j][2] + part[j][3]) - z1 * xt);
-                    part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.0f;
+            for (int gg = 0; gg < 4; ++gg) {
+                if (gg < groups_per_unit) {
+                    szbuf[p][gg][0] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g);
+                    szbuf[p][gg][1] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g + 8);
                 }
             }
         }
-        __syncthreads();                                           // frag/xsum are restaged next unit
+    }
+    pdl_wait();
+
+    for (int u0 = u_begin; u0 < u_end; u0 += PREFETCH) {
+#pragma unroll
+        for (int p = 0; p < PREFETCH; ++p) {
+            const int u = u0 + p;
+            if (u >= u_end) break;                               // uniform across the block
+            // stage this unit's activations as B fragments
+            for (int i = tid; i < TOKENS * 64; i += blockDim.x) {
+                const int tok = i >> 6, k = 2 * (i & 63);
+                float2 v = make_float2(0.0f, 0.0f);
+                if (tok0 + tok < M) v = __ldg(reinterpret_cast<const float2*>(x + (size_t)(tok0 + tok) * ldx + u * 128 + k));
+                const int step = k >> 4, kk = k & 15, ft = (kk & 7) >> 1, reg = kk >> 3;
+                if (SPLIT) {
+                    const int j = tok >> 2, col = 2 * (tok & 3);
+                    const u32 hi = f16x2_of(v.x, v.y);
+                    const u32 lo = f16x2_of(v.x - f16_to_f32((f16_t)(hi & 0xffffu)), v.y - f16_to_f32((f16_t)(hi >> 16)));
+                    reinterpret_cast<u32*>(&frag[step][j][col * 4 + ft])[reg] = hi;
+                    reinterpret_cast<u32*>(&frag[step][j][(col + 1) * 4 + ft])[reg] = lo;
+                } else {
+                    const int j = tok >> 3, col = tok & 7;
+                    reinterpret_cast<u32*>(&frag[step][j][col * 4 + ft])[reg] = f16x2_of(v.x, v.y);
+                }
+            }
+            __syncthreads();
+            const u32 words[8] = {wbuf[p][0].x, wbuf[p][0].y, wbuf[p][0].z, wbuf[p][0].w,
+                                  wbuf[p][1].x, wbuf[p][1].y, wbuf[p][1].z, wbuf[p][1].w};
+            ZeroFold zf = {0u, 0u};
+            float s_g = 0.0f, s_g8 = 0.0f;
+            int gg = 0;                                          // group within the unit
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                if ((s & (steps_per_group - 1)) == 0) {          // a group starts with this step
+                    u32 w0 = szbuf[p][0][0], w8 = szbuf[p][0][1];
+#pragma unroll
+                    for (int q = 1; q < 4; ++q)
+                        if (gg == q) { w0 = szbuf[p][q][0]; w8 = szbuf[p][q][1]; }
+                    float z_g, z_g8;
+                    unpack_scale_zero(w0, s_g, z_g);
+                    unpack_scale_zero(w8, s_g8, z_g8);
+                    zf = zero_fold(z_g, z_g8);
+                    ++gg;
+                }
+                u32 a[4];
+                dequant_word_zero(words[s], zf, a);
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const uint2 b = frag[s][j][lane];
+                    mma_16816(part[j], a, b.x, b.y);
+                }
+                if (((s + 1) & (steps_per_group - 1)) == 0) {    // the group ends: scale its products
+#pragma unroll
+                    for (int j = 0; j < NT; ++j) {
+                        if (SPLIT) {
+                            acc[j][0] += s_g * (part[j][0] + part[j][1]);
+                            acc[j][1] += s_g8 * (part[j][2] + part[j][3]);
+                        } else {
+                            acc[j][0] += s_g * part[j][0];
+                            acc[j][1] += s_g * part[j][1];
+                            acc[j][NACC - 2] += s_g8 * part[j][2];
+                            acc[j][NACC - 1] += s_g8 * part[j][3];
+                        }
+                        part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.0f;
+                    }
+                }
+            }
+            // refill this prefetch slot with the unit PREFETCH ahead
+            const int un = u + PREFETCH;
+            if (un < u_end) {
+                wbuf[p][0] = __ldg(qtile + (size_t)(2 * un) * 32);
+                wbuf[p][1] = __ldg(qtile + (size_t)(2 * un + 1) * 32);
+#pragma unroll
+                for (int gg = 0; gg < 4; ++gg) {
+                    if (gg < groups_per_unit) {
+                        szbuf[p][gg][0] = __ldg(stile + (un * groups_per_unit + gg) * 16 + g);
+                        szbuf[p][gg][1] = __ldg(stile + (un * groups_per_unit + gg) * 16 + g + 8);
+                    }
+                }
+            }
+            __syncthreads();                                     // frag is restaged next unit
+        }
     }
     pdl_launch_dependents();
+
+    // lane results: rows n0 = 16 tile + g and n0 + 8; tokens per tile j: SPLIT 4j + t, else 8j + 2t (+1)
+    const int n0 = tile * 16 + g;
+    if (gridDim.z == 1) {
 #pragma unroll
-    for (int j = 0; j < GEMM_NT; ++j) {
-        const int m = tok0 + 4 * j + t;
-        const int n0 = tile * 16 + g, n1 = n0 + 8;
-        if (m < M && n0 < N) store_result(y, ldy, m, n0, acc[j][0], bias, accumulate);
-        if (m < M && n1 < N) store_result(y, ldy, m, n1, acc[j][1], bias, accumulate);
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+            for (int i = 0; i < NACC; ++i) {
+                const int m = tok0 + (SPLIT ? 4 * j + t : 8 * j + 2 * t + (i & 1));
+                const int n = n0 + ((SPLIT ? i : i >> 1) ? 8 : 0);
+                if (m < M && n < N) store_result(y, ldy, m, n, acc[j][i], bias, accumulate);
+            }
+        }
+        return;
     }
+    // K split: partials [split][token of the tile][row of the row block], then the last block sums them
+    const int rows = gridDim.x * 128, ws_tile = TOKENS * rows;
+    float* mine = ws + ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * ws_tile;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int i = 0; i < NACC; ++i) {
+            const int tok = SPLIT ? 4 * j + t : 8 * j + 2 * t + (i & 1);
+            const int n = n0 + ((SPLIT ? i : i >> 1) ? 8 : 0);
+            mine[(size_t)tok * rows + n] = acc[j][i];
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    int* counter = counters + blockIdx.y * gridDim.x + blockIdx.x;
+    if (tid == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int i = tid; i < TOKENS * 128; i += blockDim.x) {
+        const int tok = i / 128, n = blockIdx.x * 128 + i % 128, m = tok0 + tok;
+        if (m >= M || n >= N) continue;
+        float v = 0.0f;
+        for (int z = 0; z < (int)gridDim.z; ++z)
+            v += __ldcg(ws + ((size_t)z * gridDim.y + blockIdx.y) * ws_tile + (size_t)tok * rows + n);
+        store_result(y, ldy, m, n, v, bias, accumulate);
+    }
+    if (tid == 0) *counter = 0;                                  // re-armed for the next launch
 }
+
+#define MM_ARGS const float* __restrict__ x, int ldx, int M, const uint4* __restrict__ qw, \
+    const u32* __restrict__ sz, int num_units, int group_size, int units_per_split, \
+    const float* __restrict__ bias, float* y, int ldy, int N, int accumulate, float* __restrict__ ws, \
+    int* __restrict__ counters
+#define MM_PASS x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate, ws, counters
+
+// exact (hi/lo activations): 4, 8, 16 tokens for decode, 64 for prefill
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4(MM_ARGS) { int4_mm_tc<1, true, 4>(MM_PASS); }
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x8(MM_ARGS) { int4_mm_tc<2, true, 4>(MM_PASS); }
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x16(MM_ARGS) { int4_mm_tc<4, true, 2>(MM_PASS); }
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x64(MM_ARGS) { int4_mm_tc<16, true, 1>(MM_PASS); }
+// fp16 activations (one column per token): 8, 16 tokens for decode, 64 for prefill
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h8(MM_ARGS) { int4_mm_tc<1, false, 4>(MM_PASS); }
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h16(MM_ARGS) { int4_mm_tc<2, false, 4>(MM_PASS); }
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4_mm_tc<8, false, 2>(MM_PASS); }
 
 // ------------------------------------------------------------------ layout conversion at load time
 

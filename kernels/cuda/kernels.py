@@ -12,7 +12,8 @@ from typing import NamedTuple
 SOURCE_FILES = ("common.cuh", "activation.cu", "attention.cu", "dense_matmul.cu", "embed.cu",
                 "int4_matmul.cu", "rmsnorm.cu", "rope_kv.cu", "sampling.cu")
 
-_MATMUL_INT4 = "x:p ldx:i M:i qw:p sz:p num_units:i group_size:i bias:p y:p ldy:i N:i accumulate:i"
+_MATMUL_INT4 = ("x:p ldx:i M:i qw:p sz:p num_units:i group_size:i units_per_split:i bias:p y:p ldy:i N:i "
+                "accumulate:i ws:p counters:p")
 _DENSE = "x:p ldx:i M:i w:p ldw:i row_scales:p bias:p y:p ldy:i N:i accumulate:i"
 _EMBED = "token_ids:p table:p scales:p zeros:p ldw:i group_size:i vocab_size:i D:i multiplier:f out:p ldo:i"
 _ROPE = ("qkv:p ldqkv:i positions:p slot_mapping:p cos_sin:p max_positions:i q_out:p ldq:i "
@@ -23,10 +24,13 @@ _ATTENTION = ("q:p ldq:i k_cache:p v_cache:p block_tables:p ld_bt:i positions:p 
 _GLU = "gate_up:p ldg:i out:p ldo:i I:i"
 
 SIGNATURES = {
-    "int4_gemv_tc_nt1": _MATMUL_INT4,
-    "int4_gemv_tc_nt2": _MATMUL_INT4,
-    "int4_gemv_tc_nt4": _MATMUL_INT4,
-    "int4_gemm_tc": _MATMUL_INT4,
+    "int4_mm_tc_x4": _MATMUL_INT4,
+    "int4_mm_tc_x8": _MATMUL_INT4,
+    "int4_mm_tc_x16": _MATMUL_INT4,
+    "int4_mm_tc_x64": _MATMUL_INT4,
+    "int4_mm_tc_h8": _MATMUL_INT4,
+    "int4_mm_tc_h16": _MATMUL_INT4,
+    "int4_mm_tc_h64": _MATMUL_INT4,
     "int4_mm_simt": ("x:p ldx:i M:i qweight:p scales:p zeros:p words_per_row:i group_size:i "
                      "bias:p y:p ldy:i N:i accumulate:i"),
     "int4_repack_tc": ("qweight:p scales:p zeros:p N:i Kb:i num_src_groups:i qw:p sz:p "
@@ -54,7 +58,10 @@ SIGNATURES = {
 }
 
 # launch constants the host must agree on with the sources
-GEMM_ROWS, GEMM_TOKENS = 128, 64        # int4_gemm_tc block tile
+MM_ROWS = 128                           # int4_mm_tc_*: weight rows per block
+# int4_mm_tc kernels by activation mode: (tokens per block, kernel), smallest first
+MM_KERNELS = {"exact": ((4, "int4_mm_tc_x4"), (8, "int4_mm_tc_x8"), (16, "int4_mm_tc_x16"), (64, "int4_mm_tc_x64")),
+              "fp16": ((8, "int4_mm_tc_h8"), (16, "int4_mm_tc_h16"), (64, "int4_mm_tc_h64"))}
 SIMT_MT = DENSE_MT = 8                  # tokens per block of the SIMT / dense kernels
 ATT_PAIRS, ATT_TILE = 16, 32            # attention: (query, head) pairs per block, keys per tile
 SAMPLE_CAP = 2048                       # sample_tokens: candidates sorted in shared memory

@@ -74,8 +74,8 @@ run_tests() {
 run_bench() {
   local tag="$1"; shift
   echo "== bench engine --backend cuda ($tag)"
-  "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.2-1b --shape llama-3.1-8b --batch 1,8,32,128 \
-    --json "$OUT/bench-$tag.json" "$@" 2>&1 | tee "$OUT/bench-$tag.log" | grep -v "^$"
+  "$PY" -m tokenwire.bench.engine_cuda --batch 1,8,32,128 --json "$OUT/bench-$tag.json" "$@" 2>&1 \
+    | tee "$OUT/bench-$tag.log" | grep -v "^$"
 }
 
 case "$mode" in
@@ -84,8 +84,10 @@ case "$mode" in
     setup_env; report_env
     start=$(date +%s)
     run_tests
-    run_bench graphs --profile
-    run_bench graphs-pdl --pdl
+    both="--shape llama-3.2-1b --shape llama-3.1-8b"
+    run_bench exact $both --profile
+    run_bench exact-pdl $both --pdl
+    run_bench fp16-pdl --shape llama-3.1-8b --pdl --activations fp16 --profile
     echo "== done in $(( $(date +%s) - start )) s; logs and JSON in $OUT"
     ;;
   sanitize)

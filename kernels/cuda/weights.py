@@ -7,7 +7,8 @@ Contract:
   dimensions each kernel launch needs. Nothing is allocated on the device after this.
 - INT4 matrices go to the tensor-core "tc" layout (matmul="tc": the int4_repack_tc kernel
   rewrites the engine packing on the device) or stay in the engine packing for the SIMT
-  kernel (matmul="simt"). Dense and int8 matrices keep row-major rows padded to 8 columns.
+  kernel (matmul="simt", and any matrix whose zero points are not integers 0..15). Dense and
+  int8 matrices keep row-major rows padded to 8 columns.
 - The RoPE cos/sin table is built here too (core/rope.py: float64 angles, rounded once).
 `dev` is the `Device` (kernels/cuda/device.py): driver, streams and kernels.
 """
@@ -165,7 +166,7 @@ class _Loader:
             raise ValueError(f"engine tensor {name!r}: int4 parts {qweight.shape}/{scales.shape}/{zeros.shape} "
                              f"do not match the logical shape [{N}, {K}]")
         group_size = qweight.shape[1] * 2 // scales.shape[1]
-        if self.matmul == "simt":
+        if self.matmul == "simt" or not integer_zeros(zeros):
             return Linear(name, "int4_simt", N, K, qweight.shape[1] * 2, self.plan_copy(qweight),
                           self.plan_copy(scales), self.plan_copy(zeros), group_size)
         shape = tc_shape(N, K, group_size)
@@ -221,6 +222,13 @@ class _Loader:
                         qweight=ptrs[0], scales=ptrs[1], zeros=ptrs[2], N=shape.N, Kb=qweight.shape[1],
                         num_src_groups=scales.shape[1], qw=qw, sz=sz, num_tiles=shape.num_tiles,
                         num_chunks=shape.num_chunks, num_groups=shape.num_groups)
+
+
+def integer_zeros(zeros: np.ndarray) -> bool:
+    """The tensor-core kernels fold zero points into the 4-bit codes exactly: integers 0..15 only
+    (tokenwire's quantizer always writes such; other zero points take the SIMT kernel)."""
+    z = np.asarray(zeros, dtype=np.float32)
+    return bool(np.all(z == np.round(z)) and z.min(initial=0) >= 0 and z.max(initial=0) <= 15)
 
 
 def _fix_linear(lin: Linear, fix) -> Linear:
