@@ -24,10 +24,26 @@ import time
 TARGET_US_AT_64 = 50.0
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def batch_list(text: str) -> list:
+    return [positive_int(part) for part in text.split(",")]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", default="1,16,64,256", help="comma-separated batch sizes (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=1000, help="timed steps per round (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per batch size, fresh engine each (default: %(default)s)")
+    parser.add_argument("--batches", type=batch_list, default=[1, 16, 64, 256],
+                        help="comma-separated batch sizes (default: 1,16,64,256)")
+    parser.add_argument("--steps", type=positive_int, default=1000, help="timed steps per round (default: %(default)s)")
+    parser.add_argument("--rounds", type=positive_int, default=5,
+                        help="rounds per batch size, fresh engine each (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
@@ -122,7 +138,7 @@ def percentile(xs: list, q: float) -> float:
 
 
 def run(args) -> int:
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = args.batches
     print("tokenwire bench scheduler: EngineCore.step() minus executor time, zero-cost mock engine")
     print("included: inbox/cancels, scheduling + SeqSteps, token append, stop/length checks, "
           "detokenization (byte table), RequestOutputs; excluded: the executor")
