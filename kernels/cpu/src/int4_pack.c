@@ -7,14 +7,19 @@
 
 #include "tw.h"
 
+/* calloc underneath: a large block comes zeroed from fresh pages the OS maps lazily, so a
+ * big KV cache costs memory only as it fills (as numpy's zeros does for the reference). */
 void *tw_alloc(size_t bytes) {
-    size_t rounded = (bytes + TW_ALIGN - 1) / TW_ALIGN * TW_ALIGN;
-    void *p = aligned_alloc(TW_ALIGN, rounded ? rounded : TW_ALIGN);
-    if (p) memset(p, 0, rounded ? rounded : TW_ALIGN);
-    return p;
+    void *raw = calloc(1, bytes + TW_ALIGN + sizeof(void *));
+    if (!raw) return NULL;
+    uintptr_t p = ((uintptr_t)raw + sizeof(void *) + TW_ALIGN - 1) & ~(uintptr_t)(TW_ALIGN - 1);
+    ((void **)p)[-1] = raw;
+    return (void *)p;
 }
 
-void tw_free(void *p) { free(p); }
+void tw_free(void *p) {
+    if (p) free(((void **)p)[-1]);
+}
 
 float tw_half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
