@@ -66,7 +66,7 @@ def run(args) -> int:
                         tls_cert=args.tls_cert, tls_key=args.tls_key, api_key=args.api_key, limits=limits,
                         served_model_name=args.served_model_name, chat_template=args.chat_template,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        mock_step_us=args.mock_step_us, trace=args.trace)
+                        mock_step_us=args.mock_step_us, trace=args.trace, freeze_gc=True)
         return server.run()
     except (ValueError, OSError, ImportError) as exc:
         print(f"tokenwire serve: {exc}", file=sys.stderr)

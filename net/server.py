@@ -16,6 +16,7 @@ routes answer 503. `start()` waits for the model unless `wait_ready=False`.
 """
 
 import asyncio
+import gc
 import logging
 import signal
 import ssl
@@ -79,6 +80,9 @@ class Server:
     backend: "cpu" (C kernels when built, else numpy), "reference" (numpy), "mock", "cuda".
     engine, model_info: serve an already built `EngineCore` and its `app.ModelInfo` instead
         (the server starts and stops the engine).
+    freeze_gc: `gc.freeze()` once the model is loaded, so full collections skip everything
+        loaded at startup (tail latency); process-wide, hence off for in-process use and on
+        for `tokenwire serve`.
     """
 
     def __init__(self, model: str | None = None, *, backend: str = "cpu", host: str = "127.0.0.1",
@@ -86,7 +90,7 @@ class Server:
                  api_key: str | None = None, limits: Limits | None = None, served_model_name: str | None = None,
                  chat_template: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 256,
                  mock_step_us: float = 0.0, trace: str | None = None, engine=None, model_info=None,
-                 reuse_port: bool = False):
+                 reuse_port: bool = False, freeze_gc: bool = False):
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
         if (tls_cert is None) != (tls_key is None):
@@ -106,6 +110,7 @@ class Server:
                                  max_queued_requests=self.limits.max_queued_requests)
         self._prebuilt = (engine, model_info) if engine is not None else None
         self.reuse_port = reuse_port
+        self.freeze_gc = freeze_gc
         self.app = App(metrics=Metrics(), api_key=api_key, trace=TraceWriter(trace) if trace else None)
         self.engine = None
         self.loop = None
@@ -229,6 +234,10 @@ class Server:
             return False
         self.engine = engine
         self.app.attach(engine, info, loop)
+        if self.freeze_gc:
+            # everything alive now (modules, the model, the tokenizer) lives as long as the process:
+            # out of the collector's sight, a full collection no longer walks it (p99 TTFT)
+            gc.freeze()
         engine.start()
         log.info("serving %s (%s backend)", info.name, self.backend if self._prebuilt is None else "prebuilt")
         tls = f" --cacert {self._cert_file}" if self.ssl else ""
