@@ -145,3 +145,21 @@ def test_kv_cache_sizing():
     assert kv_cache_num_blocks(c, 16, 512, 4, kv_cache_bytes=64 * 16 * 40) == 40
     with pytest.raises(ValueError, match="fewer than one context"):
         kv_cache_num_blocks(c, 16, 512, 4, kv_cache_bytes=64 * 16 * 10)
+
+
+def test_logprobs_reach_the_request_outputs(engines, build):
+    engine = engines["int4"]
+    core = build(engine)
+    prompt = engine.encode_prompt("Once upon a time")
+    core.add_request(1, prompt, SamplingParams(temperature=0.0, max_tokens=6, logprobs=3), Timeline())
+    core.add_request(2, prompt, SamplingParams(temperature=0.0, max_tokens=6), Timeline())
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    mine = [o for o in outs if o.request_id == 1]
+    assert len(mine) == 6 and all(o.logprobs is not None and len(o.logprobs) == 1 for o in mine)
+    for o in mine:
+        lp = o.logprobs[0]
+        assert lp.top_ids[0] == o.token_ids[0] and len(lp.top_ids) == 3       # greedy: the top token
+        assert 0 >= lp.token_logprob == lp.top_logprobs[0] >= lp.top_logprobs[1] >= lp.top_logprobs[2]
+    assert all(o.logprobs is None for o in outs if o.request_id == 2)
