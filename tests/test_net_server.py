@@ -56,6 +56,21 @@ def slow_server(loop_kind):
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
+    """A self-signed certificate for localhost / 127.0.0.1, made here (cryptography, or the openssl CLI)."""
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    try:
+        _self_signed_with_cryptography(cert, key)
+    except ImportError:
+        if shutil.which("openssl") is None:
+            pytest.fail("the TLS test needs the cryptography package or the openssl command", pytrace=False)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+                        "-nodes", "-days", "1", "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert),
+                        "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
+    return str(cert), str(key)
+
+
+def _self_signed_with_cryptography(cert_path, key_path):
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -70,11 +85,9 @@ def tls_files(tmp_path_factory):
                                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
                            critical=False)
             .sign(key, hashes.SHA256()))
-    d = tmp_path_factory.mktemp("tls")
-    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
-    return str(d / "cert.pem"), str(d / "key.pem")
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
 
 
 @pytest.fixture(scope="module")
