@@ -99,9 +99,10 @@ def _piece_bytes(piece: str, kind: str, to_latin1: dict, alphabet_only: dict) ->
     return piece.replace(SPM_SPACE, " ").encode()
 
 
-def build_byte_table(tokenizer, skip_special_tokens: bool) -> Optional[list]:
-    """bytes of every id as it continues a text, or None when the tokenizer is not of a kind
-    whose text is the concatenation of per-token bytes (checked against tokenizer.decode)."""
+def build_byte_tables(tokenizer) -> Optional[tuple]:
+    """(bytes per id with special tokens skipped, bytes per id with them kept), each id as it
+    continues a text; None when the tokenizer is not of a kind whose text is the
+    concatenation of per-token bytes. Checked against tokenizer.decode for every id."""
     kind = decoder_kind(tokenizer)
     if kind is None:
         return None
@@ -109,24 +110,25 @@ def build_byte_table(tokenizer, skip_special_tokens: bool) -> Optional[list]:
     byte_of = byte_level_alphabet()
     to_latin1 = {ord(c): b for c, b in byte_of.items()}    # str.translate tables: C speed over the vocabulary
     alphabet_only = dict.fromkeys(to_latin1)                # deletes the alphabet: "" means nothing else
-    table = []
+    keep = []
     for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
         piece = tokenizer.id_to_token(i)
-        skip = piece is None or (skip_special_tokens and i in special)
-        table.append(b"" if skip else _piece_bytes(piece, kind, to_latin1, alphabet_only))
-    return table if _table_matches(tokenizer, table, skip_special_tokens, special) else None
-
-
-def _table_matches(tokenizer, table: list, skip_special_tokens: bool, special: set) -> bool:
-    """Every id decoded after an ordinary anchor token adds exactly its tabulated bytes."""
-    # an ordinary word piece: a byte-fallback token would fuse with a following stray byte
-    anchor = next((i for i, b in enumerate(table)
-                   if i not in special and len(b) >= 2 and b.isalpha() and b.isascii()), None)
+        keep.append(b"" if piece is None else _piece_bytes(piece, kind, to_latin1, alphabet_only))
+    skip = [b"" if i in special else b for i, b in enumerate(keep)]
+    anchor = next((i for i, b in enumerate(skip) if len(b) >= 2 and b.isalpha() and b.isascii()), None)
     if anchor is None:
-        return False
+        return None
+    ok = _table_matches(tokenizer, skip, True, anchor, range(len(skip))) and \
+        _table_matches(tokenizer, keep, False, anchor, sorted(special))      # only specials differ
+    return (skip, keep) if ok else None
+
+
+def _table_matches(tokenizer, table: list, skip_special_tokens: bool, anchor: int, ids) -> bool:
+    """Each id decoded after the anchor (an ordinary word piece: a byte-fallback token would
+    fuse with a following stray byte) adds exactly its tabulated bytes."""
     base = tokenizer.decode([anchor], skip_special_tokens=skip_special_tokens)
-    texts = tokenizer.decode_batch([[anchor, i] for i in range(len(table))], skip_special_tokens=skip_special_tokens)
-    for i, text in enumerate(texts):
+    texts = tokenizer.decode_batch([[anchor, i] for i in ids], skip_special_tokens=skip_special_tokens)
+    for i, text in zip(ids, texts):
         if text != base + table[i].decode("utf-8", "replace"):
             log.info("detokenizer: id %d decodes to %r after the anchor, the byte table says %r; "
                      "using the generic incremental decoder", i, text[len(base):], table[i])
@@ -364,12 +366,12 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.special_ids = special_token_ids(tokenizer)
         self.leading_strip = leading_spaces_stripped(tokenizer)
-        self._tables = {}                   # skip_special_tokens -> (byte table, text table) or None
+        tables = build_byte_tables(tokenizer)           # both now: never on a request's path
+        # skip_special_tokens -> (bytes per id, str per id) or None (generic decoder)
+        self._tables = {True: None, False: None} if tables is None else \
+            {skip: (table, text_table(table)) for skip, table in zip((True, False), tables)}
 
     def byte_table(self, skip_special_tokens: bool) -> Optional[tuple]:
-        if skip_special_tokens not in self._tables:
-            table = build_byte_table(self.tokenizer, skip_special_tokens)
-            self._tables[skip_special_tokens] = None if table is None else (table, text_table(table))
         return self._tables[skip_special_tokens]
 
     def decoder(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True):

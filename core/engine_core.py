@@ -51,8 +51,7 @@ class EngineCore:
         self.max_queued_requests = max_queued_requests
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
-        self.detokenizer = Detokenizer(tokenizer)
-        self.detokenizer.byte_table(skip_special_tokens=True)     # built now, not on the first request
+        self.detokenizer = Detokenizer(tokenizer)           # per-token tables built now, not on a request
         self.block_manager = BlockManager(executor.num_blocks, executor.block_size)
         # every running request decodes each step, so the token budget also bounds the batch
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
