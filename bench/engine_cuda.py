@@ -98,13 +98,20 @@ def weight_bytes_per_step(executor) -> int:
         + linear_bytes(w.lm_head)
 
 
-def decode_steps(batch: int, context: int, step: int, vocab_size: int):
-    """B one-token sequences at position context + step, each with its own blocks."""
+WARMUP_STEPS = 3
+
+
+def blocks_per_seq(context: int, num_steps: int) -> int:
+    return -(-(context + WARMUP_STEPS + num_steps + 1) // BLOCK_SIZE)
+
+
+def decode_steps(batch: int, context: int, step: int, vocab_size: int, per_seq: int):
+    """B one-token sequences at position context + step, each with its own `per_seq` blocks.
+    The cache holds whatever it holds: speed does not depend on the values."""
     from ..core.executor import SeqStep
     from ..core.sampling_params import SamplingParams
     greedy = SamplingParams(temperature=0.0)
     blocks = -(-(context + step + 1) // BLOCK_SIZE)
-    per_seq = -(-(context + 4096) // BLOCK_SIZE)
     return [SeqStep(i, [(7 * i + step) % vocab_size], context + step, list(range(i * per_seq, i * per_seq + blocks)),
                     True, greedy, 0, [], []) for i in range(batch)]
 
@@ -112,11 +119,12 @@ def decode_steps(batch: int, context: int, step: int, vocab_size: int):
 def time_decode(executor, batch: int, context: int, num_steps: int) -> dict:
     """Median wall time per step, host launch time, and completion-to-ring (GPU and host views)."""
     drv, vocab = executor.drv, executor.config.vocab_size
-    for i in range(3):                                               # warm-up (and graph capture)
-        executor.step(decode_steps(batch, context, i, vocab))
+    per_seq = blocks_per_seq(context, num_steps)
+    for i in range(WARMUP_STEPS):                                    # warm-up (and graph capture)
+        executor.step(decode_steps(batch, context, i, vocab, per_seq))
     wall, host, ring_gpu, ring_host = [], [], [], []
     for i in range(num_steps):
-        seqs = decode_steps(batch, context, 3 + i, vocab)
+        seqs = decode_steps(batch, context, WARMUP_STEPS + i, vocab, per_seq)
         t0 = time.perf_counter_ns()
         handle = executor.launch(seqs)
         t1 = time.perf_counter_ns()
@@ -167,13 +175,14 @@ def profile_decode(executor, context: int) -> list:
         event = drv.event_create(timing=True)
         drv.event_record(event, stream)
         records.append((name, args.get("qw") or args.get("w") or args.get("qweight") or 0, event))
-    executor.step(decode_steps(1, context, 0, executor.config.vocab_size))       # warm
+    per_seq = blocks_per_seq(context, 2)
+    executor.step(decode_steps(1, context, 0, executor.config.vocab_size, per_seq))       # warm
     start = drv.event_create(timing=True)
     executor.graphs_enabled = False
     dev.launch = timed
     try:
         drv.event_record(start, dev.compute_stream)
-        executor.step(decode_steps(1, context, 1, executor.config.vocab_size))
+        executor.step(decode_steps(1, context, 1, executor.config.vocab_size, per_seq))
     finally:
         dev.launch = original
         executor.graphs_enabled = executor.options.use_graphs
@@ -223,7 +232,7 @@ def build_executor(shape: str, args, driver=None, image_fn=None):
     config = ModelConfig.from_dict(all_shapes()[shape])
     tensors = random_engine(config, args.group_size, args.embedding)
     batches = parse_batches(args.batch)
-    per_seq = -(-(args.context + 4096) // BLOCK_SIZE)
+    per_seq = blocks_per_seq(args.context, args.steps)
     num_blocks = max(max(batches) * per_seq, -(-args.max_model_len // BLOCK_SIZE), args.prefill_tokens // BLOCK_SIZE + 64)
     options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch=max(batches),
                           max_num_tokens=args.prefill_tokens, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,

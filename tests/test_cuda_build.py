@@ -102,6 +102,8 @@ def test_nvrtc_compiles_the_same_sources():
     ptx = build.compile_nvrtc("sm_90", ptx=True).decode()
     assert ".target sm_90" in ptx
     check_signatures(ptx)
+    if build.nvcc_path() is None:            # no nvcc test above: let NVRTC's own ptxas build the cubin
+        assert build.compile_nvrtc("sm_90")[:4] == b"\x7fELF"
 
 
 def test_cache_is_keyed_by_sources_and_arch(tmp_path, monkeypatch):

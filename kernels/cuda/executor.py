@@ -103,6 +103,8 @@ class CudaExecutor:
         from .driver import CudaDriver
         o = self.options = options
         self.config = c = config
+        if c.head_dim > 256 or c.head_dim % 2:
+            raise ValueError(f"the CUDA attention kernels take an even head_dim up to 256, the model has {c.head_dim}")
         self.drv = drv = driver if driver is not None else CudaDriver(o.device)
         self.dev = Device(drv, image_fn, pdl=o.pdl, max_head_dim=c.head_dim)
         self.matmul = ("tc" if self.dev.tensor_cores else "simt") if o.matmul == "auto" else o.matmul
@@ -121,6 +123,7 @@ class CudaExecutor:
         self.ring = [self._make_slot() for _ in range(o.ring_slots)]
         self.buckets = self._buckets()
         self.graphs = {}                        # (bucket, mode) -> executable graph
+        self._decode_layouts = {}               # bucket -> MetaLayout
         self.graphs_enabled = o.use_graphs      # a benchmark may switch to eager launches to profile
         self.num_launched = self.num_waited = 0
         self._last_handle: Optional[StepHandle] = None
@@ -246,9 +249,15 @@ class CudaExecutor:
             return 0
         return next(b for b in self.buckets if b >= len(seqs))
 
+    def _decode_layout(self, bucket: int):
+        layout = self._decode_layouts.get(bucket)
+        if layout is None:
+            layout = self._decode_layouts[bucket] = decode_layout(bucket, self.max_blocks, self.options.max_penalty_tokens)
+        return layout
+
     def _launch_decode(self, slot: _Slot, seqs: Sequence[SeqStep], bucket: int) -> None:
         o = self.options
-        layout = decode_layout(bucket, self.max_blocks, o.max_penalty_tokens)
+        layout = self._decode_layout(bucket)
         views = slot.views.get(bucket)
         if views is None:
             views = slot.views[bucket] = layout.views(slot.staging)
@@ -344,7 +353,7 @@ class CudaExecutor:
         if graph is not None:
             return graph
         o, drv, stream = self.options, self.drv, self.dev.compute_stream
-        layout = decode_layout(bucket, self.max_blocks, o.max_penalty_tokens)
+        layout = self._decode_layout(bucket)
         g = self._geometry(layout.ptrs(self.meta), bucket, bucket, self.max_blocks, bucket, self.max_splits,
                            items=self.static_items, logits_rows=False)
         g = g._replace(split_size=o.split_size)
