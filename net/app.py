@@ -1,11 +1,9 @@
-"""Routes and the per-step dispatch: requests in, engine outputs out as frames.
+"""Routes: complete requests in, responses or engine submissions out.
 
 The Protocol shell hands `on_events` complete requests, resets and closes. A generation
 route parses and validates the body (openai_api.py), renders the chat template, tokenizes,
-stamps the request's Timeline and submits it to `EngineCore`; the exchange is then kept
-under its engine request id. The engine thread calls `on_step_threadsafe` once per step;
-on the loop, `on_step` encodes every output of that step into its connection's session and
-writes each touched connection once (one transport write per connection per step).
+stamps the request's Timeline and submits it to `EngineCore`; from then on the exchange
+belongs to the dispatcher (dispatch.py), which writes the engine's outputs as they come.
 
 Routes:
     POST /v1/completions, POST /v1/chat/completions    OpenAI, SSE when stream=true
@@ -18,27 +16,23 @@ open for load balancers and scrapers.
 import hmac
 import itertools
 import logging
-import threading
 import time
-from bisect import bisect_left
-from collections import deque
 from typing import Callable, NamedTuple
 
 import orjson
 
 from tokenwire.core.errors import InvalidRequest, PromptTooLong, QueueFull
-from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, Timeline
+from tokenwire.core.outputs import Timeline
 
 from . import encoders
 from .chat_template import ChatTemplate
+from .dispatch import JSON, Dispatcher, Exchange
 from .errors import ApiError
 from .events import BodyTooLarge, ConnectionClosed, Request, StreamReset
 from .metrics import Metrics
 from .openai_api import GenerationRequest, parse_chat, parse_completions, parse_generate, parse_json
 
 log = logging.getLogger("tokenwire.net")
-
-JSON = b"application/json"
 
 
 class ModelInfo(NamedTuple):
@@ -53,53 +47,21 @@ class ModelInfo(NamedTuple):
     supports_logprobs: bool = True          # False for the mock engine, which samples nothing
 
 
-class Exchange:
-    """One generation request in flight: where its bytes go and how they are encoded."""
-    __slots__ = ("request_id", "proto", "stream_id", "route", "encoder", "streaming", "timeline",
-                 "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
-                 "send", "encode")
-
-    def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
-                 created, want_logprobs):
-        self.request_id = request_id
-        self.proto = proto
-        self.stream_id = stream_id
-        self.route = route
-        self.encoder = encoder              # None for whole (non-streamed) responses
-        self.streaming = streaming
-        self.timeline = timeline
-        self.last_ns = 0                    # when the previous token was dispatched (0: none yet)
-        self.response_id = response_id
-        self.created = created
-        self.texts = []                     # whole responses collect here
-        self.token_ids = []
-        self.logprobs = []
-        self.want_logprobs = want_logprobs
-        self.send = proto.session.send_data                     # bound once: called per token
-        self.encode = encoder.token if encoder is not None else None
-
-
 class App:
     """The HTTP application: one per server, shared by every connection."""
 
     def __init__(self, *, metrics: Metrics | None = None, api_key: str | None = None, trace=None):
         self.engine = None                  # EngineCore, set by `attach` once the model is loaded
         self.model: ModelInfo | None = None
-        self.loop = None
         self.metrics = metrics or Metrics()
         self.api_key = api_key.encode() if api_key else None
         self.trace = trace                  # trace.TraceWriter or None
+        self.dispatcher = Dispatcher(self.metrics, trace)
+        self.exchanges = self.dispatcher.exchanges          # engine request id -> Exchange
+        self.step_times_ns = self.dispatcher.step_times_ns
         self.connections = set()
-        self.exchanges: dict[int, Exchange] = {}
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
-        self._touched = []
-        self._firsts = []
-        self._token_text_cache: dict[int, str] = {}
-        self._anchor_id = None
-        self.step_times_ns = deque()        # filled by the engine thread (TimedExecutor), drained here
-        self._step_taken = threading.Semaphore(0)    # released when the loop picks a step up
-        self.detached = False
         self.shutting_down = False
         self.routes = {
             "/v1/completions": {"POST": self._completions},
@@ -112,10 +74,15 @@ class App:
 
     def attach(self, engine, model: ModelInfo, loop) -> None:
         """Serve `engine` (an EngineCore, started by the caller) from now on."""
-        self.loop = loop
+        d = self.dispatcher
+        d.loop, d.model, d.engine = loop, model, engine
         self.model = model
         self.engine = engine
-        engine.on_step = self.on_step_threadsafe
+        engine.on_step = d.on_step_threadsafe
+
+    def detach(self) -> None:
+        """The loop is stopping: the engine thread must never wait for it again."""
+        self.dispatcher.detach()
 
     # --------------------------------------------------- connection events
 
@@ -126,7 +93,7 @@ class App:
 
     def connection_lost(self, proto) -> None:
         self.connections.discard(proto)
-        self._cancel_all(proto)
+        self.dispatcher.cancel_all(proto)
 
     def on_events(self, proto, events: list) -> None:
         for ev in events:
@@ -134,13 +101,13 @@ class App:
             if kind is Request:
                 self._handle(proto, ev)
             elif kind is StreamReset:
-                self._cancel(proto, ev.stream_id)
+                self.dispatcher.cancel(proto, ev.stream_id)
             elif kind is BodyTooLarge:
                 self._respond_error(proto, ev.stream_id, ApiError(
                     413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",
                     code="body_too_large"))
             elif kind is ConnectionClosed:
-                self._cancel_all(proto)
+                self.dispatcher.cancel_all(proto)
 
     def _handle(self, proto, req: Request) -> None:
         try:
@@ -182,7 +149,7 @@ class App:
         proto.session.respond(req.stream_id, 200, [(b"content-type", JSON)], body)
 
     def _metrics(self, proto, req) -> None:
-        self._drain_step_times()
+        self.dispatcher.drain_step_times()
         stats = self.engine.stats() if self.engine is not None else None
         proto.session.respond(req.stream_id, 200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
                               self.metrics.render(stats))
@@ -232,9 +199,8 @@ class App:
         created = int(time.time())
         response_id = f"{id_prefix}{request_id}"
         encoder = self._encoder(g, req, response_id, created) if g.stream else None
-        self.exchanges[request_id] = Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream,
-                                              timeline, response_id, created, g.params.logprobs is not None)
-        proto.requests[req.stream_id] = request_id
+        self.dispatcher.add(Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream,
+                                     timeline, response_id, created, g.params.logprobs is not None))
 
     def _prompt_ids(self, g: GenerationRequest) -> list:
         model = self.model
@@ -255,195 +221,7 @@ class App:
             accept = req.headers.get("accept", "")
             return encoders.BinaryTokens() if "application/octet-stream" in accept else encoders.Ndjson()
         cls = encoders.ChatSse if g.route == "chat" else encoders.CompletionSse
-        return cls(response_id, created, self.model.name, g.include_usage, self.token_text)
-
-    def token_text(self, token_id: int) -> str:
-        """A token's text as it continues a text (logprobs), e.g. " there", not the
-        start-of-text form "there" a lone decode gives for SentencePiece pieces. Cached."""
-        text = self._token_text_cache.get(token_id)
-        if text is None:
-            tokenizer = self.model.tokenizer
-            anchor = self._anchor_id
-            if anchor is None:
-                anchor = self._anchor_id = tokenizer.encode("a", add_special_tokens=False).ids[-1]
-            base = tokenizer.decode([anchor], skip_special_tokens=False)
-            both = tokenizer.decode([anchor, token_id], skip_special_tokens=False)
-            text = both[len(base):] if both.startswith(base) else tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text_cache[token_id] = text
-        return text
-
-    # ------------------------------------------------------------ dispatch
-
-    def on_step_threadsafe(self, outputs: list) -> None:
-        """Engine thread, once per step: hand the step to the loop, then wait until the loop
-        has picked it up.
-
-        The wait releases the GIL at once, so the loop writes these tokens now instead of
-        after the engine's next step (or the interpreter's 5 ms switch interval), and the
-        engine never runs more than one step ahead of the wire: a slow loop makes batches
-        bigger instead of letting steps pile up."""
-        if self.detached:
-            return
-        self.loop.call_soon_threadsafe(self.on_step, outputs)
-        taken = self._step_taken
-        while not taken.acquire(timeout=0.1):
-            if self.detached:
-                return
-
-    def detach(self) -> None:
-        """The loop is stopping: never block the engine thread again."""
-        self.detached = True
-        self._step_taken.release()
-
-    def on_step(self, outputs: list) -> None:
-        """Loop side of the hand-off: release the engine thread, then write the step."""
-        self._step_taken.release()
-        self._dispatch_step(outputs)
-
-    def _dispatch_step(self, outputs: list) -> None:
-        """Write one engine step's outputs to every stream (hot path: once per step).
-
-        Frames for all streams of a connection are gathered in its session and leave in
-        one transport write per connection. The inter-token histogram is updated inline
-        (one bisect per token, sums once per step).
-        """
-        now = time.monotonic_ns()
-        exchanges = self.exchanges
-        touched = self._touched
-        itl = self.metrics.itl
-        itl_counts, itl_bounds = itl.counts, itl.bounds_ns
-        itl_sum = itl_n = num_tokens = 0
-        for out in outputs:
-            ex = exchanges.get(out.request_id)
-            if ex is None:
-                continue            # cancelled: the client is gone
-            if out.token_ids:
-                num_tokens += len(out.token_ids)
-                if ex.streaming:
-                    last = ex.last_ns
-                    if last:
-                        gap = now - last
-                        itl_counts[bisect_left(itl_bounds, gap)] += 1
-                        itl_sum += gap
-                        itl_n += 1
-                    else:
-                        self._open_stream(ex)
-                    ex.last_ns = now
-                    ex.send(ex.stream_id, ex.encode(out))
-                else:
-                    self._collect(ex, out)
-            if out.finish_reason is not None:
-                self._finish(ex, out, now)
-            proto = ex.proto
-            if not proto.dirty:
-                proto.dirty = True
-                touched.append(proto)
-        for proto in touched:
-            proto.dirty = False
-            proto.flush()
-        touched.clear()
-        itl.sum_ns += itl_sum
-        itl.count += itl_n
-        if num_tokens:
-            wire_ns = time.monotonic_ns()
-            self.metrics.engine_to_wire.observe_many_ns(wire_ns - outputs[0].step_done_ns, num_tokens)
-            self.metrics.streamed_tokens += num_tokens
-            if self._firsts:
-                self._stamp_first_tokens(wire_ns)
-        times = self.step_times_ns
-        while times:
-            self.metrics.step.observe_ns(times.popleft())
-
-    def _open_stream(self, ex: Exchange) -> None:
-        """Response HEADERS go out with the first token: one write, and TTFT is the first token's.
-        The header tuple is the encoder's constant, so its HPACK block is built once per connection."""
-        ex.proto.session.start_response(ex.stream_id, 200, ex.encoder.response_headers)
-        self._firsts.append(ex)
-
-    def _stamp_first_tokens(self, wire_ns: int) -> None:
-        for ex in self._firsts:
-            ex.timeline.first_token_emitted_ns = wire_ns
-            self.metrics.ttft.observe_ns(wire_ns - ex.timeline.arrived_ns)
-        self._firsts.clear()
-
-    def _collect(self, ex: Exchange, out) -> None:
-        ex.texts.append(out.text)
-        ex.token_ids.extend(out.token_ids)
-        if ex.want_logprobs and out.logprobs is not None:
-            ex.logprobs.extend(out.logprobs)
-
-    def _finish(self, ex: Exchange, out, now: int) -> None:
-        del self.exchanges[ex.request_id]
-        ex.proto.requests.pop(ex.stream_id, None)
-        reason = out.finish_reason
-        if reason == FINISH_CANCELLED:
-            return
-        timings = encoders.timings_us(ex.timeline, now)
-        use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens)
-        trailers = [(b"server-timing", encoders.server_timing(timings))]
-        error = out.error if reason == FINISH_ERROR else None
-        if ex.streaming:
-            if not ex.last_ns:
-                self._open_stream(ex)
-            session = ex.proto.session
-            session.send_data(ex.stream_id, ex.encoder.finish(out, reason, use, timings, error))
-            session.end_response(ex.stream_id, trailers)
-        else:
-            self._respond_whole(ex, reason, use, trailers, error)
-        self._record_finish(ex, reason, now)
-
-    def _respond_whole(self, ex: Exchange, reason: str, use: dict, trailers: list, error: str | None) -> None:
-        session = ex.proto.session
-        if error is not None:
-            exc = ApiError(500, f"the engine failed this request: {error}", code="engine_error")
-            session.respond(ex.stream_id, 500, [(b"content-type", JSON)], exc.body(), trailers)
-            return
-        text = "".join(ex.texts)
-        model = self.model.name
-        if ex.route == "chat":
-            lps = encoders.chat_logprobs(ex.token_ids, ex.logprobs, self.token_text) if ex.want_logprobs else None
-            body = encoders.chat_body(ex.response_id, ex.created, model, text, reason, use, lps)
-        else:
-            body = encoders.completion_body(ex.response_id, ex.created, model, text, reason, use,
-                                            self._completion_logprobs(ex) if ex.want_logprobs else None)
-        session.respond(ex.stream_id, 200, [(b"content-type", JSON), (b"x-request-id", ex.response_id.encode())],
-                        body, trailers)
-
-    def _completion_logprobs(self, ex: Exchange) -> dict:
-        tokens = [self.token_text(t) for t in ex.token_ids]
-        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
-        return {"tokens": tokens, "token_logprobs": [lp.token_logprob for lp in ex.logprobs],
-                "top_logprobs": [{self.token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)}
-                                 for lp in ex.logprobs],
-                "text_offset": offsets}
-
-    def _record_finish(self, ex: Exchange, reason: str, now: int) -> None:
-        m = self.metrics
-        t = ex.timeline
-        m.count_request(reason if reason in m.requests else "error")
-        m.e2e.observe_ns(now - t.arrived_ns)
-        if t.first_scheduled_ns and t.queued_ns:
-            m.queue.observe_ns(t.first_scheduled_ns - t.queued_ns)
-        if self.trace is not None:
-            self.trace.add(ex.request_id, ex.route, t, now)
-
-    def _drain_step_times(self) -> None:
-        times = self.step_times_ns
-        step = self.metrics.step
-        while times:
-            step.observe_ns(times.popleft())
-
-    # -------------------------------------------------------- cancellation
-
-    def _cancel(self, proto, stream_id: int) -> None:
-        request_id = proto.requests.pop(stream_id, None)
-        if request_id is not None and self.exchanges.pop(request_id, None) is not None:
-            self.engine.cancel(request_id)
-            self.metrics.count_request("cancelled")
-
-    def _cancel_all(self, proto) -> None:
-        for stream_id in list(proto.requests):
-            self._cancel(proto, stream_id)
+        return cls(response_id, created, self.model.name, g.include_usage, self.dispatcher.token_text)
 
     # -------------------------------------------------------------- guards
 

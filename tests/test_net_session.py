@@ -7,7 +7,6 @@ import base64
 import collections
 import struct
 
-import h11
 import h2.config
 import h2.connection
 import h2.events
