@@ -506,9 +506,9 @@ def test_cookie_fields_are_combined_and_authority_becomes_host():
 
 
 def test_memo_decoder_replays_a_block_only_against_the_same_table():
-    from tokenwire.net.http2 import _MemoDecoder
+    from tokenwire.net.request_headers import MemoDecoder
     import hpack
-    enc, dec = hpack.Encoder(), _MemoDecoder()
+    enc, dec = hpack.Encoder(), MemoDecoder()
     a, c = [(b"x-a", b"1")], [(b"x-c", b"3")]
     dec.decode(enc.encode(a), raw=True)                 # literal with indexing: x-a enters the table
     pure = enc.encode(a)                                # now a single indexed field (dynamic index 62)
