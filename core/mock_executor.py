@@ -35,10 +35,10 @@ def build_mock_tokenizer():
     for b in range(256):
         vocab[char_of[b]] = len(vocab)
     merges = []
-    for word in dict.fromkeys(pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(MOCK_TEXT)):
-        chars = word[0]
-        left = chars[0]
-        for right in chars[1:]:
+    words = [w for w, _ in pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(MOCK_TEXT)]
+    for word in dict.fromkeys(words):       # each word merged left to right into one token
+        left = word[0]
+        for right in word[1:]:
             if left + right not in vocab:
                 merges.append((left, right))
                 vocab[left + right] = len(vocab)
