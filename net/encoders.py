@@ -37,8 +37,13 @@ def usage(num_prompt: int, num_output: int) -> dict:
             "total_tokens": num_prompt + num_output}
 
 
+TIMING_NAMES = ("tokenize", "queue", "prefill", "first_token_to_wire", "ttft", "decode", "total")
+_SERVER_TIMING = ", ".join(f"{name};dur=%.3f" for name in TIMING_NAMES).encode()
+
+
 def timings_us(t: Timeline, end_ns: int) -> dict:
-    """The request's stages in microseconds (0 where a stage was not reached)."""
+    """The request's stages in microseconds (0 where a stage was not reached). Once per request;
+    the keys are TIMING_NAMES + "_us", in that order (server_timing relies on it)."""
     def span(a, b):
         return round((b - a) / 1000, 1) if a and b else 0.0
     first_step = t.step_done_ns[0] if t.step_done_ns else 0
@@ -53,7 +58,7 @@ def timings_us(t: Timeline, end_ns: int) -> dict:
 
 def server_timing(timings: dict) -> bytes:
     """`Server-Timing` value (durations in milliseconds, as the header's spec wants)."""
-    return ", ".join(f"{name[:-3]};dur={us / 1000:.3f}" for name, us in timings.items()).encode()
+    return _SERVER_TIMING % tuple(us / 1000 for us in timings.values())
 
 
 # ------------------------------------------------------------------- SSE
