@@ -118,15 +118,16 @@ class Dispatcher:
                 num_tokens += len(out.token_ids)
                 if ex.streaming:
                     last = ex.last_ns
+                    ex.last_ns = now
                     if last:
                         gap = now - last
                         itl_counts[bisect_left(itl_bounds, gap)] += 1
                         itl_sum += gap
                         itl_n += 1
+                        ex.send(ex.stream_id, ex.encode(out))
                     else:
                         self._open_stream(ex)
-                    ex.last_ns = now
-                    ex.send(ex.stream_id, ex.encode(out))
+                        ex.send(ex.stream_id, ex.encoder.first_token(out))
                 else:
                     self._collect(ex, out)
             if out.finish_reason is not None:

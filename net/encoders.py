@@ -67,25 +67,29 @@ class _Sse:
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
     __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_fields", "_include_usage",
-                 "_token_text", "_offset")
+                 "_token_text", "_offset", "_started")
 
     def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str]):
         self._fields = fields                   # id, object, created, model: the head of every chunk
         self._include_usage = include_usage
         self._token_text = token_text
         self._offset = 0                        # text offset (completions logprobs)
+        self._started = False                   # a token chunk went out
+
+    def first_token(self, out) -> bytes:
+        """The stream's first chunk (chat: it also carries the role)."""
+        self._started = True
+        return self._chunk_bytes(self._first_prefix, out)
 
     def token(self, out) -> bytes:
-        """One chunk for one step's output (hot path: once per token)."""
+        """Every later chunk (hot path: once per token)."""
         if out.logprobs is None:
-            prefix = self._first_prefix or self._prefix
-            self._first_prefix = None
-            return prefix + orjson.dumps(out.text) + self._null_tail
-        return self._token_with_logprobs(out)
+            return self._prefix + orjson.dumps(out.text) + self._null_tail
+        return self._chunk_bytes(self._prefix, out)
 
-    def _token_with_logprobs(self, out) -> bytes:
-        prefix = self._first_prefix or self._prefix
-        self._first_prefix = None
+    def _chunk_bytes(self, prefix: bytes, out) -> bytes:
+        if out.logprobs is None:
+            return prefix + orjson.dumps(out.text) + self._null_tail
         lp = orjson.dumps(self._logprobs(out))
         return prefix + orjson.dumps(out.text) + self._lp_mid + lp + self._tail
 
@@ -119,8 +123,7 @@ class CompletionSse(_Sse):
         super().__init__(fields, include_usage, token_text)
         head = orjson.dumps(fields)[:-1]
         usage_tail = b',"usage":null' if include_usage else b""
-        self._prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
-        self._first_prefix = None
+        self._prefix = self._first_prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
         self._lp_mid = b',"logprobs":'
         self._tail = b',"finish_reason":null}]' + usage_tail + b"}\n\n"
         self._null_tail = self._lp_mid + b"null" + self._tail
@@ -162,7 +165,7 @@ class ChatSse(_Sse):
         return {"content": chat_logprobs(out.token_ids, out.logprobs, self._token_text)}
 
     def _finish_chunk(self, finish_reason: str) -> dict:
-        delta = {"role": "assistant", "content": ""} if self._first_prefix else {}
+        delta = {} if self._started else {"role": "assistant", "content": ""}
         return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
 
 
@@ -191,6 +194,9 @@ class Ndjson:
         lines = [b'{"id":' + str(t).encode() + b',"text":""}\n' for t in ids[:-1]]
         return b"".join(lines) + self.token(out._replace(token_ids=ids[-1:])) if ids else b""
 
+    def first_token(self, out) -> bytes:
+        return self.token(out)
+
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
         return orjson.dumps(_summary(finish_reason, use, timings, error)) + b"\n"
 
@@ -209,6 +215,9 @@ class BinaryTokens:
             return b""
         packer = _TOKEN_STRUCTS.get(n) or struct.Struct(f"<{n}i")
         return packer.pack(*ids)
+
+    def first_token(self, out) -> bytes:
+        return self.token(out)
 
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
         summary = orjson.dumps(_summary(finish_reason, use, timings, error))

@@ -115,7 +115,7 @@ def test_completion_sse_chunk_bytes():
 
 def test_chat_sse_role_first_then_content_and_usage_chunk():
     enc = encoders.ChatSse("chatcmpl-1", 1, "m", True, str)
-    first = json.loads(enc.token(out("A"))[6:])
+    first = json.loads(enc.first_token(out("A"))[6:])
     second = json.loads(enc.token(out("B"))[6:])
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "A"} and first["usage"] is None
     assert second["choices"][0]["delta"] == {"content": "B"}
