@@ -93,7 +93,8 @@ class Scheduler:
         -> (budget left, preemptions, PREFILLING requests)"""
         running, bm = self.running, self.block_manager
         block_size = bm.block_size
-        num_decodes, num_preempted, prefilling = 0, 0, []
+        num_preempted, prefilling = 0, []
+        add_scheduled, add_seq = scheduled.append, seqs.append
         for req in running:                 # _preempt_for pops from the end: the iterator just stops sooner
             if req.state is not DECODING:
                 prefilling.append(req)
@@ -104,11 +105,10 @@ class Scheduler:
                 if req.state is not DECODING:
                     break                   # it preempted itself: every newer request is gone too
                 bm.append_slot(req.block_table, start + 1)
-            scheduled.append(req)
-            seqs.append(_new_tuple(SeqStep, (req.request_id, req.last_token_ids, start, req.block_table, True,
-                                             req.params, req.seed, req.prompt_token_ids, req.output_token_ids)))
-            num_decodes += 1
-        return self.max_num_batched_tokens - num_decodes, num_preempted, prefilling
+            add_scheduled(req)
+            add_seq(_new_tuple(SeqStep, (req.request_id, req.last_token_ids, start, req.block_table, True,
+                                         req.params, req.seed, req.prompt_token_ids, req.output_token_ids)))
+        return self.max_num_batched_tokens - len(seqs), num_preempted, prefilling
 
     def _preempt_for(self, req: Request) -> int:
         """Preempt the newest lowest-priority running requests until one block is free,
