@@ -151,9 +151,19 @@ class H1Session:
         self._send(h11.Response(status_code=status, headers=headers, reason=_reason(status)))
 
     def send_data(self, stream_id: int, payload: bytes) -> None:
-        """One chunk of the response body (once per token when streaming)."""
+        """One chunk of the response body (hot path: once per token when streaming).
+
+        Chunked framing is written here: h11's chunked writer keeps no state per chunk, so
+        going through h11's event machinery for every token buys nothing. An empty chunk
+        would end the body, so an empty payload writes nothing (as h11 does)."""
         self._check(stream_id)
-        self._send(h11.Data(data=payload))
+        if self._chunked:
+            if payload:
+                self._out.append(b"%x\r\n" % len(payload))
+                self._out.append(payload)
+                self._out.append(b"\r\n")
+        else:
+            self._send(h11.Data(data=payload))
 
     def end_response(self, stream_id: int, trailers: list | None = None) -> None:
         if stream_id != self._stream_id or not self._active:

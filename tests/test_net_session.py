@@ -400,6 +400,7 @@ def test_h1_request_and_chunked_stream_with_trailers():
     assert (type(ev), ev.stream_id, ev.method, ev.target, ev.body) == (Request, 1, "POST", "/v1/completions", b'{"a":1}')
     s.start_response(1, 200, [(b"content-type", b"text/event-stream")])
     s.send_data(1, b"data: x\n\n")
+    s.send_data(1, b"")                      # an empty chunk would end the body: nothing is written
     s.end_response(1, [(b"server-timing", b"total;dur=1")])
     raw = s.data_to_send()
     assert raw.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
