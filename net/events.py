@@ -34,7 +34,7 @@ class Request(NamedTuple):
     target: str                 # path with query, as sent
     headers: dict               # lower-case name -> value (str); repeated fields joined with ", "
     body: bytes
-    arrived_ns: int             # time.monotonic_ns() when the header block was complete
+    arrived_ns: int             # time.monotonic_ns() when the bytes completing the header block were received
 
 
 class BodyTooLarge(NamedTuple):

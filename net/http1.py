@@ -31,6 +31,7 @@ class H1Session:
         self._stream_id = 0             # one per request, counting from 1
         self._request = None            # h11.Request being read
         self._arrived_ns = 0
+        self._received_ns = 0
         self._body = bytearray()
         self._too_large = False
         self._active = False            # a request was handed out and its response is not complete
@@ -45,6 +46,7 @@ class H1Session:
         """Feed bytes from the peer (b"" means EOF); returns complete requests etc."""
         if self.closed:
             return []
+        self._received_ns = time.monotonic_ns()   # a request's arrival: when its last header bytes came in
         self.conn.receive_data(data)
         return self.poll_events()
 
@@ -75,7 +77,7 @@ class H1Session:
             return
         self._stream_id += 1
         self._request = ev
-        self._arrived_ns = time.monotonic_ns()
+        self._arrived_ns = self._received_ns
         self._body = bytearray()
         self._too_large = False
         length = _content_length(ev.headers)

@@ -90,6 +90,7 @@ class H2Session:
         self.streams: dict[int, _Stream] = {}
         self._blocked: dict[int, _Stream] = {}      # streams with queued bytes, oldest first
         self._out: list[bytes] = []
+        self._received_ns = 0
         self._blocks: dict = {}                      # (status, headers) -> encoded header block
         self.goaway_last_id: int | None = None       # set once a graceful shutdown began: the last stream served
         self.goaway_sent = False
@@ -116,6 +117,7 @@ class H2Session:
         """Feed bytes from the peer; returns complete requests and stream/connection events."""
         if self.closed:
             return []
+        self._received_ns = time.monotonic_ns()   # a request's arrival: when its last header bytes came in
         try:
             h2_events = self.conn.receive_data(data)
         except (h2.exceptions.ProtocolError, ValueError) as exc:  # h2 has queued GOAWAY
@@ -153,8 +155,7 @@ class H2Session:
             self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             self._drain_h2()
             return
-        self.streams[sid] = _Stream(sid, self.conn.streams[sid], method, target, headers,
-                                    time.monotonic_ns())
+        self.streams[sid] = _Stream(sid, self.conn.streams[sid], method, target, headers, self._received_ns)
 
     def _on_data(self, ev, events):
         self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
