@@ -17,6 +17,32 @@ from .events import Limits
 BACKENDS = ("cpu", "reference", "mock", "cuda")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError(text)
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "positive integer"     # argparse names the type in its error message
+_port.__name__ = "port (0-65535)"
+_non_negative_float.__name__ = "non-negative number"
+
+
 def add_arguments(parser) -> None:
     d = Limits()
     parser.add_argument("--model", default=None, metavar="PATH|org/name",
@@ -26,27 +52,27 @@ def add_arguments(parser) -> None:
                         help="cpu: C kernels (numpy if not built); reference: numpy; mock: fixed story at "
                              "--mock-step-us per step; cuda: NVIDIA GPU (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind, 0 for any (default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=8000, help="port to bind, 0 for any (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="the model id in /v1/models and responses")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template (or a tokenizer_config.json) overriding the model's")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="largest running batch (default: %(default)s)")
-    parser.add_argument("--mock-step-us", type=float, default=0.0,
+    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=256, help="largest running batch (default: %(default)s)")
+    parser.add_argument("--mock-step-us", type=_non_negative_float, default=0.0,
                         help="mock backend: microseconds per engine step (default: %(default)s, zero cost)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /generate")
-    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=d.max_body_bytes,
                         help="largest request body, else 413 (default: %(default)s)")
-    parser.add_argument("--max-concurrent-streams", type=int, default=d.max_concurrent_streams,
+    parser.add_argument("--max-concurrent-streams", type=_positive_int, default=d.max_concurrent_streams,
                         help="HTTP/2 streams per connection (default: %(default)s)")
-    parser.add_argument("--max-header-list-size", type=int, default=d.max_header_list_size,
+    parser.add_argument("--max-header-list-size", type=_positive_int, default=d.max_header_list_size,
                         help="largest request header block in bytes (default: %(default)s)")
-    parser.add_argument("--idle-timeout", type=float, default=d.idle_timeout_s, metavar="SECONDS",
+    parser.add_argument("--idle-timeout", type=_non_negative_float, default=d.idle_timeout_s, metavar="SECONDS",
                         help="close connections idle this long (default: %(default)s)")
-    parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+    parser.add_argument("--max-queued-requests", type=_positive_int, default=d.max_queued_requests,
                         help="requests waiting for the engine before 429 (default: %(default)s)")
     parser.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"),
                         help="event loop (default: %(default)s)")

@@ -110,7 +110,9 @@ def test_help_lists_the_flags():
     (["--backend", "mock", "--tls-cert", "x.pem"], "needs both a certificate"),
     (["--backend", "mock", "--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.key"],
      "cannot load the TLS certificate"),
-    (["--backend", "mock", "--max-body-bytes", "0"], "max_body_bytes must be >= 1"),
+    (["--backend", "mock", "--max-body-bytes", "0"], "--max-body-bytes: invalid positive integer value: '0'"),
+    (["--backend", "mock", "--idle-timeout", "0"], "idle_timeout_s must be > 0"),
+    (["--backend", "mock", "--port", "70000"], "--port: invalid port (0-65535) value"),
 ])
 def test_bad_flags_fail_with_a_clear_message(args, message):
     r = subprocess.run(SERVE + ["--port", "0", *args], capture_output=True, text=True, timeout=60)
