@@ -179,13 +179,13 @@ class Dispatcher:
         use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens)
         trailers = [(b"server-timing", encoders.server_timing(timings))]
         error = out.error if reason == FINISH_ERROR else None
-        if ex.streaming:
+        if ex.streaming and (ex.last_ns or error is None):
             if not ex.last_ns:
                 self._open_stream(ex)
             session = ex.proto.session
             session.send_data(ex.stream_id, ex.encoder.finish(out, reason, use, timings, error))
             session.end_response(ex.stream_id, trailers)
-        else:
+        else:               # a whole response, or a stream that failed before its first token: a 500
             self._respond_whole(ex, reason, use, trailers, error)
         self._record_finish(ex, reason, now)
 
@@ -250,7 +250,6 @@ class Dispatcher:
     def cancel_all(self, proto) -> None:
         for stream_id in list(proto.requests):
             self.cancel(proto, stream_id)
-
 
     def drain_step_times(self) -> None:
         times = self.step_times_ns

@@ -316,3 +316,52 @@ def test_max_concurrent_streams_over_the_limit_are_refused_one_by_one(loop_kind)
         assert "SETTINGS_MAX_CONCURRENT_STREAMS(0x03):2" in v
     finally:
         s.stop()
+
+
+# ------------------------------------------------------------ engine errors
+
+def _failing_server(loop_kind, fail_from_step: int):
+    """The mock engine, made to raise from its `fail_from_step`-th step on (a device lost mid-stream)."""
+    from tokenwire.core.engine_core import EngineCore
+    from tokenwire.core.mock_executor import MockExecutor
+    from tokenwire.net.app import ModelInfo
+
+    class FailingExecutor(MockExecutor):
+        def step(self, seqs):
+            if self.num_steps + 1 >= fail_from_step:
+                raise RuntimeError("device lost")
+            return super().step(seqs)
+
+    executor = FailingExecutor(max_model_len=512)
+    engine = EngineCore(executor, executor.tokenizer, eos_token_ids=(1,), max_model_len=512)
+    tok = executor.tokenizer
+    info = ModelInfo("mock", tok, lambda text: tok.encode(text, add_special_tokens=False).ids, None, 512, 0,
+                     "failing mock", False)
+    return tokenwire.Server(port=0, loop=loop_kind, engine=engine, model_info=info).start()
+
+
+def test_engine_failure_before_the_first_token_is_a_500(loop_kind):
+    s = _failing_server(loop_kind, fail_from_step=1)
+    try:
+        with httpx.Client(http1=False, http2=True, base_url=s.url) as client:
+            for stream in (False, True):
+                response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": stream})
+                error = check_error(response, 500, code="engine_error")
+                assert "device lost" in error["message"]
+            assert client.get("/health").status_code == 200      # the engine thread lives on
+    finally:
+        s.stop()
+
+
+def test_engine_failure_mid_stream_ends_the_stream_with_an_error_chunk(loop_kind):
+    s = _failing_server(loop_kind, fail_from_step=4)
+    try:
+        with httpx.Client(http1=False, http2=True, base_url=s.url) as client:
+            text = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10, "stream": True}).text
+        events = [e[len("data: "):] for e in text.split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["choices"][0]["finish_reason"] == "error" and "device lost" in last["error"]["message"]
+        assert len(events) == 3 + 2                              # 3 tokens, the error chunk, [DONE]
+    finally:
+        s.stop()
