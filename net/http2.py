@@ -1,7 +1,11 @@
 """Sans-IO HTTP/2 server session: `receive_data(bytes) -> list[Event]`, `data_to_send() -> bytes`.
 
-Rule 1: h2 owns the connection: SETTINGS, PING, request HPACK decoding, GOAWAY on protocol
-        errors, stream states, inbound flow control, RST_STREAM.
+Rule 1: h2 owns the connection: SETTINGS, PING, frame parsing, GOAWAY on protocol errors,
+        stream states, inbound flow control, RST_STREAM. Two things are ours on the way in:
+        request header checks (request_headers.py: a malformed request is a stream error,
+        as RFC 7540 8.1.2.6 says, where h2 makes it a connection error) and the concurrent
+        stream limit (one stream too many is refused with REFUSED_STREAM instead of h2
+        ending the connection); HPACK decoding stays h2's, through a memoizing decoder.
 Rule 2: response frames (HEADERS, DATA, trailers) are built here, from 9-byte headers packed
         by a precompiled struct, because h2's per-frame work costs several microseconds and
         the hot path writes one frame per token per stream. Header blocks use context-free
@@ -23,7 +27,9 @@ Graceful shutdown: streams the client opens after `begin_shutdown()` are refused
 to their end; then a PING, and GOAWAY once the PING's ACK shows the peer has read every
 byte before it; then close. GOAWAY waits that long because curl up to 8.0 drops whatever it
 received in the same read as a GOAWAY, silently truncating the streams. GOAWAY is written
-here, not through h2: h2 moves its state machine to CLOSED on sending GOAWAY.
+here, not through h2: h2 moves its state machine to CLOSED on sending GOAWAY. A peer's
+GOAWAY(NO_ERROR) lets the open streams finish (RFC 7540 6.8); h2 would refuse them, so its
+state machine is put back to open.
 """
 
 import base64
@@ -58,7 +64,7 @@ MAX_WINDOW = 2**31 - 1
 class _Stream:
     """One request/response exchange as the session sees it."""
     __slots__ = ("id", "h2", "method", "target", "headers", "body", "arrived_ns",
-                 "too_large", "pending", "end_after", "responding")
+                 "too_large", "pending", "end_after")
 
     def __init__(self, stream_id, h2_stream, method, target, headers, arrived_ns):
         self.id = stream_id
@@ -71,7 +77,6 @@ class _Stream:
         self.too_large = False
         self.pending = bytearray()      # response bytes waiting for window
         self.end_after = None           # trailers list (maybe empty) once the response is ended
-        self.responding = False         # response HEADERS sent
 
 
 class H2Session:
@@ -220,9 +225,7 @@ class H2Session:
     def start_response(self, stream_id: int, status: int, headers) -> None:
         """Send the response HEADERS (once per request). `headers`: (name, value) byte pairs;
         pass the same tuple for every stream and its block is encoded once per connection."""
-        st = self.streams[stream_id]
-        st.responding = True
-        self._send_headers(st, status, headers, 0)
+        self._send_headers(self.streams[stream_id], status, headers, 0)
 
     def _send_headers(self, st: _Stream, status: int | None, headers, flags: int) -> None:
         """One HEADERS frame (response or trailers), through h2's state machines but not its encoder."""
