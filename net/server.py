@@ -7,9 +7,10 @@ In-process use (tests, notebooks, benchmarks):
     server.stop()
 
 `tokenwire serve` calls `Server.run()` instead, which serves on the calling thread until
-SIGTERM or SIGINT, then shuts down gracefully and returns 0: GOAWAY on every HTTP/2
-connection (`Connection: close` on HTTP/1.1), in-flight streams run to their end, new
-streams and connections are refused, then the engine stops.
+SIGTERM or SIGINT, then shuts down gracefully and returns 0: the listening sockets close
+(new connections are refused), new HTTP/2 streams are refused with REFUSED_STREAM,
+in-flight streams run to their end (at most 30 s), each HTTP/2 connection then gets its
+GOAWAY (HTTP/1.1: `Connection: close`), and the engine stops.
 
 The server listens before the model is loaded; until it is, /health and the generation
 routes answer 503. `start()` waits for the model unless `wait_ready=False`.
