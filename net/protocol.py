@@ -1,10 +1,11 @@
 """The asyncio Protocol shell: one per connection, thin on purpose.
 
-It picks the session (TLS ALPN `h2` -> HTTP/2; plaintext starting with the HTTP/2 preface
--> HTTP/2 with prior knowledge; anything else -> HTTP/1.1, which may upgrade to h2c), moves
-bytes between the transport and the session, hands the session's events to the app, and
-honours transport back-pressure: while the transport is paused, output stays in the
-session and leaves on `resume_writing`. It runs unchanged on uvloop and on asyncio.
+It picks the session (TLS ALPN `h2` -> HTTP/2, `http/1.1` -> HTTP/1.1; otherwise the first
+bytes: the HTTP/2 preface -> HTTP/2 with prior knowledge; anything else -> HTTP/1.1, which
+may upgrade to h2c), moves bytes between the transport and the session, hands the
+session's events to the app, and honours transport back-pressure: while the transport is
+paused, output stays in the session and leaves on `resume_writing`. It runs unchanged on
+uvloop and on asyncio.
 """
 
 import asyncio
@@ -46,10 +47,11 @@ class ServerProtocol(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ssl_object = transport.get_extra_info("ssl_object")
-        if ssl_object is not None:
+        if ssl_object is not None:      # ALPN decides; a client that offered none is sniffed like plaintext
             alpn = ssl_object.selected_alpn_protocol()
-            self.session = H2Session(self.limits) if alpn == "h2" else H1Session(self.limits)
-            self.flush()
+            if alpn is not None:
+                self.session = H2Session(self.limits) if alpn == "h2" else H1Session(self.limits)
+                self.flush()
         self.app.connection_made(self)
 
     def data_received(self, data: bytes) -> None:
