@@ -272,7 +272,9 @@ def test_create_executor_takes_a_loaded_engine():
 # ------------------------------------------------------------------ bad input is named
 
 @pytest.mark.parametrize("step,message", [
-    (SeqStep(0, [500], 0, [0], True, GREEDY, 0, [], []), "token id out of range"),
+    (SeqStep(0, [500], 0, [0], True, GREEDY, 0, [], []), "token id .*out of range"),
+    (SeqStep(0, [500], 3, [0], True, GREEDY, 0, [], []), "token id 500 out of range"),        # a graph step
+    (SeqStep(0, [5], 3, [70], True, GREEDY, 0, [], []), "block id out of range"),
     (SeqStep(0, [1] * 40, 0, [0], True, GREEDY, 0, [], []), "KV blocks for 40 tokens"),
     (SeqStep(0, [1], 0, [99], True, GREEDY, 0, [], []), "block id out of range"),
     (SeqStep(0, [1] * 200, 0, list(range(13)), True, GREEDY, 0, [], []), "max_num_tokens"),

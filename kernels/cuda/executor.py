@@ -94,6 +94,8 @@ class _Slot:
     ready: object               # event: its ids are in `out`
     in_flight: bool = False
     views: dict = field(default_factory=dict)   # graph bucket -> metadata views into `staging`
+    layout: object = None       # what `staging` last held: a graph bucket, or "eager"
+    row_keys: list = field(default_factory=list)   # per row of that bucket: whose block table it holds
 
 
 class CudaExecutor:
@@ -120,6 +122,7 @@ class CudaExecutor:
         self.meta_bytes, self.meta = self._alloc_meta()
         self.kv = self._alloc_kv()
         self.num_blocks = self.kv.num_blocks
+        self._limits = (c.vocab_size, self.max_model_len, self.num_blocks)   # what fill_decode checks
         self.ring = [self._make_slot() for _ in range(o.ring_slots)]
         self.buckets = self._buckets()
         self.graphs = {}                        # (bucket, mode) -> executable graph
@@ -261,9 +264,10 @@ class CudaExecutor:
         views = slot.views.get(bucket)
         if views is None:
             views = slot.views[bucket] = layout.views(slot.staging)
-        fill_decode(views, seqs, bucket, self.max_blocks, o.block_size, self.kv.scratch_block)
-        self._check_decode(views, len(seqs), bucket)
-        full = needs_full_sampler(seqs)
+        if slot.layout != bucket:
+            slot.layout, slot.row_keys = bucket, [None] * bucket
+        full = fill_decode(views, seqs, bucket, self.max_blocks, o.block_size, self.kv.scratch_block,
+                           slot.row_keys, self._limits)
         entries = fill_sampling(views, seqs, o.max_penalty_tokens) if full else 0
         graph = self._graph(bucket, "full" if full else "greedy")     # first use captures: before our copy
         stream = self.dev.compute_stream
@@ -278,6 +282,8 @@ class CudaExecutor:
         num_items = count_items(seqs, self.qpi)
         layout = eager_layout(T, len(seqs), len(rows), ld_bt, num_items, o.max_penalty_tokens)
         views = layout.views(slot.staging)
+        slot.layout = "eager"
+        self._forget_tables(seqs)
         fill_eager(views, seqs, ld_bt, o.block_size, self.qpi)
         full = needs_full_sampler(rows)
         entries = fill_sampling(views, rows, o.max_penalty_tokens) if rows and full else 0
@@ -292,6 +298,13 @@ class CudaExecutor:
         launch_forward(self.dev, c, self.weights, self.acts, self.kv, g, stream)
         if rows:
             launch_sampler(self.dev, c, self.acts, g, "full" if full else "greedy", stream)
+
+    def _forget_tables(self, seqs: Sequence[SeqStep]) -> None:
+        """A prefilled sequence may hold new blocks (recompute after preemption): no graph
+        bucket row may assume it still knows its block table."""
+        ids = {s.seq_id for s in seqs}
+        for slot in self.ring:
+            slot.row_keys = [None if k is not None and k != "pad" and k[0] in ids else k for k in slot.row_keys]
 
     def _finish(self, slot: _Slot, slot_index: int, num_rows: int, logprobs: bool) -> None:
         """Ids to the slot's pinned buffer on the copy stream, then the events (hot path)."""
@@ -361,7 +374,8 @@ class CudaExecutor:
         # and every kernel has run once before capture
         pad = np.zeros(layout.nbytes, dtype=np.uint8)
         views = layout.views(pad)
-        fill_decode(views, [], bucket, self.max_blocks, o.block_size, self.kv.scratch_block)
+        fill_decode(views, [], bucket, self.max_blocks, o.block_size, self.kv.scratch_block, [None] * bucket,
+                    self._limits)
         fill_sampling(views, [], o.max_penalty_tokens)
         drv.memcpy_htod_async(self.meta, pad, layout.used_bytes(True, 0), stream)
         launch_forward(self.dev, self.config, self.weights, self.acts, self.kv, g, stream)
@@ -377,15 +391,6 @@ class CudaExecutor:
         return graph
 
     # ------------------------------------------------------------ checks (clear errors, cheap)
-
-    def _check_decode(self, v: dict, n: int, bucket: int) -> None:
-        tok, pos = v["token_ids"][:n], v["positions"][:n]
-        if n and (tok.min() < 0 or tok.max() >= self.config.vocab_size):
-            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
-        if n and pos.max() >= self.max_model_len:
-            raise ValueError(f"position {int(pos.max())} is past the CUDA executor's max_model_len {self.max_model_len}")
-        if v["block_tables"][:n * self.max_blocks].max(initial=0) > self.kv.num_blocks:
-            raise ValueError(f"block id out of range: the cache has {self.kv.num_blocks} blocks")
 
     def _check_eager(self, seqs: Sequence[SeqStep], T: int) -> None:
         o = self.options

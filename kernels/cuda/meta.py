@@ -75,29 +75,51 @@ def eager_layout(T: int, S: int, R: int, ld_bt: int, num_items: int, pen_capacit
 
 # ------------------------------------------------------------------ filling (hot path)
 
-def fill_decode(v: dict, seqs: Sequence[SeqStep], B: int, max_blocks: int, block_size: int,
-                scratch_block: int) -> None:
-    """B-row bucket from len(seqs) <= B decode SeqSteps; padding rows write the scratch block."""
-    n = len(seqs)
-    tok, pos, slot = v["token_ids"], v["positions"], v["slot_mapping"]
+def fill_decode(v: dict, seqs: Sequence[SeqStep], B: int, max_blocks: int, block_size: int, scratch_block: int,
+                row_keys: list, limits: tuple) -> bool:
+    """B-row bucket from len(seqs) <= B decode SeqSteps; padding rows write the scratch block.
+
+    row_keys[r] remembers which (sequence, number of blocks, last block) row r of these views
+    holds, so an unchanged block table is not written again (the caller resets the keys when
+    the bytes are used for anything else, or when a sequence is prefilled: recompute after
+    preemption gives new blocks). `limits` = (vocab_size, max_positions, num_blocks): bad
+    values raise here, by name. -> whether any row needs more than argmax."""
+    vocab_size, max_positions, num_blocks = limits
     tables = v["block_tables"].reshape(B, max_blocks)
+    toks, poss, slots = [], [], []
+    full = False
     for r, s in enumerate(seqs):
-        p = s.start_pos
-        tok[r] = s.token_ids[0]
-        pos[r] = p
-        bt = s.block_table
-        if len(bt) > max_blocks or p // block_size >= len(bt):
-            raise ValueError(f"sequence {s.seq_id}: {len(bt)} KV blocks for position {p} (at most {max_blocks} "
-                             f"blocks of {block_size}, the CUDA executor's max_model_len)")
-        tables[r, :len(bt)] = bt
-        tables[r, len(bt):] = 0                   # the staging bytes are shared with other layouts
-        slot[r] = bt[p // block_size] * block_size + p % block_size
+        p, bt, tok = s.start_pos, s.block_table, s.token_ids[0]
+        nb, bi = len(bt), s.start_pos // block_size
+        if not 0 <= tok < vocab_size:
+            raise ValueError(f"sequence {s.seq_id}: token id {tok} out of range [0, {vocab_size})")
+        if p >= max_positions or bi >= nb or nb > max_blocks:
+            raise ValueError(f"sequence {s.seq_id}: {nb} KV blocks for position {p} (at most {max_blocks} "
+                             f"blocks of {block_size}, the CUDA executor's max_model_len {max_positions})")
+        key = (s.seq_id, nb, bt[-1])
+        if row_keys[r] != key:
+            if min(bt) < 0 or max(bt) >= num_blocks:
+                raise ValueError(f"sequence {s.seq_id}: block id out of range [0, {num_blocks})")
+            tables[r, :nb] = bt
+            row_keys[r] = key
+        toks.append(tok)
+        poss.append(p)
+        slots.append(bt[bi] * block_size + p % block_size)
+        sp = s.sampling
+        full = full or sp.temperature != 0.0 or sp.logprobs is not None or sp.has_penalties
+    n = len(seqs)
+    v["token_ids"][:n] = toks
+    v["positions"][:n] = poss
+    v["slot_mapping"][:n] = slots
     if n < B:
-        tok[n:] = 0
-        pos[n:] = 0
-        slot[n:] = scratch_block * block_size
-        tables[n:] = 0
-        tables[n:, 0] = scratch_block
+        v["token_ids"][n:] = 0
+        v["positions"][n:] = 0
+        v["slot_mapping"][n:] = scratch_block * block_size
+        for r in range(n, B):
+            if row_keys[r] != "pad":
+                tables[r, 0] = scratch_block
+                row_keys[r] = "pad"
+    return full
 
 
 def fill_eager(v: dict, seqs: Sequence[SeqStep], ld_bt: int, block_size: int, queries_per_item: int) -> None:
