@@ -1,5 +1,7 @@
-"""`tokenwire bench engine --backend cuda`: the CUDA backend on random-weight INT4 engines of
-real architectures' shapes, against the GPU's memory-bandwidth roofline measured in the same run.
+"""`tokenwire bench engine --backend cuda`: CUDA decode and prefill against the GPU's bandwidth roofline.
+
+Random-weight INT4 engines of real architectures' shapes, against the GPU's memory-bandwidth
+roofline measured in the same run.
 
     python -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,8,32,128 [--json FILE]
 
@@ -46,24 +48,31 @@ def all_shapes() -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The standalone command: the options bench/engine.py shares, then the CUDA-only ones."""
     parser.add_argument("--shape", action="append", choices=sorted(all_shapes()),
                         help="architecture shape; repeat for several (default: llama-3.2-1b and llama-3.1-8b)")
     parser.add_argument("--batch", default="1,8,32,128", help="decode batch sizes (default: %(default)s)")
-    parser.add_argument("--context", type=int, default=128, help="tokens already in each sequence's cache (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=50, help="timed decode steps per batch size (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prefill tokens per sequence (default: %(default)s)")
-    parser.add_argument("--prefill-tokens", type=int, default=2048, help="tokens in the timed prefill step (default: %(default)s)")
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="(default: %(default)s)")
     parser.add_argument("--embedding", default="int4", choices=("fp16", "int8", "int4"),
                         help="embedding and lm_head encoding (default: %(default)s)")
-    parser.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"), help="(default: %(default)s)")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="(default: %(default)s)")
-    parser.add_argument("--pdl", action="store_true", help="programmatic dependent launch between kernels (sm_90)")
-    parser.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
-    parser.add_argument("--activations", default="exact", choices=("exact", "fp16"),
-                        help="INT4 tensor-core activations: exact (hi/lo fp16 pair) or fp16 (default: %(default)s)")
-    parser.add_argument("--profile", action="store_true", help="time every kernel of one eager decode step")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    add_cuda_arguments(parser)
+
+
+def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options only the CUDA backend reads (bench/engine.py adds these to its own parser)."""
+    g = parser.add_argument_group("--backend cuda")
+    g.add_argument("--context", type=int, default=128, help="tokens already in each sequence's cache (default: %(default)s)")
+    g.add_argument("--prefill-tokens", type=int, default=2048, help="tokens in the timed prefill step (default: %(default)s)")
+    g.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"), help="(default: %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=2048, help="(default: %(default)s)")
+    g.add_argument("--pdl", action="store_true", help="programmatic dependent launch between kernels (sm_90)")
+    g.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
+    g.add_argument("--int4-activations", default="exact", choices=("exact", "fp16"),
+                   help="INT4 tensor-core activations: exact (hi/lo fp16 pair) or fp16 (default: %(default)s)")
+    g.add_argument("--profile", action="store_true", help="time every kernel of one eager decode step")
 
 
 # ------------------------------------------------------------------ measurements
@@ -236,7 +245,7 @@ def build_executor(shape: str, args, driver=None, image_fn=None):
     num_blocks = max(max(batches) * per_seq, -(-args.max_model_len // BLOCK_SIZE), args.prefill_tokens // BLOCK_SIZE + 64)
     options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch=max(batches),
                           max_num_tokens=args.prefill_tokens, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-                          pdl=args.pdl, matmul=args.matmul, activations=args.activations, timing_events=True,
+                          pdl=args.pdl, matmul=args.matmul, activations=args.int4_activations, timing_events=True,
                           graph_batch_sizes=tuple(batches))
     kwargs = {"driver": driver} if driver is not None else {}
     if image_fn is not None:
@@ -251,7 +260,7 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
         c, dev = config, ex.dev
         print(f"\n== {shape}: {c.num_layers} layers, hidden {c.hidden_size}, intermediate {c.intermediate_size}, "
               f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
-              f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.activations} "
+              f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.int4_activations} "
               f"activations), pdl {dev.pdl}")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
@@ -272,7 +281,7 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
                    "host_us_per_step": t["host_us"], "ring_us_gpu": t["ring_gpu_us"], "ring_us_host": t["ring_host_us"],
                    "graph": t["graph"], "kv_bytes_per_step": kv, "context": args.context, "pdl": dev.pdl,
                    "group_size": args.group_size, "embedding": args.embedding, "kv_dtype": args.kv_dtype,
-                   "activations": args.activations}
+                   "activations": args.int4_activations}
             print(f"   {batch:>5} {row['decode_tokens_per_s']:>13.1f} {row['decode_step_ms']:>8.3f} "
                   f"{row['achieved_bytes_per_s'] / 1e12:>12.2f} {100 * row['roofline_fraction']:>9.1f}% "
                   f"{row['host_us_per_step']:>12.1f} {row['ring_us_gpu']:>11.1f} {row['ring_us_host']:>12.1f} {kv / 1e6:>10.1f}")

@@ -87,7 +87,7 @@ case "$mode" in
     both="--shape llama-3.2-1b --shape llama-3.1-8b"
     run_bench exact $both --profile
     run_bench exact-pdl $both --pdl
-    run_bench fp16-pdl --shape llama-3.1-8b --pdl --activations fp16 --profile
+    run_bench fp16-pdl --shape llama-3.1-8b --pdl --int4-activations fp16 --profile
     echo "== done in $(( $(date +%s) - start )) s; logs and JSON in $OUT"
     ;;
   sanitize)
