@@ -33,6 +33,7 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+
 INLINE __mmask16 tile_mask(const tw_int4 *w, int t) {
     int rows = w->n - t * TW_TILE;
     return rows >= TW_TILE ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
@@ -51,11 +52,11 @@ INLINE __m512 load_half16(const uint8_t *p) {
 /* ---------------------------------------------------------------- INT4 x fp32 */
 
 /* One tile, activation rows [m0, m0 + MB). */
-INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB) {
+INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB, const int GS) {
     enum { MAXMB = 4 };
     const int NACC = MB == 1 ? 4 : (MB == 2 ? 4 : 2);
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int ng = w->num_groups, gs = w->group_size, chunks = gs / 8, kp = a->kp;
+    const int ng = w->num_groups, gs = GS ? GS : w->group_size, chunks = gs / 8, kp = a->kp;
     const uint8_t *block = w->data + (size_t)t * ng * w->block_bytes;
     __m512 F[MAXMB];
     for (int i = 0; i < MB; i++) F[i] = _mm512_setzero_ps();
@@ -68,6 +69,7 @@ INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t
             for (int u = 0; u < NACC; u++) A[i][u] = _mm512_setzero_ps();
         }
         for (int c = 0; c < chunks; c++) {
+            _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, _MM_HINT_T0);
             const __m512i wv = _mm512_load_si512(q + c);
             for (int j = 0; j < 8; j++) {
                 const __m512 v = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(wv, 4 * j) : wv, lut);
@@ -87,16 +89,27 @@ INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t
     for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, F[i]);
 }
 
-static void int4_f32_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
+/* The group size is a compile-time constant for the sizes engines use (32, 64, 128), so the
+ * chunk loop unrolls; any other multiple of 8 takes the generic loop. */
+INLINE void tiles_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1, const int GS) {
     for (int t = t0; t < t1; t++) {
         int m = 0;
-        for (; m + 4 <= a->m; m += 4) tile_f32(w, a, y, ldy, t, m, 4);
+        for (; m + 4 <= a->m; m += 4) tile_f32(w, a, y, ldy, t, m, 4, GS);
         switch (a->m - m) {
-        case 3: tile_f32(w, a, y, ldy, t, m, 3); break;
-        case 2: tile_f32(w, a, y, ldy, t, m, 2); break;
-        case 1: tile_f32(w, a, y, ldy, t, m, 1); break;
+        case 3: tile_f32(w, a, y, ldy, t, m, 3, GS); break;
+        case 2: tile_f32(w, a, y, ldy, t, m, 2, GS); break;
+        case 1: tile_f32(w, a, y, ldy, t, m, 1, GS); break;
         default: break;
         }
+    }
+}
+
+static void int4_f32_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
+    switch (w->group_size) {
+    case 32: tiles_f32(w, a, y, ldy, t0, t1, 32); break;
+    case 64: tiles_f32(w, a, y, ldy, t0, t1, 64); break;
+    case 128: tiles_f32(w, a, y, ldy, t0, t1, 128); break;
+    default: tiles_f32(w, a, y, ldy, t0, t1, 0); break;
     }
 }
 
@@ -119,6 +132,7 @@ INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t,
             for (int u = 0; u < NACC; u++) A[i][u] = _mm512_setzero_si512();
         }
         for (int c = 0; c < chunks; c++) {
+            _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, _MM_HINT_T0);
             const __m512i wv = _mm512_load_si512(q + c);
             const __m512i lo = _mm512_and_si512(wv, low4);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
@@ -230,7 +244,9 @@ INLINE void rows_block(const void *w, const uint16_t *row_scales, int kind, int 
                        const float *x, int ldx, float *y, int ldy, int n, const int MB) {
     __m512 A[4];
     for (int i = 0; i < MB; i++) A[i] = _mm512_setzero_ps();
+    const int elem = kind == TW_W_F32 ? 4 : kind == TW_W_F16 ? 2 : 1;
     for (int kk = 0; kk < k; kk += 16) {
+        _mm_prefetch((const char *)w + ((size_t)n * k + kk) * elem + TW_PREFETCH_BYTES, _MM_HINT_T0);
         const __mmask16 mask = k - kk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - kk)) - 1);
         const __m512 wv = load_row16(w, kind, (size_t)n * k + kk, mask);
         for (int i = 0; i < MB; i++)
@@ -336,10 +352,12 @@ static float exp_sum_avx512(float *x, int n, float sub) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* The memory-bandwidth probe: the same 64-byte streaming loads the INT4 kernels issue. */
+/* The memory-bandwidth probe: the same 64-byte streaming loads and software prefetch as the
+ * INT4 kernels, nothing else. */
 static float read_sum_avx512(const uint8_t *p, size_t bytes) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     for (size_t i = 0; i < bytes; i += 256) {
+        for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)p + i + line + TW_PREFETCH_BYTES, _MM_HINT_T0);
         a0 = _mm512_add_epi32(a0, _mm512_load_si512(p + i));
         a1 = _mm512_add_epi32(a1, _mm512_load_si512(p + i + 64));
         a2 = _mm512_add_epi32(a2, _mm512_load_si512(p + i + 128));
