@@ -85,6 +85,42 @@ __device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
     return pack_f16x2(f32_to_f16(lo), f32_to_f16(hi));
 }
 
+// Activations of one 128-wide K unit as B fragments: TOKENS x 64 pairs (k, k + 1), spread over
+// the block's 256 threads, PER_THREAD pairs each. Loading (global) and storing (shared, in
+// fragment order) are separate so the next unit's loads can fly while this unit is multiplied.
+template <int TOKENS, int PER_THREAD>
+__device__ __forceinline__ void load_unit_x(float2 (&xr)[PER_THREAD], const float* __restrict__ x, int ldx, int M,
+                                            int tok0, int u) {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int idx = threadIdx.x + i * 256, tok = idx >> 6, k = 2 * (idx & 63);
+        xr[i] = make_float2(0.0f, 0.0f);
+        if (idx < TOKENS * 64 && tok0 + tok < M)
+            xr[i] = __ldg(reinterpret_cast<const float2*>(x + (size_t)(tok0 + tok) * ldx + u * 128 + k));
+    }
+}
+
+template <int NT, bool SPLIT, int TOKENS, int PER_THREAD>
+__device__ __forceinline__ void store_unit_x(const float2 (&xr)[PER_THREAD], uint2 (*frag)[NT][32]) {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+        const int idx = threadIdx.x + i * 256, tok = idx >> 6, k = 2 * (idx & 63);
+        if (idx >= TOKENS * 64) break;
+        const int step = k >> 4, kk = k & 15, ft = (kk & 7) >> 1, reg = kk >> 3;
+        const float2 v = xr[i];
+        if (SPLIT) {
+            const int j = tok >> 2, col = 2 * (tok & 3);
+            const u32 hi = f16x2_of(v.x, v.y);
+            const u32 lo = f16x2_of(v.x - f16_to_f32((f16_t)(hi & 0xffffu)), v.y - f16_to_f32((f16_t)(hi >> 16)));
+            reinterpret_cast<u32*>(&frag[step][j][col * 4 + ft])[reg] = hi;
+            reinterpret_cast<u32*>(&frag[step][j][(col + 1) * 4 + ft])[reg] = lo;
+        } else {
+            const int j = tok >> 3, col = tok & 7;
+            reinterpret_cast<u32*>(&frag[step][j][col * 4 + ft])[reg] = f16x2_of(v.x, v.y);
+        }
+    }
+}
+
 // int4_mm_tc<NT, SPLIT>: y[M, N] (+)= x[M, K] W^T (+ bias), weights in the "tc" layout.
 //
 // grid (Np / 128 row blocks, ceil(M / TOKENS) token tiles, K splits), block 256 (8 warps).
@@ -93,7 +129,8 @@ __device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
 // once in shared memory, already as B fragments, and every warp reads them from there.
 // B columns: SPLIT (exact) feeds each token as two fp16 columns, hi = fp16(x) and
 // lo = fp16(x - hi), 4 tokens per n8 tile; otherwise one fp16 column per token, 8 per tile.
-// The weights of the next PREFETCH units are in flight while a unit is multiplied.
+// The weights of the next PREFETCH units are in flight while a unit is multiplied; with up to
+// 8 n8 tiles the activations are double-buffered too (the next unit's loads fly meanwhile).
 // With more than one K split, each block writes fp32 partials to ws and the last block of a
 // (row block, token tile) to arrive adds them in split order (deterministic), applies the
 // epilogue and re-arms the counter, so graphs replay it as is.
@@ -107,7 +144,9 @@ __device__ __forceinline__ void int4_mm_tc(
     constexpr int TPT = SPLIT ? 4 : 8;                           // tokens per n8 tile
     constexpr int TOKENS = NT * TPT;
     constexpr int NACC = SPLIT ? 2 : 4;                          // results per tile and lane
-    __shared__ uint2 frag[8][NT][32];                            // [k16 step][n8 tile][lane] B fragments
+    constexpr bool DOUBLE = NT <= 8;                             // 2 x 16 KB at most: static shared memory
+    constexpr int PER_THREAD = (TOKENS * 64 + 255) / 256;
+    __shared__ uint2 frag[DOUBLE ? 2 : 1][8][NT][32];            // [buffer][k16 step][n8 tile][lane] B fragments
     __shared__ int is_last;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -146,29 +185,26 @@ __device__ __forceinline__ void int4_mm_tc(
     }
     pdl_wait();
 
+    float2 xr[PER_THREAD];
+    int cur = 0;                                                 // the buffer being multiplied
+    if (u_begin < u_end) {
+        load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u_begin);
+        store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[0]);
+    }
+    __syncthreads();
+
     for (int u0 = u_begin; u0 < u_end; u0 += PREFETCH) {
 #pragma unroll
         for (int p = 0; p < PREFETCH; ++p) {
             const int u = u0 + p;
             if (u >= u_end) break;                               // uniform across the block
-            // stage this unit's activations as B fragments
-            for (int i = tid; i < TOKENS * 64; i += blockDim.x) {
-                const int tok = i >> 6, k = 2 * (i & 63);
-                float2 v = make_float2(0.0f, 0.0f);
-                if (tok0 + tok < M) v = __ldg(reinterpret_cast<const float2*>(x + (size_t)(tok0 + tok) * ldx + u * 128 + k));
-                const int step = k >> 4, kk = k & 15, ft = (kk & 7) >> 1, reg = kk >> 3;
-                if (SPLIT) {
-                    const int j = tok >> 2, col = 2 * (tok & 3);
-                    const u32 hi = f16x2_of(v.x, v.y);
-                    const u32 lo = f16x2_of(v.x - f16_to_f32((f16_t)(hi & 0xffffu)), v.y - f16_to_f32((f16_t)(hi >> 16)));
-                    reinterpret_cast<u32*>(&frag[step][j][col * 4 + ft])[reg] = hi;
-                    reinterpret_cast<u32*>(&frag[step][j][(col + 1) * 4 + ft])[reg] = lo;
-                } else {
-                    const int j = tok >> 3, col = tok & 7;
-                    reinterpret_cast<u32*>(&frag[step][j][col * 4 + ft])[reg] = f16x2_of(v.x, v.y);
-                }
+            if (DOUBLE) {
+                if (u + 1 < u_end) load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u + 1);
+            } else if (u != u_begin) {
+                load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u);
+                store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[0]);
+                __syncthreads();
             }
-            __syncthreads();
             const u32 words[8] = {wbuf[p][0].x, wbuf[p][0].y, wbuf[p][0].z, wbuf[p][0].w,
                                   wbuf[p][1].x, wbuf[p][1].y, wbuf[p][1].z, wbuf[p][1].w};
             ZeroFold zf = {0u, 0u};
@@ -191,7 +227,7 @@ __device__ __forceinline__ void int4_mm_tc(
                 dequant_word_zero(words[s], zf, a);
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    const uint2 b = frag[s][j][lane];
+                    const uint2 b = frag[cur][s][j][lane];
                     mma_16816(part[j], a, b.x, b.y);
                 }
                 if (((s + 1) & (steps_per_group - 1)) == 0) {    // the group ends: scale its products
@@ -223,7 +259,11 @@ __device__ __forceinline__ void int4_mm_tc(
                     }
                 }
             }
-            __syncthreads();                                     // frag is restaged next unit
+            if (DOUBLE) {
+                if (u + 1 < u_end) store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[cur ^ 1]);
+                cur ^= 1;
+            }
+            __syncthreads();                                     // the staged unit changes hands
         }
     }
     pdl_launch_dependents();
