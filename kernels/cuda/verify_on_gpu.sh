@@ -3,6 +3,7 @@
 #
 #   kernels/cuda/verify_on_gpu.sh prepare    # here, on the development machine (no GPU needed)
 #   kernels/cuda/verify_on_gpu.sh run        # there, in the repository root, with .gpu/ carried along
+#                                            # (= `tests` then `bench`; each alone if one call must stay short)
 #   kernels/cuda/verify_on_gpu.sh sanitize   # there: the kernel tests under compute-sanitizer memcheck
 #
 # prepare: builds the sm_90 cubin with nvcc into .gpu/cuda-cache (the runtime finds it by source hash;
@@ -80,14 +81,16 @@ run_bench() {
 
 case "$mode" in
   prepare) prepare ;;
-  run)
+  run|tests|bench)
     setup_env; report_env
     start=$(date +%s)
-    run_tests
-    both="--shape llama-3.2-1b --shape llama-3.1-8b"
-    run_bench exact $both --profile
-    run_bench exact-pdl $both --pdl
-    run_bench fp16-pdl --shape llama-3.1-8b --pdl --int4-activations fp16 --profile
+    [ "$mode" != bench ] && run_tests
+    if [ "$mode" != tests ]; then
+      both="--shape llama-3.2-1b --shape llama-3.1-8b"
+      run_bench exact $both --profile
+      run_bench exact-pdl $both --pdl
+      run_bench fp16-pdl --shape llama-3.1-8b --pdl --int4-activations fp16 --profile
+    fi
     echo "== done in $(( $(date +%s) - start )) s; logs and JSON in $OUT"
     ;;
   sanitize)
@@ -96,5 +99,5 @@ case "$mode" in
     compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -x -p no:cacheprovider -m gpu \
       -o addopts="" tests/test_cuda_kernels.py 2>&1 | tee "$OUT/sanitize.log" | tail -30
     ;;
-  *) echo "usage: $0 prepare|run|sanitize" >&2; exit 2 ;;
+  *) echo "usage: $0 prepare|run|tests|bench|sanitize" >&2; exit 2 ;;
 esac
