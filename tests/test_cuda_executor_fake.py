@@ -326,3 +326,12 @@ def test_fp16_activations_run_the_fp16_kernels():
     run_greedy(ex, [3, 4, 5, 6], 3)
     assert any(k.startswith("int4_mm_tc_h") for k in drv.launches)
     assert not any(k.startswith("int4_mm_tc_x") for k in drv.launches)
+
+
+def test_a_tied_fp16_embedding_is_the_classifier_in_place():
+    c = tiny_config(tie_word_embeddings=True)
+    t = tiny_engine(c, embed="fp16")
+    ex = make(c, t)
+    assert ex.weights.lm_head.w == ex.weights.embed.table and ex.weights.lm_head.kind == "dense_f16"
+    prompt = [5, 9, 13, 2, 77]
+    assert run_greedy(ex, prompt, 6) == greedy_generate(ReferenceModel(c, t, block_size=16, num_blocks=64), prompt, 6)

@@ -101,7 +101,7 @@ class _Loader:
         embed = self.plan_embed()
         layers = [self.plan_layer(i) for i in range(c.num_layers)]
         norm = self.plan_vector("norm")
-        lm_head = self.plan_linear("embed" if c.tie_word_embeddings else "lm_head")
+        lm_head = self.plan_lm_head(embed)
         cos, sin = rope_cos_sin(rope_inv_freq(c), np.arange(max_positions))
         cos_sin = self.plan_copy(np.ascontiguousarray(np.stack([cos, sin], axis=-1)))   # [P, hd/2, 2]
         base = self.dev.drv.mem_alloc(self.arena.size)
@@ -147,15 +147,26 @@ class _Loader:
             q = _matrix(t, f"{name}.qweight", N, K, np.int8)
             scales = np.asarray(t[f"{name}.scales"], dtype=np.float16).reshape(N)
             return Linear(name, "dense_i8", N, K, round_up(K, 8), self.plan_copy(_pad_cols(q, 8)),
-                          self.plan_copy(scales), 0, 0)
+                          self.plan_copy(scales), None, 0, None)
         if f"{name}.weight" in t:
             w = np.asarray(t[f"{name}.weight"])
             kind = {np.dtype(np.float32): "dense_f32", np.dtype(np.float16): "dense_f16"}.get(w.dtype)
             if kind is None:
                 raise ValueError(f"engine tensor {name}.weight has dtype {w.dtype}; expected float16 or float32")
             w = _matrix(t, f"{name}.weight", N, K, w.dtype)
-            return Linear(name, kind, N, K, round_up(K, 8), self.plan_copy(_pad_cols(w, 8)), 0, 0, 0)
+            return Linear(name, kind, N, K, round_up(K, 8), self.plan_copy(_pad_cols(w, 8)), None, None, 0, None)
         return _missing(f"{name}.weight or {name}.qweight")
+
+    def plan_lm_head(self, embed: EmbedTable) -> Linear:
+        """The classifier; a tied dense or int8 embedding serves as it in place (one copy)."""
+        c = self.config
+        if not c.tie_word_embeddings:
+            return self.plan_linear("lm_head")
+        kind = {"f32": "dense_f32", "f16": "dense_f16", "i8": "dense_i8"}.get(embed.kind)
+        if kind is None or c.hidden_size % 8:
+            return self.plan_linear("embed")                 # int4: the tensor-core layout is another copy
+        return Linear("embed", kind, c.vocab_size, c.hidden_size, c.hidden_size, embed.table, embed.scales,
+                      None, 0, None)
 
     def plan_int4(self, name: str, N: int, K: int) -> Linear:
         t = self.tensors
@@ -168,13 +179,13 @@ class _Loader:
         group_size = qweight.shape[1] * 2 // scales.shape[1]
         if self.matmul == "simt" or not integer_zeros(zeros):
             return Linear(name, "int4_simt", N, K, qweight.shape[1] * 2, self.plan_copy(qweight),
-                          self.plan_copy(scales), self.plan_copy(zeros), group_size)
+                          self.plan_copy(scales), self.plan_copy(zeros), group_size, None)
         shape = tc_shape(N, K, group_size)
         qw = self.arena.take(shape.qw_words * 4)
         sz = self.arena.take(shape.sz_words * 4)
         self.repacks.append(((qweight, scales, zeros), (qw, sz), shape))
         self.staging_bytes = max(self.staging_bytes, sum(round_up(a.nbytes, ALIGN) for a in (qweight, scales, zeros)))
-        return Linear(name, "int4_tc", N, K, shape.Kp, qw, sz, 0, group_size)
+        return Linear(name, "int4_tc", N, K, shape.Kp, qw, sz, None, group_size, None)
 
     def plan_embed(self) -> EmbedTable:
         t, (V, D) = self.tensors, self.mats["embed"]
@@ -232,8 +243,8 @@ def integer_zeros(zeros: np.ndarray) -> bool:
 
 
 def _fix_linear(lin: Linear, fix) -> Linear:
-    return lin._replace(w=fix(lin.w), aux=fix(lin.aux) if lin.aux else 0,
-                        zeros=fix(lin.zeros) if lin.zeros else 0, bias=fix(lin.bias) if lin.bias else 0)
+    """Arena offsets -> device pointers (None, "absent" while planning, becomes a null pointer)."""
+    return lin._replace(w=fix(lin.w), aux=fix(lin.aux), zeros=fix(lin.zeros), bias=fix(lin.bias))
 
 
 def _matrix(tensors, key: str, N: int, K: int, dtype) -> np.ndarray:
