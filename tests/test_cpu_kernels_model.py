@@ -40,6 +40,9 @@ CONFIGS = {
     "gemma_tied_gelu": tiny_config(activation="gelu_tanh", embedding_multiplier=8.0, tie_word_embeddings=True,
                                    head_dim=32, num_heads=2, num_kv_heads=1),
     "llama3_rope": tiny_config(rope_theta=500000.0, num_kv_heads=4, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 32)),
+    # the vectorized attention's head sizes, with query groups of 7 (Qwen2.5-0.5B's) and 1
+    "hd64_group7": tiny_config(num_heads=7, num_kv_heads=1, head_dim=64, sliding_window=9),
+    "hd128_mha": tiny_config(num_heads=2, num_kv_heads=2, head_dim=128),
 }
 
 ENCODINGS = {
@@ -69,12 +72,13 @@ def seq_step(token_ids, start_pos, block_table, sample=True, seq_id=0):
                    SamplingParams(temperature=0.0), 0, [], [])
 
 
-def mixed_steps(vocab_size):
-    """Three steps of three sequences over shuffled blocks of 4: prefill chunks (one not
-    sampled), then chunks beside decode tokens, then decode only."""
+def mixed_steps(vocab_size, block_size=4):
+    """Three steps of three sequences over shuffled blocks: prefill chunks (one not sampled),
+    then chunks beside decode tokens, then decode only."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, vocab_size, n).tolist() for n in (11, 3, 20)]
-    tables = np.random.default_rng(2).permutation(32).reshape(4, 8)[:3].tolist()
+    per_seq = -(-32 // block_size)
+    tables = np.random.default_rng(2).permutation(4 * per_seq).reshape(4, per_seq)[:3].tolist()
     return [
         [seq_step(prompts[0][:7], 0, tables[0], sample=False, seq_id=0), seq_step(prompts[1], 0, tables[1], seq_id=1),
          seq_step(prompts[2][:9], 0, tables[2], seq_id=2)],
@@ -101,6 +105,19 @@ def test_mixed_steps_match_the_reference(family, encoding):
     assert type(model).__name__ == "CpuModel"
     for steps in mixed_steps(config.vocab_size):
         batch = build_forward_batch(steps, 4)
+        assert_logits_close(model.forward(batch), reference.forward(batch))
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("family", ["hd64_group7", "hd128_mha", "llama_gqa"])
+def test_block_sizes_around_the_vector_width(family, block_size):
+    config = CONFIGS[family]
+    tensors = engine_tensors(config, ENCODINGS["int4_g64_int8_embed"])
+    num_blocks = 4 * -(-32 // block_size)
+    reference = ReferenceModel(config, tensors, block_size=block_size, num_blocks=num_blocks)
+    model = cpu.create_model(config, tensors, block_size=block_size, num_blocks=num_blocks)
+    for steps in mixed_steps(config.vocab_size, block_size):
+        batch = build_forward_batch(steps, block_size)
         assert_logits_close(model.forward(batch), reference.forward(batch))
 
 

@@ -29,6 +29,7 @@
 #endif
 
 #include <immintrin.h>
+#include <math.h>
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
@@ -352,6 +353,101 @@ static float exp_sum_avx512(float *x, int n, float sub) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* ---------------------------------------------------------------- attention */
+
+INLINE __mmask16 first_lanes(int count) {
+    return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+}
+
+/* Scores of GH heads (from g0) for every visible key: per block and 16-key chunk, the sum
+ * over d of q[g][d] * Kt[d][keys] — one FMA per (d, head) for 16 keys, no horizontal sums;
+ * two accumulators per head (even / odd d) so a short group still has 8 chains in flight. */
+INLINE void attn_scores(const tw_attn_args *a, int g0, const int GH) {
+    const int hd = a->head_dim, bs = a->block_size, lo = a->lo, hi = a->hi, n = hi - lo + 1;
+    for (int bi = lo / bs; bi <= hi / bs; bi++) {
+        const float *kt = a->kt + (size_t)a->table[bi] * a->kt_block;
+        const int j0 = lo > bi * bs ? lo : bi * bs, j1 = hi + 1 < (bi + 1) * bs ? hi + 1 : (bi + 1) * bs;
+        for (int c0 = j0; c0 < j1; c0 += 16) {
+            const __mmask16 mask = first_lanes(j1 - c0);
+            const float *k = kt + (c0 - bi * bs);
+            __m512 acc[GH][2];
+            for (int g = 0; g < GH; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
+            for (int d = 0; d < hd; d++) {
+                const __m512 kv = _mm512_maskz_loadu_ps(mask, k + (size_t)d * bs);
+                for (int g = 0; g < GH; g++)
+                    acc[g][d & 1] = _mm512_fmadd_ps(_mm512_set1_ps(a->q[(size_t)(g0 + g) * hd + d]), kv, acc[g][d & 1]);
+            }
+            for (int g = 0; g < GH; g++)
+                _mm512_mask_storeu_ps(a->scores + (size_t)(g0 + g) * n + (c0 - lo), mask,
+                                      _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(a->scale)));
+        }
+    }
+}
+
+/* out[g] = sum_j p[g][j] v_j for GH heads from g0, each V row loaded once for all of them. */
+INLINE void attn_values(const tw_attn_args *a, int g0, const int GH, const int HD) {
+    const int bs = a->block_size, lo = a->lo, hi = a->hi, n = hi - lo + 1;
+    __m512 acc[GH][HD / 16];
+    for (int g = 0; g < GH; g++)
+        for (int c = 0; c < HD / 16; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int bi = lo / bs; bi <= hi / bs; bi++) {
+        const float *vb = a->v + (size_t)a->table[bi] * bs * a->v_row;
+        const int j0 = lo > bi * bs ? lo : bi * bs, j1 = hi + 1 < (bi + 1) * bs ? hi + 1 : (bi + 1) * bs;
+        for (int j = j0; j < j1; j++) {
+            const float *v = vb + (size_t)(j - bi * bs) * a->v_row;
+            for (int c = 0; c < HD / 16; c++) {
+                const __m512 vv = _mm512_loadu_ps(v + 16 * c);
+                for (int g = 0; g < GH; g++)
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)(g0 + g) * n + (j - lo)]), vv, acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < GH; g++)
+        for (int c = 0; c < HD / 16; c++) _mm512_storeu_ps(a->out + (size_t)(g0 + g) * HD + 16 * c, acc[g][c]);
+}
+
+static float exp_sum_avx512(float *x, int n, float sub);
+
+/* softmax of one head's scores in place: p = exp(s - max) / sum, the reference's order */
+static void softmax_row(float *s, int n) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, first_lanes(n - j), s + j));
+    const __m512 sum = _mm512_set1_ps(exp_sum_avx512(s, n, _mm512_reduce_max_ps(vmax)));
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 mask = first_lanes(n - j);
+        _mm512_mask_storeu_ps(s + j, mask, _mm512_div_ps(_mm512_maskz_loadu_ps(mask, s + j), sum));
+    }
+}
+
+static void attend_avx512(const tw_attn_args *a) {
+    const int hd = a->head_dim, group = a->group;
+    if (hd != 64 && hd != 128) {
+        tw_attend_generic(a);
+        return;
+    }
+    int g = 0;
+    for (; g + 4 <= group; g += 4) attn_scores(a, g, 4);
+    switch (group - g) {
+    case 3: attn_scores(a, g, 3); break;
+    case 2: attn_scores(a, g, 2); break;
+    case 1: attn_scores(a, g, 1); break;
+    default: break;
+    }
+    for (g = 0; g < group; g++) softmax_row(a->scores + (size_t)g * (a->hi - a->lo + 1), a->hi - a->lo + 1);
+    if (hd == 128) {
+        for (g = 0; g + 2 <= group; g += 2) attn_values(a, g, 2, 128);
+        if (g < group) attn_values(a, g, 1, 128);
+        return;
+    }
+    for (g = 0; g + 4 <= group; g += 4) attn_values(a, g, 4, 64);
+    switch (group - g) {
+    case 3: attn_values(a, g, 3, 64); break;
+    case 2: attn_values(a, g, 2, 64); break;
+    case 1: attn_values(a, g, 1, 64); break;
+    default: break;
+    }
+}
+
 /* The memory-bandwidth probe: the same 64-byte streaming loads and software prefetch as the
  * INT4 kernels, nothing else. */
 static float read_sum_avx512(const uint8_t *p, size_t bytes) {
@@ -371,7 +467,7 @@ const tw_kernels tw_kernels_avx512 = {
     .int4 = {int4_f32_avx512, int4_q8_avx512},
     .prep = {prep_f32_avx512, prep_q8_avx512},
     .rows = rows_avx512, .dot = dot_avx512, .axpy = axpy_avx512, .read_sum = read_sum_avx512,
-    .gated = gated_avx512, .exp_sum = exp_sum_avx512,
+    .gated = gated_avx512, .exp_sum = exp_sum_avx512, .attend = attend_avx512,
 };
 
 #if defined(__clang__)

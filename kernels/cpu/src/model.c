@@ -162,7 +162,7 @@ static int alloc_own(const tw_model *m, tw_thread_scratch *own, int tokens, int 
     own->h = floats(T * m->dim);
     own->mlp = floats(T * m->hidden);
     own->rope = floats(T * m->head_dim);
-    own->scores = floats((size_t)ctx);
+    own->scores = floats((size_t)ctx * (m->num_heads / m->num_kv_heads));
     int act_ok = tw_act_init(&own->act, tokens, max_kp, max_groups) == 0;
     return own->x && own->h && own->mlp && own->rope && own->scores && act_ok ? 0 : -1;
 }

@@ -37,7 +37,7 @@ typedef struct {
     float *h;                       /* [T][D]  normed input of qkv / gate_up / lm_head */
     float *mlp;                     /* [T][I]  act(gate) * up, the input of down */
     float *rope;                    /* [T][hd] cos [hd/2] then sin [hd/2] per token */
-    float *scores;                  /* [cap_ctx] attention scores of one query */
+    float *scores;                  /* [group][cap_ctx] attention scores of one token's query group */
     tw_act act;                     /* [T] rows of the widest K */
 } tw_thread_scratch;
 
@@ -66,7 +66,8 @@ typedef struct {
     tw_layer *layers;               /* [num_layers] */
     /* paged KV cache, float32 */
     int block_size, num_blocks;
-    float *k_cache, *v_cache;       /* [L][num_blocks * block_size][Hkv][hd] */
+    float *k_cache;                 /* [L][num_blocks][Hkv][hd][block_size]  K transposed per block */
+    float *v_cache;                 /* [L][num_blocks][block_size][Hkv][hd] */
     /* scratch, grown on demand between steps */
     int cap_tokens, cap_ctx, cap_threads;
     float *qkv;                     /* [T][q + 2kv]   shared: qkv product, then RoPE'd in place */
@@ -107,7 +108,6 @@ void tw_rope_table(float *cs, int pos, const double *inv_freq, int half);
 void tw_rope_apply(float *x, const float *cs, int num_heads, int head_dim);
 void tw_activation_mul(float *out, const float *gate, const float *up, int n, int activation);
 void tw_weight_row(const tw_weight *w, int row, float *out);      /* one row of W as float32 */
-void tw_attend(const tw_model *m, int layer, const tw_batch *b, int t, int kv_head, float *scores, float *out);
 void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
                        float *scores);
 

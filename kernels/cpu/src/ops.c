@@ -71,10 +71,29 @@ void tw_weight_row(const tw_weight *w, int row, float *out) {
     }
 }
 
-static float *cache_row(const tw_model *m, float *cache, int layer, int slot, int kv_head) {
-    const size_t per_slot = (size_t)m->num_kv_heads * m->head_dim;
-    const size_t per_layer = (size_t)m->num_blocks * m->block_size * per_slot;
-    return cache + layer * per_layer + (size_t)slot * per_slot + (size_t)kv_head * m->head_dim;
+/* The readable attention (scalar and AVX2 tables): the same float32 order as the reference,
+ * scores, max, e = exp(s - max), p = e / sum(e), out = sum_j p_j v_j. */
+void tw_attend_generic(const tw_attn_args *a) {
+    const tw_kernels *kern = tw_active();
+    const int hd = a->head_dim, bs = a->block_size, n = a->hi - a->lo + 1;
+    for (int g = 0; g < a->group; g++) {
+        const float *q = a->q + (size_t)g * hd;
+        float *scores = a->scores + (size_t)g * n, *o = a->out + (size_t)g * hd;
+        float max = -INFINITY;
+        for (int j = a->lo; j <= a->hi; j++) {
+            const float *kt = a->kt + (size_t)a->table[j / bs] * a->kt_block + j % bs;
+            float dot = 0.0f;
+            for (int d = 0; d < hd; d++) dot += q[d] * kt[(size_t)d * bs];
+            scores[j - a->lo] = dot * a->scale;
+            max = scores[j - a->lo] > max ? scores[j - a->lo] : max;
+        }
+        const float sum = kern->exp_sum(scores, n, max);
+        memset(o, 0, (size_t)hd * sizeof(float));
+        for (int j = a->lo; j <= a->hi; j++) {
+            const size_t slot = (size_t)a->table[j / bs] * bs + j % bs;
+            kern->axpy(o, scores[j - a->lo] / sum, a->v + slot * a->v_row, hd);
+        }
+    }
 }
 
 static void add(float *x, const float *bias, int n) {
@@ -87,9 +106,12 @@ static void add(float *x, const float *bias, int n) {
  * prefill chunk sees the earlier ones, written just before). rope: [T][hd] tables. */
 void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
                        float *scores) {
-    const int hd = m->head_dim, group = m->num_heads / m->num_kv_heads;
-    const int q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd, row = q_size + 2 * kv_size;
+    const int hd = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size, hkv = m->num_kv_heads;
+    const int q_size = m->num_heads * hd, kv_size = hkv * hd, row = q_size + 2 * kv_size;
     const int q0 = kv_head * group * hd, k0 = q_size + kv_head * hd, v0 = q_size + kv_size + kv_head * hd;
+    const size_t per_layer = (size_t)m->num_blocks * bs * kv_size;
+    float *kt = m->k_cache + layer * per_layer + (size_t)kv_head * hd * bs;    /* block stride kv_size * bs */
+    float *v = m->v_cache + layer * per_layer + (size_t)kv_head * hd;          /* slot stride kv_size */
     const float *bias = m->layers[layer].qkv_bias;
     for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
         float *r = m->qkv + (size_t)t * row;
@@ -100,37 +122,20 @@ void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq,
         }
         tw_rope_apply(r + q0, rope + (size_t)t * hd, group, hd);
         tw_rope_apply(r + k0, rope + (size_t)t * hd, 1, hd);
-        memcpy(cache_row(m, m->k_cache, layer, b->slot_mapping[t], kv_head), r + k0, (size_t)hd * sizeof(float));
-        memcpy(cache_row(m, m->v_cache, layer, b->slot_mapping[t], kv_head), r + v0, (size_t)hd * sizeof(float));
+        const int slot = b->slot_mapping[t];
+        float *kblock = kt + (size_t)(slot / bs) * kv_size * bs + slot % bs;
+        for (int d = 0; d < hd; d++) kblock[(size_t)d * bs] = r[k0 + d];
+        memcpy(v + (size_t)slot * kv_size, r + v0, (size_t)hd * sizeof(float));
     }
-    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) tw_attend(m, layer, b, t, kv_head, scores, m->attn);
-}
-
-/* Token t's query heads of one KV head against its sequence's cached keys [lo, pos]:
- * softmax(q.k * scale) @ v into out[t][heads of the group]. scores: [context] scratch. */
-void tw_attend(const tw_model *m, int layer, const tw_batch *b, int t, int kv_head, float *scores, float *out) {
-    const tw_kernels *kern = tw_active();
-    const int hd = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size;
-    const int s = b->token_seq[t], pos = b->positions[t];
-    const int lo = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0;
-    const int32_t *table = b->block_tables + (size_t)s * b->max_blocks;
-    const int q_row = m->num_heads * hd + 2 * m->num_kv_heads * hd;
-    for (int g = 0; g < group; g++) {
-        const int head = kv_head * group + g;
-        const float *q = m->qkv + (size_t)t * q_row + (size_t)head * hd;
-        float *o = out + (size_t)t * m->num_heads * hd + (size_t)head * hd;
-        float max = -INFINITY;
-        for (int j = lo; j <= pos; j++) {
-            const int slot = table[j / bs] * bs + j % bs;
-            const float sc = kern->dot(q, cache_row(m, m->k_cache, layer, slot, kv_head), hd) * m->attn_scale;
-            scores[j - lo] = sc;
-            max = sc > max ? sc : max;
-        }
-        const float sum = kern->exp_sum(scores, pos - lo + 1, max);
-        memset(o, 0, (size_t)hd * sizeof(float));
-        for (int j = lo; j <= pos; j++) {
-            const int slot = table[j / bs] * bs + j % bs;
-            kern->axpy(o, scores[j - lo] / sum, cache_row(m, m->v_cache, layer, slot, kv_head), hd);
-        }
+    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
+        const int pos = b->positions[t];
+        const tw_attn_args args = {
+            .q = m->qkv + (size_t)t * row + q0, .out = m->attn + (size_t)t * q_size + q0,
+            .kt = kt, .v = v, .kt_block = (size_t)kv_size * bs, .v_row = (size_t)kv_size,
+            .table = b->block_tables + (size_t)b->token_seq[t] * b->max_blocks, .block_size = bs,
+            .lo = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0,
+            .hi = pos, .group = group, .head_dim = hd, .scale = m->attn_scale, .scores = scores,
+        };
+        tw_active()->attend(&args);
     }
 }

@@ -105,6 +105,23 @@ enum { TW_PREC_F32 = 0, TW_PREC_Q8 = 1 };
 
 typedef void (*tw_prep_kernel)(tw_act *a, const float *x, int ldx, int k, int m0, int m1);
 
+/* One query token's heads of one KV head against that head's cached keys (attention).
+ * The cache keeps K transposed inside each block ([head_dim][block_size] per block and KV
+ * head), so the scores of a block's keys are one vector per head with no horizontal sums,
+ * and V as rows ([block_size][num_kv_heads][head_dim]). */
+typedef struct {
+    const float *q;                 /* [group][head_dim] the token's query heads (RoPE'd) */
+    float *out;                     /* [group][head_dim] */
+    const float *kt;                /* K of this layer and KV head: physical block b at kt + b * kt_block */
+    const float *v;                 /* V of this layer and KV head: slot s (b * block_size + i) at v + s * v_row */
+    size_t kt_block, v_row;
+    const int32_t *table;           /* the sequence's block table */
+    int block_size, lo, hi;         /* visible keys: positions lo..hi */
+    int group, head_dim;
+    float scale;                    /* 1 / sqrt(head_dim) as float32 */
+    float *scores;                  /* [group][hi - lo + 1] scratch */
+} tw_attn_args;
+
 typedef struct {
     int isa;
     const char *name;
@@ -117,7 +134,12 @@ typedef struct {
     /* out = act(gate) * up, act = SiLU (gelu = 0) or tanh-GELU (gelu = 1) */
     void (*gated)(float *out, const float *gate, const float *up, int n, int gelu);
     float (*exp_sum)(float *x, int n, float sub);             /* x = exp(x - sub); returns the sum */
+    /* out = softmax(q.k * scale) @ v per head, the reference's order: p = e / sum, then p @ v */
+    void (*attend)(const tw_attn_args *a);
 } tw_kernels;
+
+/* The attention of any table through its dot / axpy / exp_sum (scalar and AVX2 use it). */
+void tw_attend_generic(const tw_attn_args *a);
 
 int tw_isa_supported(int isa);
 int tw_isa_best(void);
