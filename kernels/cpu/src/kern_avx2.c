@@ -342,6 +342,7 @@ const tw_kernels tw_kernels_avx2 = {
     .prep = {prep_f32_avx2, prep_q8_avx2},
     .rows = rows_avx2, .dot = dot_avx2, .axpy = axpy_avx2, .read_sum = read_sum_avx2,
     .gated = gated_avx2, .exp_sum = exp_sum_avx2, .attend = tw_attend_generic,
+    .residual_rms_norm = tw_residual_rms_norm,
 };
 
 #if defined(__clang__)

@@ -448,6 +448,29 @@ static void attend_avx512(const tw_attn_args *a) {
     }
 }
 
+/* ---------------------------------------------------------------- RMSNorm */
+
+/* x += add, then x / sqrt(mean(x^2) + eps) * w (the reference's order: divide, then scale);
+ * the sum of squares is accumulated in 16 float lanes. */
+static void residual_rms_norm_avx512(float *out, float *x, const float *add, const float *w, int n, float eps) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 mask = first_lanes(n - i);
+        __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+        if (add) {
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, add + i));
+            _mm512_mask_storeu_ps(x + i, mask, v);
+        }
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    const __m512 denom = _mm512_set1_ps(sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+    for (int i = 0; i < n; i += 16) {
+        const __mmask16 mask = first_lanes(n - i);
+        const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(mask, x + i), denom);
+        _mm512_mask_storeu_ps(out + i, mask, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, w + i)));
+    }
+}
+
 /* The memory-bandwidth probe: the same 64-byte streaming loads and software prefetch as the
  * INT4 kernels, nothing else. */
 static float read_sum_avx512(const uint8_t *p, size_t bytes) {
@@ -468,6 +491,7 @@ const tw_kernels tw_kernels_avx512 = {
     .prep = {prep_f32_avx512, prep_q8_avx512},
     .rows = rows_avx512, .dot = dot_avx512, .axpy = axpy_avx512, .read_sum = read_sum_avx512,
     .gated = gated_avx512, .exp_sum = exp_sum_avx512, .attend = attend_avx512,
+    .residual_rms_norm = residual_rms_norm_avx512,
 };
 
 #if defined(__clang__)

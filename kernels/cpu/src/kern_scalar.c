@@ -129,4 +129,5 @@ const tw_kernels tw_kernels_scalar = {
     .prep = {tw_act_prepare_f32, tw_act_prepare_q8},
     .rows = rows_scalar, .dot = dot_scalar, .axpy = axpy_scalar, .read_sum = read_sum_scalar,
     .gated = gated_scalar, .exp_sum = exp_sum_scalar, .attend = tw_attend_generic,
+    .residual_rms_norm = tw_residual_rms_norm,
 };

@@ -256,9 +256,8 @@ static void embed_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *
 static void residual_norm(const tw_model *m, tw_thread_scratch *own, const float *norm, int tokens, int add) {
     for (int t = 0; t < tokens; t++) {
         float *x = own->x + (size_t)t * m->dim;
-        if (add)
-            for (int i = 0; i < m->dim; i++) x[i] += m->tmp[(size_t)t * m->dim + i];
-        tw_rms_norm(own->h + (size_t)t * m->dim, x, norm, m->dim, m->eps);
+        tw_active()->residual_rms_norm(own->h + (size_t)t * m->dim, x, add ? m->tmp + (size_t)t * m->dim : NULL, norm,
+                                       m->dim, m->eps);
     }
 }
 
@@ -278,8 +277,8 @@ static void mlp_rows(const tw_model *m, tw_thread_scratch *own, int tokens) {
 static void logits_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own) {
     for (int r = 0; r < b->num_logits; r++) {
         float *x = own->x + (size_t)b->logits_indices[r] * m->dim;
-        for (int i = 0; i < m->dim; i++) x[i] += m->tmp[(size_t)b->logits_indices[r] * m->dim + i];
-        tw_rms_norm(own->h + (size_t)r * m->dim, x, m->norm, m->dim, m->eps);
+        tw_active()->residual_rms_norm(own->h + (size_t)r * m->dim, x, m->tmp + (size_t)b->logits_indices[r] * m->dim,
+                                       m->norm, m->dim, m->eps);
     }
 }
 

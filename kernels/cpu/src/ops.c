@@ -17,6 +17,12 @@ void tw_rms_norm(float *out, const float *x, const float *w, int n, float eps) {
     for (int i = 0; i < n; i++) out[i] = x[i] / denom * w[i];
 }
 
+void tw_residual_rms_norm(float *out, float *x, const float *add, const float *w, int n, float eps) {
+    if (add)
+        for (int i = 0; i < n; i++) x[i] += add[i];
+    tw_rms_norm(out, x, w, n, eps);
+}
+
 /* cs: cos [half] then sin [half] of pos * inv_freq, angles in float64 as core/rope.py. */
 void tw_rope_table(float *cs, int pos, const double *inv_freq, int half) {
     for (int j = 0; j < half; j++) {

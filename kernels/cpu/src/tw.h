@@ -136,7 +136,11 @@ typedef struct {
     float (*exp_sum)(float *x, int n, float sub);             /* x = exp(x - sub); returns the sum */
     /* out = softmax(q.k * scale) @ v per head, the reference's order: p = e / sum, then p @ v */
     void (*attend)(const tw_attn_args *a);
+    /* x += add (when add is not NULL), then out = x / sqrt(mean(x^2) + eps) * w */
+    void (*residual_rms_norm)(float *out, float *x, const float *add, const float *w, int n, float eps);
 } tw_kernels;
+
+void tw_residual_rms_norm(float *out, float *x, const float *add, const float *w, int n, float eps);  /* readable one */
 
 /* The attention of any table through its dot / axpy / exp_sum (scalar and AVX2 use it). */
 void tw_attend_generic(const tw_attn_args *a);
