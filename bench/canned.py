@@ -7,8 +7,9 @@ token. Whatever tokens/s the lean client reaches against it is the most it can m
 this machine; `tokenwire bench peers` runs it as the "ceiling" row.
 
 Minimal on purpose: prior knowledge only, SETTINGS ACKed, a request is recognised by its
-HEADERS frame (bodies and WINDOW_UPDATEs are read and ignored), the client's windows are
-assumed open (the lean client opens them to 2**31 - 1 before its first request).
+HEADERS frame, request bodies are dropped and handed back with connection WINDOW_UPDATEs
+(each body fits the default stream window), the client's windows are assumed open (the
+lean client opens them to 2**31 - 1 before its first request).
 
 Run: python -m tokenwire.bench.canned --port P [--tokens N]
 """
@@ -20,7 +21,8 @@ import sys
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HEAD = struct.Struct(">IBI")        # (length << 8 | type), flags, stream id
-DATA, HEADERS, SETTINGS, PING = 0x0, 0x1, 0x4, 0x6
+DATA, HEADERS, SETTINGS, PING, WINDOW_UPDATE = 0x0, 0x1, 0x4, 0x6, 0x8
+REFILL_AT = 32768                   # request-body bytes received before the connection window is handed back
 CHUNK = (b'data: {"id":"cmpl-1","object":"text_completion","created":1700000000,"model":"canned","choices":'
          b'[{"index":0,"text":" the","logprobs":null,"finish_reason":null}]}\n\n')
 
@@ -40,7 +42,7 @@ class CannedProtocol(asyncio.Protocol):
         self._parts = parts
         self._buf = b""
         self._preface = False
-
+        self._received = 0              # DATA bytes not yet handed back
     def connection_made(self, transport):
         self.transport = transport
         settings = struct.pack(">HI", 0x3, 100_000)     # MAX_CONCURRENT_STREAMS
@@ -63,12 +65,17 @@ class CannedProtocol(asyncio.Protocol):
             kind = head & 0xFF
             if kind == HEADERS:
                 out.append((stream_id & 0x7FFFFFFF).to_bytes(4, "big").join(self._parts))
+            elif kind == DATA:
+                self._received += head >> 8
             elif kind == SETTINGS and not flags & 0x1:
                 out.append(HEAD.pack(SETTINGS, 0x1, 0))
             elif kind == PING and not flags & 0x1:
                 out.append(HEAD.pack(8 << 8 | PING, 0x1, 0) + buf[pos + 9:end])
             pos = end
         self._buf = buf[pos:]
+        if self._received >= REFILL_AT:
+            out.append(HEAD.pack(4 << 8 | WINDOW_UPDATE, 0, 0) + self._received.to_bytes(4, "big"))
+            self._received = 0
         if out:
             self.transport.write(b"".join(out))
 

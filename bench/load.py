@@ -67,7 +67,10 @@ def run(args) -> int:
     server_pid = args.server_pid or (listening_pid(port) if host in ("127.0.0.1", "localhost", "::1") else None)
     try:
         rows = run_event_loop(measure(target, levels, args, server_pid))
-    except (ConnectionError, OSError, TimeoutError) as exc:
+    except TimeoutError as exc:
+        print(f"tokenwire bench load: {args.url}: {exc or 'timed out connecting'}", file=sys.stderr)
+        return 1
+    except (ConnectionError, OSError) as exc:
         print(f"tokenwire bench load: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
     print(format_table(rows))

@@ -24,6 +24,7 @@ from .stats import percentile, summarize
 from .wire import now_ns
 
 PROTOCOLS = ("h2", "h1", "grpc")
+STALL_TIMEOUT_S = 60.0      # a level fails when no stream completes for this long
 
 
 class Target(NamedTuple):
@@ -154,8 +155,20 @@ async def closed_loop(pool, concurrency: int, num_requests: int) -> list:
         return records
     for _ in range(min(concurrency, num_requests)):
         issue()
-    await finished
+    await wait_with_progress(finished, records, num_requests)
     return records
+
+
+async def wait_with_progress(finished, records: list, num_requests: int, stall_s: float = STALL_TIMEOUT_S):
+    """Wait for `finished`; TimeoutError once no stream has completed for `stall_s` seconds."""
+    count, changed = len(records), time.monotonic()
+    while not finished.done():
+        await asyncio.wait([finished], timeout=1.0)
+        if len(records) != count:
+            count, changed = len(records), time.monotonic()
+        elif time.monotonic() - changed > stall_s:
+            raise TimeoutError(f"no stream finished for {stall_s:.0f} s ({count} of {num_requests} done): "
+                               "the server stalled, or flow control never reopened")
 
 
 async def open_loop(pool, rate: float, num_requests: int, concurrency: int, seed: int = 0) -> tuple:
@@ -197,7 +210,7 @@ async def open_loop(pool, rate: float, num_requests: int, concurrency: int, seed
         else:
             backlog.append(arrival)
     if num_requests:
-        await finished
+        await wait_with_progress(finished, records, num_requests)
     return records, [ns / 1000 for ns in lag_ns]
 
 

@@ -15,6 +15,7 @@ from tokenwire.bench.peers import grpc_proto
 from tokenwire.bench.peers.mock_source import MockTokens, token_sequence
 from tokenwire.bench.peers.runner import HOST, ServerProcess, free_port, peer_specs, wait_until_streaming
 from tokenwire.bench.load import make_target
+from tokenwire.bench.loadgen import run_level, wait_with_progress
 from tokenwire.core.mock_executor import MOCK_TEXT
 
 MAX_TOKENS = 12
@@ -123,3 +124,26 @@ def test_bench_peers_trace_writes_tokenwires_timelines(tmp_path):
     spans = [e for e in events if e.get("ph") == "X"]
     assert {"tokenize", "queue", "prefill", "decode", "request"} <= {e["name"] for e in spans}
     assert len({e["tid"] for e in spans}) >= 4          # the readiness probe and 3 measured requests
+
+
+def test_ceiling_server_hands_request_bodies_back():
+    """1000 request bodies are more than the 65535-byte connection window: it must reopen."""
+    port = free_port()
+    spec = peer_specs(port, 0.0, max_tokens=1)["ceiling"]
+    server = ServerProcess(spec, None)
+    try:
+        target = make_target(HOST, port, spec.path, spec.protocol, spec.framing, 16, 1)
+        assert len(target.body) * 1000 > 65535
+        asyncio.run(wait_until_streaming(server, target, timeout_s=60))
+        row = asyncio.run(run_level(target, 32, 1000, num_warmup=0, expected_tokens=1))
+    finally:
+        server.stop()
+    assert row["num_errors"] == 0 and row["num_tokens"] == 1000
+
+
+def test_a_stalled_level_fails_with_a_reason():
+    async def main():
+        never = asyncio.get_running_loop().create_future()
+        with pytest.raises(TimeoutError, match="no stream finished for 1 s"):
+            await wait_with_progress(never, [], 5, stall_s=1.0)
+    asyncio.run(main())

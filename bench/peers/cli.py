@@ -19,9 +19,10 @@ def run_peers(args) -> int:
         print(f"tokenwire bench peers: {exc}", file=sys.stderr)
         return 2
     client_core, server_core = _cores(args)
+    header = _header(args, client_core, server_core)     # before pinning: it counts the machine's cores
     if client_core is not None:
         pin_to_core(client_core)
-    print(_header(args, client_core, server_core))
+    print(header)
     floor = measure_floor(args.floor_round_trips, server_core=server_core)
     print(f"ping-pong floor (64 B round trip, two processes, loopback TCP): p50 {floor.p50_us:.0f} µs, "
           f"p99 {floor.p99_us:.0f} µs, min {floor.min_us:.0f} µs\n")
