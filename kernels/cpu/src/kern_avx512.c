@@ -116,31 +116,34 @@ static void int4_f32_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy
 
 /* ---------------------------------------------------------------- INT4 x q8 */
 
-INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB) {
-    enum { MAXMB = 8 };
+/* The q8 activations this ISA prepares (prep_q8_avx512) are interleaved by chunk:
+ * xq[(c * m + row) * 8 + 0..7] for global chunk c = k / 8, so every row of a block is one
+ * fixed offset from a single pointer. Up to 16 rows per pass keep one unpacked chunk in use
+ * for 32 vpdpbusd; the float accumulators live in memory (updated once per group). */
+INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB, const int GS) {
+    enum { MAXMB = 16 };
     const int NACC = MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    const int ng = w->num_groups, gs = w->group_size, chunks = gs / 8, kp = a->kp;
+    const int ng = w->num_groups, gs = GS ? GS : w->group_size, chunks = gs / 8;
+    const size_t row8 = (size_t)a->m * 8;                  /* bytes from one chunk of all rows to the next */
     const uint8_t *block = w->data + (size_t)t * ng * w->block_bytes;
-    __m512 F[MAXMB];
-    for (int i = 0; i < MB; i++) F[i] = _mm512_setzero_ps();
+    __attribute__((aligned(64))) float F[MAXMB][TW_TILE];
+    for (int i = 0; i < MB; i++) _mm512_store_ps(F[i], _mm512_setzero_ps());
     for (int g = 0; g < ng; g++, block += w->block_bytes) {
         const __m512i *q = (const __m512i *)(block + 64);
-        const int32_t *x[MAXMB];            /* 4 s8 activations per int32: [even k x4][odd k x4] per chunk */
+        const int8_t *x = a->xq + (size_t)g * chunks * row8 + (size_t)m0 * 8;
         __m512i A[MAXMB][4];
-        for (int i = 0; i < MB; i++) {
-            x[i] = (const int32_t *)(a->xq + (size_t)(m0 + i) * kp + (size_t)g * gs);
+        for (int i = 0; i < MB; i++)
             for (int u = 0; u < NACC; u++) A[i][u] = _mm512_setzero_si512();
-        }
-        for (int c = 0; c < chunks; c++) {
+        for (int c = 0; c < chunks; c++, x += row8) {
             _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, _MM_HINT_T0);
             const __m512i wv = _mm512_load_si512(q + c);
             const __m512i lo = _mm512_and_si512(wv, low4);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
             for (int i = 0; i < MB; i++) {
                 const int u0 = NACC == 4 ? 2 * (c & 1) : 0, u1 = NACC == 1 ? 0 : u0 + 1;
-                DPBUSD_BCAST(A[i][u0], lo, x[i] + 2 * c);
-                DPBUSD_BCAST(A[i][u1], hi, x[i] + 2 * c + 1);
+                DPBUSD_BCAST(A[i][u0], lo, x + 8 * i);
+                DPBUSD_BCAST(A[i][u1], hi, x + 8 * i + 4);
             }
         }
         const __m512 s = load_half16(block), z = load_half16(block + 32);
@@ -149,27 +152,40 @@ INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t,
             for (int u = 1; u < NACC; u++) acc = _mm512_add_epi32(acc, A[i][u]);
             const size_t mg = (size_t)(m0 + i) * ng + g;
             const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(a->xd[mg]));
-            F[i] = _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xqsum[mg]), dot), F[i]);
+            _mm512_store_ps(F[i], _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xqsum[mg]), dot), _mm512_load_ps(F[i])));
         }
     }
     const __mmask16 mask = tile_mask(w, t);
-    for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, F[i]);
+    for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, _mm512_load_ps(F[i]));
+}
+
+INLINE void tiles_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1, const int GS) {
+    for (int t = t0; t < t1; t++) {
+        int m = 0;
+        for (; m + 16 <= a->m; m += 16) tile_q8(w, a, y, ldy, t, m, 16, GS);
+        if (a->m - m >= 8) {
+            tile_q8(w, a, y, ldy, t, m, 8, GS);
+            m += 8;
+        }
+        switch (a->m - m) {
+        case 7: tile_q8(w, a, y, ldy, t, m, 7, GS); break;
+        case 6: tile_q8(w, a, y, ldy, t, m, 6, GS); break;
+        case 5: tile_q8(w, a, y, ldy, t, m, 5, GS); break;
+        case 4: tile_q8(w, a, y, ldy, t, m, 4, GS); break;
+        case 3: tile_q8(w, a, y, ldy, t, m, 3, GS); break;
+        case 2: tile_q8(w, a, y, ldy, t, m, 2, GS); break;
+        case 1: tile_q8(w, a, y, ldy, t, m, 1, GS); break;
+        default: break;
+        }
+    }
 }
 
 static void int4_q8_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
-    for (int t = t0; t < t1; t++) {
-        int m = 0;
-        for (; m + 8 <= a->m; m += 8) tile_q8(w, a, y, ldy, t, m, 8);
-        switch (a->m - m) {
-        case 7: tile_q8(w, a, y, ldy, t, m, 7); break;
-        case 6: tile_q8(w, a, y, ldy, t, m, 6); break;
-        case 5: tile_q8(w, a, y, ldy, t, m, 5); break;
-        case 4: tile_q8(w, a, y, ldy, t, m, 4); break;
-        case 3: tile_q8(w, a, y, ldy, t, m, 3); break;
-        case 2: tile_q8(w, a, y, ldy, t, m, 2); break;
-        case 1: tile_q8(w, a, y, ldy, t, m, 1); break;
-        default: break;
-        }
+    switch (w->group_size) {
+    case 32: tiles_q8(w, a, y, ldy, t0, t1, 32); break;
+    case 64: tiles_q8(w, a, y, ldy, t0, t1, 64); break;
+    case 128: tiles_q8(w, a, y, ldy, t0, t1, 128); break;
+    default: tiles_q8(w, a, y, ldy, t0, t1, 0); break;
     }
 }
 
@@ -200,13 +216,15 @@ static void prep_f32_avx512(tw_act *a, const float *x, int ldx, int k, int m0, i
 }
 
 /* Same quantization as tw_act_prepare_q8 (x * (127 / amax) rounded to nearest even), 16 at a
- * time; the chunk order [k0 k2 k4 k6 k1 k3 k5 k7] is one byte shuffle. */
+ * time; the chunk order [k0 k2 k4 k6 k1 k3 k5 k7] is one byte shuffle; chunks are stored
+ * interleaved across rows for tile_q8 (all of a->m rows must be prepared before the kernel). */
 static void prep_q8_avx512(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
     const int kp = a->kp, ng = a->num_groups, gs = kp / ng;
     const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const size_t row8 = (size_t)a->m * 8;                  /* the interleaved layout of tile_q8 */
     for (int m = m0; m < m1; m++) {
         const float *src = x + (size_t)m * ldx;
-        int8_t *dst = a->xq + (size_t)m * kp;
+        int8_t *dst = a->xq + (size_t)m * 8;
         for (int g = 0; g < ng; g++) {
             const int end = (g + 1) * gs;
             __m512 vmax = _mm512_setzero_ps();
@@ -221,8 +239,8 @@ static void prep_q8_avx512(tw_act *a, const float *x, int ldx, int k, int m0, in
                 q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
                 total = _mm512_add_epi32(total, q);
                 const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q), order);
-                if (end - i >= 16) _mm_storeu_si128((__m128i *)(dst + i), bytes);
-                else _mm_storel_epi64((__m128i *)(dst + i), bytes);         /* a group ends mid-vector: 8 left */
+                _mm_storel_epi64((__m128i *)(dst + (size_t)(i / 8) * row8), bytes);
+                if (end - i >= 16) _mm_storel_epi64((__m128i *)(dst + (size_t)(i / 8 + 1) * row8), _mm_srli_si128(bytes, 8));
             }
             a->xd[(size_t)m * ng + g] = amax / 127.0f;
             a->xqsum[(size_t)m * ng + g] = amax / 127.0f * (float)_mm512_reduce_add_epi32(total);
