@@ -21,7 +21,7 @@ that stays correct:
 import asyncio
 import collections
 import struct
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import hpack
 

@@ -20,7 +20,8 @@ now_ns = time.perf_counter_ns
 
 class StreamRecord:
     """One request's clock and counts, filled by a client connection."""
-    __slots__ = ("start_ns", "end_ns", "token_ns", "status", "error", "num_bytes", "refill_at", "left", "head", "timings", "done")
+    __slots__ = ("start_ns", "end_ns", "token_ns", "status", "error", "num_bytes", "refill_at", "left", "head",
+                 "timings", "done")
 
     def __init__(self, start_ns: int):
         self.start_ns = start_ns        # request handed to the transport (perf_counter_ns)
@@ -49,7 +50,7 @@ BINARY_END = b"\xff\xff\xff\xff"
 
 
 def count_sse(rec: StreamRecord, buf: bytes, start: int, end: int) -> int:
-    """SSE events ("\n\n"-terminated) that carry a token (hot path: per frame)."""
+    """SSE events (blank-line terminated) that carry a token (hot path: per frame)."""
     if rec.head:
         return _count_sse_joined(rec, buf[start:end])
     n = buf.count(b"\n\n", start, end)
@@ -151,7 +152,6 @@ def _ends_with_summary(rec: StreamRecord, buf: bytes, start: int, end: int) -> b
     if isinstance(timings, dict):
         rec.timings = timings
     return True
-
 
 
 def count_binary(rec: StreamRecord, buf: bytes, start: int, end: int) -> int:

@@ -14,7 +14,7 @@ import json
 import sys
 import time
 import uuid
-from typing import Optional, Union
+from typing import Union
 
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
