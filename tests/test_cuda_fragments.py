@@ -191,3 +191,14 @@ def test_k_split_plans_cover_every_unit_and_fit_the_workspace():
 def test_tc_shape_rejects_unsupported_group_sizes():
     with pytest.raises(ValueError, match="group sizes 32, 64 and 128"):
         tc_shape(16, 64, 16)
+
+
+def test_decode_attention_splits_fill_the_gpu_at_batch_one_only():
+    from tokenwire.core.config import ModelConfig
+    from tokenwire.kernels.cuda.forward import decode_splits
+    c = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                    num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, rope_theta=500000.0)
+    splits, size = decode_splits(c, 1, 2048, 132)
+    assert size % 32 == 0 and splits * size >= 2048 and 8 * splits >= 0.9 * 264
+    assert decode_splits(c, 128, 2048, 132) == (1, 2048)

@@ -98,10 +98,15 @@ __device__ __forceinline__ void attention_paged(
             if (p >= num_pairs) break;
             const int pos_q = qpos[p], key = kt + lane;
             const bool visible = lane < num_keys && key <= pos_q && (sliding_window <= 0 || key > pos_q - sliding_window);
-            float dot = 0.0f;
             const float* qp = qs + p * head_dim;
             const float* kp = ks + lane * (head_dim + 1);
-            for (int d = 0; d < head_dim; ++d) dot += qp[d] * kp[d];
+            float d4[4] = {0.0f, 0.0f, 0.0f, 0.0f};                   // four chains: latency, not a sum order
+            for (int d = 0; d < head_dim; d += 4) {                   // head_dim is even; 4 | hd but for hd = 2
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                    if (d + i < head_dim) d4[i] += qp[d + i] * kp[d + i];
+            }
+            const float dot = (d4[0] + d4[1]) + (d4[2] + d4[3]);
             const float score = visible ? dot * scale : -TW_INF;
             const float m_new = fmaxf(m[pi], warp_max(score));
             if (m_new == -TW_INF) continue;                           // nothing visible yet (uniform)

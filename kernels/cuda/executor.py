@@ -29,8 +29,8 @@ from ...core.config import ModelConfig
 from ...core.executor import SeqStep, StepOutput, TopLogprobs
 from .build import kernel_image
 from .device import Device
-from .forward import (LARGE_SPLIT, KVCache, StepGeometry, launch_forward, launch_sampler, make_activations,
-                      matmul_workspace, plan_activations, queries_per_item)
+from .forward import (LARGE_SPLIT, KVCache, StepGeometry, decode_splits, launch_forward, launch_sampler,
+                      make_activations, matmul_workspace, plan_activations, queries_per_item)
 from .kernels import MAX_TOP_LOGPROBS
 from .meta import (count_items, decode_layout, eager_layout, fill_decode, fill_eager, fill_sampling,
                    needs_full_sampler)
@@ -113,10 +113,13 @@ class CudaExecutor:
         self.block_size = o.block_size
         self.max_model_len = o.max_model_len or min(c.max_position_embeddings, 8192)
         self.max_blocks = -(-self.max_model_len // o.block_size)         # block table width
-        self.max_splits = -(-self.max_model_len // o.split_size)
         self.max_tokens = max(o.max_num_tokens, o.max_batch)
         self.on_ready = on_ready
         self.qpi = queries_per_item(c)
+        self.buckets = self._buckets()
+        # attention splits of each decode graph, and of eager steps (max_model_len / split_size)
+        self.decode_splits = {b: decode_splits(c, b, self.max_model_len, self.dev.num_sms) for b in self.buckets}
+        self.eager_splits = -(-self.max_model_len // o.split_size)
         self.weights = upload_weights(self.dev, c, tensors, self.matmul, self.max_model_len)
         self.acts = self._alloc_activations()
         self.meta_bytes, self.meta = self._alloc_meta()
@@ -124,7 +127,6 @@ class CudaExecutor:
         self.num_blocks = self.kv.num_blocks
         self._limits = (c.vocab_size, self.max_model_len, self.num_blocks)   # what fill_decode checks
         self.ring = [self._make_slot() for _ in range(o.ring_slots)]
-        self.buckets = self._buckets()
         self.graphs = {}                        # (bucket, mode) -> executable graph
         self._decode_layouts = {}               # bucket -> MetaLayout
         self.graphs_enabled = o.use_graphs      # a benchmark may switch to eager launches to profile
@@ -142,10 +144,13 @@ class CudaExecutor:
         o, drv, w = self.options, self.drv, self.weights
         linears = [lin for l in w.layers for lin in (l.qkv, l.o, l.gate_up, l.down)] + [w.lm_head]
         ws, counters = matmul_workspace(linears, self.max_tokens, self.dev.num_sms, o.activations)
-        plan = plan_activations(self.config, self.max_tokens, o.max_batch, self.max_splits, ws, counters)
+        c = self.config
+        ws_entries = max([b * c.num_heads * n for b, (n, _) in self.decode_splits.items()]
+                         + [o.max_batch * c.num_heads * self.eager_splits])
+        plan = plan_activations(c, self.max_tokens, o.max_batch, ws_entries, ws, counters)
         base = drv.mem_alloc(plan["_total"])
         drv.memset_async(base, plan["_total"], self.dev.copy_stream)     # padding columns and counters start at zero
-        return make_activations(plan, base, self.max_tokens, o.max_batch, self.max_splits, o.activations)
+        return make_activations(plan, base, self.max_tokens, o.max_batch, ws_entries, o.activations)
 
     def _alloc_meta(self) -> tuple:
         o = self.options
@@ -291,8 +296,9 @@ class CudaExecutor:
         self.drv.memcpy_htod_async(self.meta, slot.staging, layout.used_bytes(bool(rows) and full, entries), stream)
         max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs)
         splits = 1
-        if T <= self.acts.max_rows and max_ctx > o.split_size:
-            splits = min(self.max_splits, -(-max_ctx // o.split_size))
+        if max_ctx > o.split_size:
+            splits = max(1, min(self.eager_splits, -(-max_ctx // o.split_size),
+                                self.acts.ws_entries // (T * self.config.num_heads)))
         g = self._geometry(layout.ptrs(self.meta), T, len(rows), ld_bt, num_items, splits,
                            items=None, logits_rows=True)
         launch_forward(self.dev, c, self.weights, self.acts, self.kv, g, stream)
@@ -367,9 +373,10 @@ class CudaExecutor:
             return graph
         o, drv, stream = self.options, self.drv, self.dev.compute_stream
         layout = self._decode_layout(bucket)
-        g = self._geometry(layout.ptrs(self.meta), bucket, bucket, self.max_blocks, bucket, self.max_splits,
+        splits, split_size = self.decode_splits[bucket]
+        g = self._geometry(layout.ptrs(self.meta), bucket, bucket, self.max_blocks, bucket, splits,
                            items=self.static_items, logits_rows=False)
-        g = g._replace(split_size=o.split_size)
+        g = g._replace(split_size=split_size if splits > 1 else LARGE_SPLIT)
         # one eager run first: every row a padding row (scratch block), so nothing real is touched,
         # and every kernel has run once before capture
         pad = np.zeros(layout.nbytes, dtype=np.uint8)

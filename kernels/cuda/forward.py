@@ -42,7 +42,7 @@ class Activations(NamedTuple):
     num_bytes: int
     max_tokens: int
     max_rows: int
-    max_splits: int
+    ws_entries: int                 # (token, head, split) partials the attention workspace holds
     h: int; ld_h: int               # noqa: E702  fp32 [T, D]  residual stream
     xn: int; ld_xn: int             # noqa: E702  fp32 [T, D]  normed input of a projection
     qkv: int; ld_qkv: int           # noqa: E702  fp32 [T, q + 2kv]
@@ -56,8 +56,8 @@ class Activations(NamedTuple):
     token_logprob: int              # float64 [R]
     top_ids: int                    # int32 [R, 20]
     top_logprobs: int               # float64 [R, 20]
-    ws_ml: int                      # float2 [max_rows, Hq, max_splits]
-    ws_acc: int                     # fp32 [max_rows, Hq, max_splits, hd]
+    ws_ml: int                      # float2 [T, Hq, splits] of a split attention launch (ws_entries)
+    ws_acc: int                     # fp32 [T, Hq, splits, hd]
     mm_ws: int                      # fp32 partials of K-split INT4 products (matmul_workspace)
     mm_counters: int                # int32 arrival counters of those products, zero between launches
     mm_mode: str                    # "exact" (fp32-level) or "fp16" activations in INT4 products
@@ -85,7 +85,7 @@ class StepGeometry(NamedTuple):
     pen_entries: int = 0            # int32 [E, 2] (token, count in the output)
 
 
-def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, max_splits: int,
+def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, ws_entries: int,
                      mm_ws_floats: int = 0, mm_counters: int = 0) -> dict:
     """name -> (offset, width) of every activation buffer; '_total' -> bytes."""
     w = lambda n: round_up(n, 128)                                      # noqa: E731
@@ -96,8 +96,8 @@ def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, max_splits:
             ("logits", max_rows, w(c.vocab_size), 4), ("plogits", max_rows, w(c.vocab_size), 4),
             ("tokens", max_rows, 1, 4), ("token_logprob", max_rows, 1, 8),
             ("top_ids", max_rows, MAX_TOP_LOGPROBS, 4), ("top_logprobs", max_rows, MAX_TOP_LOGPROBS, 8),
-            ("ws_ml", max_rows * c.num_heads * max_splits, 2, 4),
-            ("ws_acc", max_rows * c.num_heads * max_splits, c.head_dim, 4),
+            ("ws_ml", max(ws_entries, 1), 2, 4),
+            ("ws_acc", max(ws_entries, 1), c.head_dim, 4),
             ("mm_ws", max(mm_ws_floats, 1), 1, 4), ("mm_counters", max(mm_counters, 1), 1, 4)]
     plan, offset = {}, 0
     for name, n, width, itemsize in rows:
@@ -107,12 +107,12 @@ def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, max_splits:
     return plan
 
 
-def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, max_splits: int,
+def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, ws_entries: int,
                      mm_mode: str = "exact") -> Activations:
     buffers = {name: v for name, v in plan.items() if name != "_total"}
     p = {name: base + off for name, (off, _) in buffers.items()}
     ld = {name: width for name, (_, width) in buffers.items()}
-    return Activations(base, plan["_total"], max_tokens, max_rows, max_splits,
+    return Activations(base, plan["_total"], max_tokens, max_rows, ws_entries,
                        p["h"], ld["h"], p["xn"], ld["xn"], p["qkv"], ld["qkv"], p["q"], ld["q"],
                        p["attn"], ld["attn"], p["gu"], ld["gu"], p["act"], ld["act"], p["hn"], ld["hn"],
                        p["logits"], p["plogits"], ld["logits"], p["tokens"], p["token_logprob"],
@@ -128,6 +128,16 @@ def heads_per_block(c: ModelConfig) -> int:
 
 def queries_per_item(c: ModelConfig) -> int:
     return 16 // heads_per_block(c)
+
+
+def decode_splits(c: ModelConfig, batch: int, max_model_len: int, num_sms: int) -> tuple:
+    """(splits, keys per split) for a decode graph of `batch` sequences: enough attention blocks
+    for two per SM, so one long context is spread over the GPU. The grid is fixed at capture;
+    splits past a sequence's context exit at once."""
+    per_split = batch * c.num_kv_heads * (c.num_heads // c.num_kv_heads // heads_per_block(c))
+    wanted = max(1, min(-(-2 * num_sms // per_split), -(-max_model_len // 32)))
+    split_size = round_up(-(-max_model_len // wanted), 32)
+    return -(-max_model_len // split_size), split_size
 
 
 # ------------------------------------------------------------------ launches
@@ -210,13 +220,13 @@ def launch_attention(dev, c: ModelConfig, w: DeviceWeights, i: int, acts: Activa
     dev.launch(f"attention_paged_{suffix}", (g.num_items, c.num_kv_heads * (group // hpb), g.num_splits), 128, stream,
                smem=attention_smem_bytes(c.head_dim), q=acts.q, ldq=acts.ld_q, k_cache=kv.k[i], v_cache=kv.v[i],
                block_tables=g.block_tables, ld_bt=g.ld_bt, positions=g.positions, items=g.items, out=acts.attn,
-               ldo=acts.ld_attn, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc, max_splits=acts.max_splits,
+               ldo=acts.ld_attn, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc, max_splits=g.num_splits,
                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=kv.block_size,
                heads_per_block=hpb, sliding_window=c.sliding_window or 0, scale=float(np.float32(c.head_dim ** -0.5)),
                split_size=g.split_size)
     if g.num_splits > 1:
         dev.launch("attention_combine", (g.num_tokens, c.num_heads), 128, stream, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc,
-                   num_splits=g.num_splits, max_splits=acts.max_splits, out=acts.attn, ldo=acts.ld_attn,
+                   num_splits=g.num_splits, max_splits=g.num_splits, out=acts.attn, ldo=acts.ld_attn,
                    num_heads=c.num_heads, head_dim=c.head_dim)
 
 
