@@ -33,11 +33,11 @@ def namespace_packages():
     return packages, package_dir
 
 
-def cpu_kernel_sources():
+def cpu_kernel_sources(suffix=".c"):
     src = os.path.join("kernels", "cpu", "src")
     if not os.path.isdir(os.path.join(HERE, src)):
         return []
-    return sorted(os.path.join(src, f) for f in os.listdir(os.path.join(HERE, src)) if f.endswith(".c"))
+    return sorted(os.path.join(src, f) for f in os.listdir(os.path.join(HERE, src)) if f.endswith(suffix))
 
 
 class OptionalBuildExt(build_ext):
@@ -68,7 +68,8 @@ def extensions():
     # No -march=native: the wheel must run on any x86-64. AVX2/AVX-512 paths are compiled
     # per function with target attributes and chosen at run time (kernels/cpu/src/dispatch.c).
     args = ["-O3", "-std=c11", "-fno-strict-aliasing", "-fvisibility=hidden", "-pthread"]
-    return [Extension("tokenwire.kernels.cpu._cpu", sources=sources,
+    # depends: the headers, so a source distribution carries them and edits trigger a rebuild
+    return [Extension("tokenwire.kernels.cpu._cpu", sources=sources, depends=cpu_kernel_sources(".h"),
                       include_dirs=[os.path.join("kernels", "cpu", "src")],
                       extra_compile_args=args, extra_link_args=["-pthread", "-lm"])]
 
