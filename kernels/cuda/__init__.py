@@ -4,11 +4,11 @@ Folder map (one concern per file):
   *.cu, common.cuh   the kernels; kernels.py lists each one's host-side signature
   build.py           NVRTC at first use (or nvcc ahead of time) -> cubin, cached by source hash + arch
   driver.py          the thin typed wrapper over cuda.bindings.driver (the only module calling it)
-  fake.py            the same interface without a GPU, kernels run as numpy twins (host-side tests)
+  fake.py            the same interface without a GPU (host-side tests); fake_kernels.py: the numpy twins
   device.py          one GPU: streams, the loaded module, launches by keyword
   layout.py          the tensor-core weight layout (numpy twin of the device repack)
   weights.py         engine tensors -> device memory, once
-  meta.py            a step's metadata, packed for one async copy
+  meta.py            a step's metadata, packed for one async copy; ring.py: the pinned output ring
   forward.py         the model and the sampler as launch sequences (eager or captured)
   executor.py        CudaExecutor: the Executor of core/executor.py
   verify_on_gpu.sh   one command for a GPU machine: build, tests, golden, benchmark

@@ -17,7 +17,7 @@ CPU-only install never needs it.
 import ctypes
 import logging
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 

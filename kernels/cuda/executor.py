@@ -20,20 +20,21 @@ Contract:
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from ...core.config import ModelConfig
-from ...core.executor import SeqStep, StepOutput, TopLogprobs
+from ...core.executor import SeqStep, StepOutput
 from .build import kernel_image
 from .device import Device
 from .forward import (LARGE_SPLIT, KVCache, StepGeometry, decode_splits, launch_forward, launch_sampler,
                       make_activations, matmul_workspace, plan_activations, queries_per_item)
 from .kernels import MAX_TOP_LOGPROBS
-from .meta import (count_items, decode_layout, eager_layout, fill_decode, fill_eager, fill_sampling,
+from .meta import (check_eager, count_items, decode_layout, eager_layout, fill_decode, fill_eager, fill_sampling,
                    needs_full_sampler)
+from .ring import RingSlot, read_step
 from .weights import upload_weights
 
 KV_DTYPES = {"float32": 4, "float16": 2}
@@ -86,18 +87,6 @@ class StepHandle(NamedTuple):
     launched_ns: int
 
 
-@dataclass
-class _Slot:
-    staging: np.ndarray         # pinned uint8: the step's metadata
-    out: np.ndarray             # pinned uint8: ids, then logprobs (same offsets as on the device)
-    done: object                # event: the step's kernels finished
-    ready: object               # event: its ids are in `out`
-    in_flight: bool = False
-    views: dict = field(default_factory=dict)   # graph bucket -> metadata views into `staging`
-    layout: object = None       # what `staging` last held: a graph bucket, or "eager"
-    row_keys: list = field(default_factory=list)   # per row of that bucket: whose block table it holds
-
-
 class CudaExecutor:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], options: CudaOptions = CudaOptions(),
                  driver=None, image_fn: Callable[[str], bytes] = kernel_image,
@@ -127,6 +116,8 @@ class CudaExecutor:
         self.num_blocks = self.kv.num_blocks
         self._limits = (c.vocab_size, self.max_model_len, self.num_blocks)   # what fill_decode checks
         self.ring = [self._make_slot() for _ in range(o.ring_slots)]
+        a = self.acts                          # where each output lies in a slot's `out` bytes
+        self._out_offsets = (a.token_logprob - a.tokens, a.top_ids - a.tokens, a.top_logprobs - a.tokens)
         self.graphs = {}                        # (bucket, mode) -> executable graph
         self._decode_layouts = {}               # bucket -> MetaLayout
         self.graphs_enabled = o.use_graphs      # a benchmark may switch to eager launches to profile
@@ -185,12 +176,12 @@ class CudaExecutor:
         v = tuple(base + (2 * i + 1) * layer_bytes for i in range(c.num_layers))
         return KVCache(k, v, o.kv_dtype, o.block_size, num_blocks, num_blocks, base, 2 * c.num_layers * layer_bytes)
 
-    def _make_slot(self) -> _Slot:
+    def _make_slot(self) -> RingSlot:
         drv, o = self.drv, self.options
         out_bytes = self._out_bytes(o.max_batch, logprobs=True)
-        return _Slot(drv.host_alloc(self.meta_bytes), drv.host_alloc(out_bytes),
-                     drv.event_create(timing=o.timing_events), drv.event_create(timing=o.timing_events,
-                                                                              blocking=o.wait == "block"))
+        return RingSlot(drv.host_alloc(self.meta_bytes), drv.host_alloc(out_bytes),
+                        drv.event_create(timing=o.timing_events),
+                        drv.event_create(timing=o.timing_events, blocking=o.wait == "block"))
 
     def _out_bytes(self, rows: int, logprobs: bool) -> int:
         """Bytes from acts.tokens to copy back: the ids, or the ids and every logprob array."""
@@ -263,7 +254,7 @@ class CudaExecutor:
             layout = self._decode_layouts[bucket] = decode_layout(bucket, self.max_blocks, self.options.max_penalty_tokens)
         return layout
 
-    def _launch_decode(self, slot: _Slot, seqs: Sequence[SeqStep], bucket: int) -> None:
+    def _launch_decode(self, slot: RingSlot, seqs: Sequence[SeqStep], bucket: int) -> None:
         o = self.options
         layout = self._decode_layout(bucket)
         views = slot.views.get(bucket)
@@ -279,10 +270,11 @@ class CudaExecutor:
         self.drv.memcpy_htod_async(self.meta, slot.staging, layout.used_bytes(full, entries), stream)
         self.drv.graph_launch(graph, stream)
 
-    def _launch_eager(self, slot: _Slot, seqs: Sequence[SeqStep], rows: Sequence[SeqStep]) -> None:
+    def _launch_eager(self, slot: RingSlot, seqs: Sequence[SeqStep], rows: Sequence[SeqStep]) -> None:
         o, c = self.options, self.config
         T = sum(len(s.token_ids) for s in seqs)
-        self._check_eager(seqs, T)
+        check_eager(seqs, T, self.max_tokens, o.max_batch, self.max_model_len, self.max_blocks, o.block_size,
+                    self.num_blocks, self.config.vocab_size)
         ld_bt = max(1, max(len(s.block_table) for s in seqs))
         num_items = count_items(seqs, self.qpi)
         layout = eager_layout(T, len(seqs), len(rows), ld_bt, num_items, o.max_penalty_tokens)
@@ -312,7 +304,7 @@ class CudaExecutor:
         for slot in self.ring:
             slot.row_keys = [None if k is not None and k != "pad" and k[0] in ids else k for k in slot.row_keys]
 
-    def _finish(self, slot: _Slot, slot_index: int, num_rows: int, logprobs: bool) -> None:
+    def _finish(self, slot: RingSlot, slot_index: int, num_rows: int, logprobs: bool) -> None:
         """Ids to the slot's pinned buffer on the copy stream, then the events (hot path)."""
         drv, compute, copy = self.drv, self.dev.compute_stream, self.dev.copy_stream
         drv.event_record(slot.done, compute)
@@ -335,23 +327,10 @@ class CudaExecutor:
                 pass
         else:
             self.drv.event_synchronize(slot.ready)
-        out = self._read(slot, handle)
+        out = read_step(slot, handle.num_rows, handle.logprobs, self._out_offsets)
         slot.in_flight = False
         self.num_waited += 1
         return out
-
-    def _read(self, slot: _Slot, h: StepHandle) -> StepOutput:
-        R, a = h.num_rows, self.acts
-        ids = slot.out[:4 * R].view(np.int32).tolist()
-        if not h.logprobs:
-            return StepOutput(ids)
-        base = a.tokens
-        tl = slot.out[a.token_logprob - base:][:8 * R].view(np.float64)
-        top_ids = slot.out[a.top_ids - base:][:4 * R * MAX_TOP_LOGPROBS].view(np.int32).reshape(R, -1)
-        top_lp = slot.out[a.top_logprobs - base:][:8 * R * MAX_TOP_LOGPROBS].view(np.float64).reshape(R, -1)
-        rows = [None if n is None else TopLogprobs(float(tl[r]), top_ids[r, :n].tolist(), top_lp[r, :n].tolist())
-                for r, n in enumerate(h.logprobs)]
-        return StepOutput(ids, rows)
 
     # ------------------------------------------------------------ graphs
 
@@ -396,25 +375,6 @@ class CudaExecutor:
             graph = drv.end_capture(stream)
         self.graphs[(bucket, mode)] = graph
         return graph
-
-    # ------------------------------------------------------------ checks (clear errors, cheap)
-
-    def _check_eager(self, seqs: Sequence[SeqStep], T: int) -> None:
-        o = self.options
-        if T > self.max_tokens:
-            raise ValueError(f"a step of {T} tokens exceeds the CUDA executor's max_num_tokens {self.max_tokens}")
-        if len(seqs) > o.max_batch:
-            raise ValueError(f"a step of {len(seqs)} sequences exceeds the CUDA executor's max_batch {o.max_batch}")
-        for s in seqs:
-            end = s.start_pos + len(s.token_ids)
-            if end > self.max_model_len:
-                raise ValueError(f"sequence {s.seq_id} reaches position {end}, past max_model_len {self.max_model_len}")
-            if len(s.block_table) * o.block_size < end or len(s.block_table) > self.max_blocks:
-                raise ValueError(f"sequence {s.seq_id}: {len(s.block_table)} KV blocks for {end} tokens")
-            if s.block_table and max(s.block_table) >= self.kv.num_blocks or min(s.block_table, default=0) < 0:
-                raise ValueError(f"sequence {s.seq_id}: block id out of range [0, {self.kv.num_blocks})")
-            if s.token_ids and (min(s.token_ids) < 0 or max(s.token_ids) >= self.config.vocab_size):
-                raise ValueError(f"sequence {s.seq_id}: token id out of range [0, {self.config.vocab_size})")
 
     # ------------------------------------------------------------ teardown
 

@@ -190,3 +190,22 @@ def _penalty_entries(entries: np.ndarray, e: int, s: SeqStep, capacity: int) -> 
 def needs_full_sampler(seqs: Sequence[SeqStep]) -> bool:
     """Any row with temperature, penalties or logprobs (else argmax alone does)."""
     return any(not s.sampling.greedy or s.sampling.logprobs is not None or s.sampling.has_penalties for s in seqs)
+
+
+def check_eager(seqs, T: int, max_tokens: int, max_batch: int, max_model_len: int, max_blocks: int,
+                block_size: int, num_blocks: int, vocab_size: int) -> None:
+    """An eager step's limits, each failure named (cheap next to the step itself)."""
+    if T > max_tokens:
+        raise ValueError(f"a step of {T} tokens exceeds the CUDA executor's max_num_tokens {max_tokens}")
+    if len(seqs) > max_batch:
+        raise ValueError(f"a step of {len(seqs)} sequences exceeds the CUDA executor's max_batch {max_batch}")
+    for s in seqs:
+        end = s.start_pos + len(s.token_ids)
+        if end > max_model_len:
+            raise ValueError(f"sequence {s.seq_id} reaches position {end}, past max_model_len {max_model_len}")
+        if len(s.block_table) * block_size < end or len(s.block_table) > max_blocks:
+            raise ValueError(f"sequence {s.seq_id}: {len(s.block_table)} KV blocks for {end} tokens")
+        if s.block_table and (max(s.block_table) >= num_blocks or min(s.block_table) < 0):
+            raise ValueError(f"sequence {s.seq_id}: block id out of range [0, {num_blocks})")
+        if s.token_ids and (min(s.token_ids) < 0 or max(s.token_ids) >= vocab_size):
+            raise ValueError(f"sequence {s.seq_id}: token id out of range [0, {vocab_size})")
