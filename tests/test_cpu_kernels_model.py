@@ -154,6 +154,30 @@ def test_thread_count_never_changes_the_logits():
         assert all(np.array_equal(a, b) for a, b in zip(run, runs[0]))
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_long_prefill_splits_rows_across_threads(activations):
+    """From 32 tokens on, activations are prepared split over the threads into shared
+    buffers (decode steps redo them per thread): same logits on 1, 2 or 3 threads."""
+    config = CONFIGS["hd64_group7"]
+    tensors = engine_tensors(config, ENCODINGS["int4_g64_int8_embed"])
+    prompts = [np.random.default_rng(7).integers(0, config.vocab_size, n).tolist() for n in (45, 33)]
+    steps = [seq_step(prompts[0], 0, range(0, 12), seq_id=0), seq_step(prompts[1], 0, range(12, 21), seq_id=1)]
+    batch = build_forward_batch(steps, 4)
+    before = cpu.num_threads()
+    try:
+        cpu.set_num_threads(3)
+        runs = []
+        for threads in (1, 2, 3):
+            model = cpu.create_model(config, tensors, block_size=4, num_blocks=32, activations=activations)
+            model.threads = threads
+            runs.append(model.forward(batch))
+    finally:
+        cpu.set_num_threads(before)
+    assert all(np.array_equal(run, runs[0]) for run in runs[1:])
+    if activations == "fp32":
+        assert_logits_close(runs[0], ReferenceModel(config, tensors, block_size=4, num_blocks=32).forward(batch))
+
+
 def test_int8_activations_stay_close():
     """The VNNI path is an approximation (see int8_error_bound), not bit-compatible."""
     config = CONFIGS["llama_gqa"]

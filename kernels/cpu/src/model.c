@@ -34,7 +34,8 @@ static void free_own(tw_thread_scratch *own) {
 }
 
 static void free_scratch(tw_model *m) {
-    float **bufs[] = {&m->qkv, &m->attn, &m->tmp, &m->gate_up};
+    float **bufs[] = {&m->qkv, &m->attn, &m->tmp, &m->gate_up, &m->mlp};
+    tw_act_free(&m->act);
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) {
         tw_free(*bufs[i]);
         *bufs[i] = NULL;
@@ -149,7 +150,8 @@ static void widen(const tw_weight *w, int *max_kp, int *max_groups) {
     *max_groups = w->i4.num_groups > *max_groups ? w->i4.num_groups : *max_groups;
 }
 
-static int alloc_own(const tw_model *m, tw_thread_scratch *own, int tokens, int ctx) {
+/* activation buffers for `rows` rows of any of the model's INT4 products */
+static int act_init(const tw_model *m, tw_act *a, int rows) {
     int max_kp = 8, max_groups = 1;
     for (int l = 0; l < m->num_layers; l++) {
         const tw_layer *L = &m->layers[l];
@@ -157,13 +159,17 @@ static int alloc_own(const tw_model *m, tw_thread_scratch *own, int tokens, int 
         widen(&L->gate_up, &max_kp, &max_groups), widen(&L->down, &max_kp, &max_groups);
     }
     widen(m->lm_head.kind >= 0 ? &m->lm_head : &m->embed, &max_kp, &max_groups);
-    const size_t T = (size_t)tokens;
+    return tw_act_init(a, rows, max_kp, max_groups);
+}
+
+static int alloc_own(const tw_model *m, tw_thread_scratch *own, int tokens, int ctx) {
+    const size_t T = (size_t)tokens, few = tokens < TW_SPLIT_ROWS ? T : TW_SPLIT_ROWS;
     own->x = floats(T * m->dim);
     own->h = floats(T * m->dim);
-    own->mlp = floats(T * m->hidden);
+    own->mlp = floats(few * m->hidden);
     own->rope = floats(T * m->head_dim);
     own->scores = floats((size_t)ctx * (m->num_heads / m->num_kv_heads));
-    int act_ok = tw_act_init(&own->act, tokens, max_kp, max_groups) == 0;
+    int act_ok = act_init(m, &own->act, (int)few) == 0;
     return own->x && own->h && own->mlp && own->rope && own->scores && act_ok ? 0 : -1;
 }
 
@@ -182,9 +188,10 @@ int tw_model_reserve(tw_model *m, const tw_batch *b, int threads) {
     m->attn = floats((size_t)tokens * q);
     m->tmp = floats((size_t)tokens * m->dim);
     m->gate_up = floats((size_t)tokens * 2 * m->hidden);
+    m->mlp = floats((size_t)tokens * m->hidden);
     m->own = tw_alloc((size_t)threads * sizeof(tw_thread_scratch));
     m->cap_threads = m->own ? threads : 0;
-    int ok = m->qkv && m->attn && m->tmp && m->gate_up && m->own;
+    int ok = m->qkv && m->attn && m->tmp && m->gate_up && m->mlp && m->own && act_init(m, &m->act, tokens) == 0;
     for (int i = 0; ok && i < threads; i++) ok = alloc_own(m, &m->own[i], tokens, ctx) == 0;
     if (!ok) {
         free_scratch(m);
@@ -221,8 +228,13 @@ static void sync(clock0 *c) {
     stamp(c, TW_PROF_BARRIER);
 }
 
-/* y [rows][w->n] = x [rows][w->k] @ W^T: this thread's output tiles / rows, no barrier.
- * INT4: the thread prepares all rows of the activations in its own buffers first. */
+/* Long batches (prefill) split row-wise work and share its result; a decode step's few rows
+ * are cheaper to redo on every thread than to meet at a barrier for. */
+static int shared_rows(const clock0 *c, int rows) { return rows >= TW_SPLIT_ROWS || c->nth == 1; }
+
+/* y [rows][w->n] = x [rows][w->k] @ W^T: this thread's output tiles / rows (no barrier after).
+ * INT4: the activations are prepared first, by this thread alone into its own buffers for
+ * a few rows, or split over the threads into the shared ones (then they meet). */
 static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const float *x, int ldx,
                     int rows, float *y, int stage) {
     const tw_model *m = c->m;
@@ -231,13 +243,16 @@ static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const
         stamp(c, stage);
         return;
     }
-    int t0, t1;
-    tw_act a = own->act;
+    int t0, t1, r0 = 0, r1 = rows;
+    const int shared = shared_rows(c, rows);
+    tw_act a = shared ? m->act : own->act;
     a.m = rows;
     a.kp = w->i4.kp;
     a.num_groups = w->i4.num_groups;
-    tw_active()->prep[m->prec == TW_PREC_Q8](&a, x, ldx, w->k, 0, rows);
+    if (shared) tw_split(rows, c->ith, c->nth, &r0, &r1);
+    tw_active()->prep[m->prec == TW_PREC_Q8](&a, x, ldx, w->k, r0, r1);
     stamp(c, TW_PROF_PREP);
+    if (shared && c->nth > 1) sync(c);
     tw_split(w->i4.num_tiles, c->ith, c->nth, &t0, &t1);
     tw_active()->int4[m->prec == TW_PREC_Q8](&w->i4, &a, y, w->n, t0, t1);
     stamp(c, stage);
@@ -268,10 +283,19 @@ static void attention(const tw_model *m, int layer, const tw_batch *b, tw_thread
         tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads, own->rope, own->scores);
 }
 
-static void mlp_rows(const tw_model *m, tw_thread_scratch *own, int tokens) {
+/* act(gate) * up of every token -> the down product's input (split and shared for long batches) */
+static const float *mlp_rows(clock0 *c, tw_thread_scratch *own, int tokens) {
+    const tw_model *m = c->m;
     const size_t I = m->hidden;
-    for (int t = 0; t < tokens; t++)
-        tw_activation_mul(own->mlp + t * I, m->gate_up + t * 2 * I, m->gate_up + t * 2 * I + I, (int)I, m->activation);
+    const int shared = shared_rows(c, tokens);
+    int t0 = 0, t1 = tokens;
+    if (shared) tw_split(tokens, c->ith, c->nth, &t0, &t1);
+    float *out = shared ? m->mlp : own->mlp;
+    for (int t = t0; t < t1; t++)
+        tw_activation_mul(out + t * I, m->gate_up + t * 2 * I, m->gate_up + t * 2 * I + I, (int)I, m->activation);
+    stamp(c, TW_PROF_ROWS);
+    if (shared && c->nth > 1) sync(c);
+    return out;
 }
 
 static void logits_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own) {
@@ -308,9 +332,8 @@ static void step_task(void *arg, int ith, int nth) {
         stamp(&c, TW_PROF_ROWS);
         product(&c, own, &L->gate_up, own->h, D, T, m->gate_up, TW_PROF_GATE_UP);
         sync(&c);
-        mlp_rows(m, own, T);
-        stamp(&c, TW_PROF_ROWS);
-        product(&c, own, &L->down, own->mlp, m->hidden, T, m->tmp, TW_PROF_DOWN);
+        const float *mlp = mlp_rows(&c, own, T);
+        product(&c, own, &L->down, mlp, m->hidden, T, m->tmp, TW_PROF_DOWN);
         sync(&c);
     }
     logits_rows(m, b, own);

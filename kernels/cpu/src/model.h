@@ -29,16 +29,20 @@ typedef struct {
 
 enum { TW_ACT_SILU = 0, TW_ACT_GELU_TANH = 1 };
 
-/* Row-wise work is cheap next to the products (O(T*D) against O(T*D*N)), so every thread
- * does all of it on its own copy instead of splitting it and meeting at a barrier: a layer
- * needs only the 5 barriers where a thread reads another's product output. */
+/* Row-wise work is cheap next to the products (O(T*D) against O(T*D*N)), so for a decode
+ * step every thread does all of it on its own copy instead of splitting it and meeting at a
+ * barrier: a layer needs only the 5 barriers where a thread reads another's product output.
+ * From TW_SPLIT_ROWS tokens on (prefill), the activation and its quantization are split by
+ * rows into shared buffers instead, at the cost of two more barriers per product. */
+#define TW_SPLIT_ROWS 32
+
 typedef struct {
     float *x;                       /* [T][D]  the residual stream */
     float *h;                       /* [T][D]  normed input of qkv / gate_up / lm_head */
-    float *mlp;                     /* [T][I]  act(gate) * up, the input of down */
+    float *mlp;                     /* [min(T, TW_SPLIT_ROWS)][I]  act(gate) * up, the input of down */
     float *rope;                    /* [T][hd] cos [hd/2] then sin [hd/2] per token */
     float *scores;                  /* [group][cap_ctx] attention scores of one token's query group */
-    tw_act act;                     /* [T] rows of the widest K */
+    tw_act act;                     /* [min(T, TW_SPLIT_ROWS)] rows of the widest K */
 } tw_thread_scratch;
 
 /* Where thread 0's time goes in a step (ns, summed over steps; read and reset from Python). */
@@ -74,6 +78,8 @@ typedef struct {
     float *attn;                    /* [T][q]         shared: attention output */
     float *tmp;                     /* [T][D]         shared: o / down product output */
     float *gate_up;                 /* [T][2I]        shared */
+    float *mlp;                     /* [T][I]         shared act(gate) * up, for long batches */
+    tw_act act;                     /* [T] rows       shared activation preparation, for long batches */
     tw_thread_scratch *own;         /* [cap_threads]  each thread's private buffers */
     tw_profile prof;
 } tw_model;
