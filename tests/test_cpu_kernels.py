@@ -76,6 +76,30 @@ def test_fp32_activations_match_the_reference_to_float32_rounding(isa, m, n, k, 
     assert np.all(np.abs(ref - exact) <= bound)          # the reference meets the same bound
 
 
+def test_fp32_precision_over_a_wide_dynamic_range(isa):
+    """Groups mixing 1e-30 and 1e10, all-zero and subnormal-only groups: the exact path keeps
+    every output within float32 resolution of the group's largest activation (AVX-512 carries
+    activations as 23-bit integers per group) plus the accumulation bound."""
+    rng = np.random.default_rng(11)
+    m, n, k, g = 3, 40, 256, 64
+    parts = random_int4(rng, n, k, g)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[0, :64] *= np.float32(1e10)
+    x[0, 1:64:2] = np.float32(1e-30)
+    x[1, 64:128] = 0.0
+    x[1, 128:192] = np.float32(1e-42)                                       # subnormal
+    x[2] *= np.float32(1e-20)
+    exact = x.astype(np.float64) @ dequantize_int4(*parts, k).astype(np.float64).T
+    from tokenwire.kernels.reference import unpack_int4
+    q = unpack_int4(parts[0]).astype(np.float64)
+    per = (q + np.abs(np.repeat(parts[2].astype(np.float64), g, 1))) * np.repeat(parts[1].astype(np.float64), g, 1)
+    group_max = np.abs(x.astype(np.float64)).reshape(m, -1, g).max(axis=2)                 # [M, ng]
+    resolution = EPS32 * group_max @ per.reshape(n, -1, g).sum(axis=2).T                    # [M, N]
+    got = cpu.Int4Linear(*parts, k)(x)
+    assert np.all(np.isfinite(got))
+    assert np.all(np.abs(got - exact) <= fp32_bound(x, *parts, k) + resolution + 1e-37)
+
+
 @pytest.mark.parametrize("m,n,k,g", SHAPES)
 def test_int8_activations_stay_within_their_documented_bound(isa, m, n, k, g):
     rng = np.random.default_rng(m * 7 + n * 3 + k)

@@ -58,7 +58,7 @@ INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t
             for (int u = 0; u < NACC; u++) A[i][0][u] = A[i][1][u] = _mm256_setzero_ps();
         }
         for (int c = 0; c < chunks; c++) {
-            _mm_prefetch((const char *)(q + 2 * c) + TW_PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + 2 * c) + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
             const __m256i w0 = _mm256_load_si256(q + 2 * c), w1 = _mm256_load_si256(q + 2 * c + 1);
             for (int j = 0; j < 8; j++) {
                 const __m256 v0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w0, 4 * j), mask4));
@@ -108,7 +108,7 @@ INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t,
             A[i][0] = A[i][1] = _mm256_setzero_si256();
         }
         for (int c = 0; c < chunks; c++) {
-            _mm_prefetch((const char *)(q + 2 * c) + TW_PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + 2 * c) + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
             for (int h = 0; h < 2; h++) {
                 const __m256i wv = _mm256_load_si256(q + 2 * c + h);
                 const __m256i lo = _mm256_and_si256(wv, low4);
@@ -323,8 +323,8 @@ static float exp_sum_avx2(float *x, int n, float sub) {
 static float read_sum_avx2(const uint8_t *p, size_t bytes) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (size_t i = 0; i < bytes; i += 128) {
-        _mm_prefetch((const char *)p + i + TW_PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + i + 64 + TW_PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + i + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
+        _mm_prefetch((const char *)p + i + 64 + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
         a0 = _mm256_add_epi32(a0, _mm256_load_si256((const __m256i *)(p + i)));
         a1 = _mm256_add_epi32(a1, _mm256_load_si256((const __m256i *)(p + i + 32)));
         a2 = _mm256_add_epi32(a2, _mm256_load_si256((const __m256i *)(p + i + 64)));

@@ -1,21 +1,21 @@
 /* AVX-512 kernels (F, BW, VL, VNNI): the fast path on current Intel/AMD server CPUs.
  *
  * INT4, tiled layout (tw.h): a zmm holds one 64-byte chunk = 8 k values of 16 rows, so the
- * 16 lanes are 16 outputs and a tile ends with one store.
+ * 16 lanes are 16 outputs and a tile ends with one store. Low and high nibbles are masked
+ * out as bytes and fed to vpdpbusd (u8 weights x s8 activations, 4-way dot into int32, 64
+ * multiply-adds per instruction); int32 group sums are scaled to float once per group.
  *
- * fp32 activations (exact to float32 accumulation order): nibble j of every lane becomes a
- * float through one vpermps on a 16-entry table (vpermps reads only the low 4 bits of each
- * index, so `w >> 4j` needs no mask), then one FMA per activation row with x[k0 + j]
- * broadcast from memory. Per 16 weights: one shift, one permute, M FMAs — a decode step is
- * bound by memory, not by this.
- *
- * q8 activations (dynamic int8 per group, see tw_act_prepare_q8): low and high nibbles are
- * masked out as bytes and fed to vpdpbusd (u8 weights x s8 activations, 4-way dot into int32),
- * 64 multiply-adds per instruction; the int32 group sums are scaled to float once per group.
- * This is the batch (GEMM) path: 4x the multiply rate of fp32 FMA.
+ * Both activation precisions run on that instruction:
+ * - exact ("fp32"): activations as 23-bit integers per group (a power-of-two scale, error at
+ *   most 2^-24 of the group's largest |x|: float32's resolution) in three signed base-256
+ *   digits, 6 vpdpbusd per 128 weights (tile_x24). Measured on one core with the weights in
+ *   L2, a GEMV: 61 G weights/s, where the float FMA formulation (vpermps table + FMA per 16
+ *   weights, 23 uops per 128 on two ports) reached 28 — below a core's share of DRAM
+ *   bandwidth, so a decode step was compute bound at ~75% of the roofline.
+ * - int8 (tile_q8): one digit, round(x * 127 / max|x|) per group, 2 vpdpbusd per 128 weights.
  *
  * Rows are processed in blocks of MB activation rows (compile-time constants below) so each
- * unpacked chunk is reused from registers; accumulators are split (NACC) so FMA/VNNI latency
+ * unpacked chunk is reused from registers; accumulators are split (NACC) so VNNI latency
  * never bounds a short block. This file is long because each kernel is one hot loop.
  */
 #include "tw.h"
@@ -50,70 +50,6 @@ INLINE __m512 load_half16(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)p));
 }
 
-/* ---------------------------------------------------------------- INT4 x fp32 */
-
-/* One tile, activation rows [m0, m0 + MB). */
-INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB, const int GS) {
-    enum { MAXMB = 4 };
-    const int NACC = MB == 1 ? 4 : (MB == 2 ? 4 : 2);
-    const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int ng = w->num_groups, gs = GS ? GS : w->group_size, chunks = gs / 8, kp = a->kp;
-    const uint8_t *block = w->data + (size_t)t * ng * w->block_bytes;
-    __m512 F[MAXMB];
-    for (int i = 0; i < MB; i++) F[i] = _mm512_setzero_ps();
-    for (int g = 0; g < ng; g++, block += w->block_bytes) {
-        const __m512i *q = (const __m512i *)(block + 64);
-        const float *x[MAXMB];
-        __m512 A[MAXMB][4];
-        for (int i = 0; i < MB; i++) {
-            x[i] = a->x + (size_t)(m0 + i) * kp + (size_t)g * gs;
-            for (int u = 0; u < NACC; u++) A[i][u] = _mm512_setzero_ps();
-        }
-        for (int c = 0; c < chunks; c++) {
-            _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, _MM_HINT_T0);
-            const __m512i wv = _mm512_load_si512(q + c);
-            for (int j = 0; j < 8; j++) {
-                const __m512 v = _mm512_permutexvar_ps(j ? _mm512_srli_epi32(wv, 4 * j) : wv, lut);
-                for (int i = 0; i < MB; i++)
-                    A[i][j % NACC] = _mm512_fmadd_ps(v, _mm512_set1_ps(x[i][8 * c + j]), A[i][j % NACC]);
-            }
-        }
-        const __m512 s = load_half16(block), z = load_half16(block + 32);
-        for (int i = 0; i < MB; i++) {
-            __m512 acc = A[i][0];
-            for (int u = 1; u < NACC; u++) acc = _mm512_add_ps(acc, A[i][u]);
-            const __m512 part = _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xsum[(size_t)(m0 + i) * ng + g]), acc);
-            F[i] = _mm512_fmadd_ps(s, part, F[i]);
-        }
-    }
-    const __mmask16 mask = tile_mask(w, t);
-    for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, F[i]);
-}
-
-/* The group size is a compile-time constant for the sizes engines use (32, 64, 128), so the
- * chunk loop unrolls; any other multiple of 8 takes the generic loop. */
-INLINE void tiles_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1, const int GS) {
-    for (int t = t0; t < t1; t++) {
-        int m = 0;
-        for (; m + 4 <= a->m; m += 4) tile_f32(w, a, y, ldy, t, m, 4, GS);
-        switch (a->m - m) {
-        case 3: tile_f32(w, a, y, ldy, t, m, 3, GS); break;
-        case 2: tile_f32(w, a, y, ldy, t, m, 2, GS); break;
-        case 1: tile_f32(w, a, y, ldy, t, m, 1, GS); break;
-        default: break;
-        }
-    }
-}
-
-static void int4_f32_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
-    switch (w->group_size) {
-    case 32: tiles_f32(w, a, y, ldy, t0, t1, 32); break;
-    case 64: tiles_f32(w, a, y, ldy, t0, t1, 64); break;
-    case 128: tiles_f32(w, a, y, ldy, t0, t1, 128); break;
-    default: tiles_f32(w, a, y, ldy, t0, t1, 0); break;
-    }
-}
-
 /* ---------------------------------------------------------------- INT4 x q8 */
 
 /* The q8 activations this ISA prepares (prep_q8_avx512) are interleaved by chunk:
@@ -136,7 +72,7 @@ INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t,
         for (int i = 0; i < MB; i++)
             for (int u = 0; u < NACC; u++) A[i][u] = _mm512_setzero_si512();
         for (int c = 0; c < chunks; c++, x += row8) {
-            _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
             const __m512i wv = _mm512_load_si512(q + c);
             const __m512i lo = _mm512_and_si512(wv, low4);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
@@ -189,6 +125,90 @@ static void int4_q8_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy,
     }
 }
 
+/* ---------------------------------------------------------------- INT4 x exact activations (24-bit digits) */
+
+/* The fp32-precision path on AVX-512, as integer dot products: prep_x24_avx512 writes each
+ * activation as a 23-bit integer x_int = round(x * 2^s) (one power-of-two scale per group,
+ * max|x| * 2^s < 2^22, so the rounding is at most 2^-24 of the group's largest |x| — the
+ * resolution of float32 itself) split into three signed base-256 digits, x_int = 65536 d2 +
+ * 256 d1 + d0. Each digit plane is a vpdpbusd against the nibbles, exact in int32, and the
+ * three are combined in float once per group. Per 16 rows x 8 k: 6 vpdpbusd where the FMA
+ * path needs 7 shifts, 8 permutes and 8 FMAs, which makes a decode step memory bound again.
+ * Layout of xq: 24 bytes per (global chunk c, row m) at (c * rows + m) * 24: the d0 bytes of
+ * the even k, of the odd k, then d1's and d2's. */
+INLINE void tile_x24(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB, const int GS) {
+    enum { MAXMB = 8 };
+    const int NACC = MB == 1 ? 2 : 1;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    const int ng = w->num_groups, gs = GS ? GS : w->group_size, chunks = gs / 8;
+    const size_t row24 = (size_t)a->m * 24;
+    const uint8_t *block = w->data + (size_t)t * ng * w->block_bytes;
+    __attribute__((aligned(64))) float F[MAXMB][TW_TILE];
+    for (int i = 0; i < MB; i++) _mm512_store_ps(F[i], _mm512_setzero_ps());
+    for (int g = 0; g < ng; g++, block += w->block_bytes) {
+        const __m512i *q = (const __m512i *)(block + 64);
+        const int8_t *x = a->xq + (size_t)g * chunks * row24 + (size_t)m0 * 24;
+        __m512i A[MAXMB][2][3];
+        for (int i = 0; i < MB; i++)
+            for (int u = 0; u < NACC; u++) A[i][u][0] = A[i][u][1] = A[i][u][2] = _mm512_setzero_si512();
+        for (int c = 0; c < chunks; c++, x += row24) {
+            _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
+            const __m512i wv = _mm512_load_si512(q + c);
+            const __m512i lo = _mm512_and_si512(wv, low4);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
+            for (int i = 0; i < MB; i++) {
+                const int u = NACC == 2 ? (c & 1) : 0;
+                for (int d = 0; d < 3; d++) {
+                    DPBUSD_BCAST(A[i][u][d], lo, x + 24 * i + 8 * d);
+                    DPBUSD_BCAST(A[i][u][d], hi, x + 24 * i + 8 * d + 4);
+                }
+            }
+        }
+        const __m512 s = load_half16(block), z = load_half16(block + 32);
+        for (int i = 0; i < MB; i++) {
+            __m512i d0 = A[i][0][0], d1 = A[i][0][1], d2 = A[i][0][2];
+            if (NACC == 2) {
+                d0 = _mm512_add_epi32(d0, A[i][1][0]);
+                d1 = _mm512_add_epi32(d1, A[i][1][1]);
+                d2 = _mm512_add_epi32(d2, A[i][1][2]);
+            }
+            const __m512 hi2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(65536.0f),
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(256.0f)));
+            const size_t mg = (size_t)(m0 + i) * ng + g;
+            const __m512 dot = _mm512_mul_ps(_mm512_add_ps(hi2, _mm512_cvtepi32_ps(d0)), _mm512_set1_ps(a->xd[mg]));
+            _mm512_store_ps(F[i], _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xqsum[mg]), dot), _mm512_load_ps(F[i])));
+        }
+    }
+    const __mmask16 mask = tile_mask(w, t);
+    for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, _mm512_load_ps(F[i]));
+}
+
+INLINE void tiles_x24(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1, const int GS) {
+    for (int t = t0; t < t1; t++) {
+        int m = 0;
+        for (; m + 8 <= a->m; m += 8) tile_x24(w, a, y, ldy, t, m, 8, GS);
+        switch (a->m - m) {
+        case 7: tile_x24(w, a, y, ldy, t, m, 7, GS); break;
+        case 6: tile_x24(w, a, y, ldy, t, m, 6, GS); break;
+        case 5: tile_x24(w, a, y, ldy, t, m, 5, GS); break;
+        case 4: tile_x24(w, a, y, ldy, t, m, 4, GS); break;
+        case 3: tile_x24(w, a, y, ldy, t, m, 3, GS); break;
+        case 2: tile_x24(w, a, y, ldy, t, m, 2, GS); break;
+        case 1: tile_x24(w, a, y, ldy, t, m, 1, GS); break;
+        default: break;
+        }
+    }
+}
+
+static void int4_x24_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1) {
+    switch (w->group_size) {
+    case 32: tiles_x24(w, a, y, ldy, t0, t1, 32); break;
+    case 64: tiles_x24(w, a, y, ldy, t0, t1, 64); break;
+    case 128: tiles_x24(w, a, y, ldy, t0, t1, 128); break;
+    default: tiles_x24(w, a, y, ldy, t0, t1, 0); break;
+    }
+}
+
 /* ---------------------------------------------------------------- activation preparation */
 
 /* Lanes of [i, i + 16) that are inside both the group (ends at `end`) and the logical K. */
@@ -197,20 +217,44 @@ INLINE __mmask16 span_mask(int i, int end, int k) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
-static void prep_f32_avx512(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
+/* See tile_x24: a power-of-two scale per group, 23-bit integers, three signed base-256 digits. */
+static void prep_x24_avx512(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
     const int kp = a->kp, ng = a->num_groups, gs = kp / ng;
+    const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+    const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+    const size_t row24 = (size_t)a->m * 24;
     for (int m = m0; m < m1; m++) {
         const float *src = x + (size_t)m * ldx;
-        float *dst = a->x + (size_t)m * kp;
+        int8_t *dst = a->xq + (size_t)m * 24;
         for (int g = 0; g < ng; g++) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int i = g * gs; i < (g + 1) * gs; i += 16) {
-                const __mmask16 store = span_mask(i, (g + 1) * gs, kp);
-                const __m512 v = _mm512_maskz_loadu_ps(span_mask(i, (g + 1) * gs, k), src + i);
-                _mm512_mask_storeu_ps(dst + i, store, v);
-                acc = _mm512_add_ps(acc, v);
+            const int end = (g + 1) * gs;
+            __m512 vmax = _mm512_setzero_ps();
+            for (int i = g * gs; i < end; i += 16)
+                vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(span_mask(i, end, k), src + i)));
+            int e = 0;
+            const float amax = _mm512_reduce_max_ps(vmax);
+            frexpf(amax, &e);                                   /* amax < 2^e */
+            const int shift = amax > 0.0f ? (22 - e < 126 ? 22 - e : 126) : 0;
+            const __m512 scale = _mm512_set1_ps(ldexpf(1.0f, shift));
+            __m512i total = _mm512_setzero_si512();
+            for (int i = g * gs; i < end; i += 16) {
+                const __m512i xi = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(span_mask(i, end, k), src + i), scale));
+                total = _mm512_add_epi32(total, xi);
+                const __m512i d0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(xi, c128), c255), c128);
+                const __m512i r1 = _mm512_srai_epi32(_mm512_sub_epi32(xi, d0), 8);
+                const __m512i d1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(r1, c128), c255), c128);
+                const __m512i d2 = _mm512_srai_epi32(_mm512_sub_epi32(r1, d1), 8);
+                const __m512i digits[3] = {d0, d1, d2};
+                for (int d = 0; d < 3; d++) {
+                    const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(digits[d]), order);
+                    _mm_storel_epi64((__m128i *)(dst + (size_t)(i / 8) * row24 + 8 * d), bytes);
+                    if (end - i >= 16)
+                        _mm_storel_epi64((__m128i *)(dst + (size_t)(i / 8 + 1) * row24 + 8 * d), _mm_srli_si128(bytes, 8));
+                }
             }
-            a->xsum[(size_t)m * ng + g] = _mm512_reduce_add_ps(acc);
+            const float unit = ldexpf(1.0f, -shift);
+            a->xd[(size_t)m * ng + g] = unit;
+            a->xqsum[(size_t)m * ng + g] = unit * (float)_mm512_reduce_add_epi32(total);
         }
     }
 }
@@ -265,7 +309,7 @@ INLINE void rows_block(const void *w, const uint16_t *row_scales, int kind, int 
     for (int i = 0; i < MB; i++) A[i] = _mm512_setzero_ps();
     const int elem = kind == TW_W_F32 ? 4 : kind == TW_W_F16 ? 2 : 1;
     for (int kk = 0; kk < k; kk += 16) {
-        _mm_prefetch((const char *)w + ((size_t)n * k + kk) * elem + TW_PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)w + ((size_t)n * k + kk) * elem + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
         const __mmask16 mask = k - kk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (k - kk)) - 1);
         const __m512 wv = load_row16(w, kind, (size_t)n * k + kk, mask);
         for (int i = 0; i < MB; i++)
@@ -494,7 +538,7 @@ static void residual_rms_norm_avx512(float *out, float *x, const float *add, con
 static float read_sum_avx512(const uint8_t *p, size_t bytes) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     for (size_t i = 0; i < bytes; i += 256) {
-        for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)p + i + line + TW_PREFETCH_BYTES, _MM_HINT_T0);
+        for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)p + i + line + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
         a0 = _mm512_add_epi32(a0, _mm512_load_si512(p + i));
         a1 = _mm512_add_epi32(a1, _mm512_load_si512(p + i + 64));
         a2 = _mm512_add_epi32(a2, _mm512_load_si512(p + i + 128));
@@ -505,8 +549,8 @@ static float read_sum_avx512(const uint8_t *p, size_t bytes) {
 
 const tw_kernels tw_kernels_avx512 = {
     .isa = TW_ISA_AVX512, .name = "avx512",
-    .int4 = {int4_f32_avx512, int4_q8_avx512},
-    .prep = {prep_f32_avx512, prep_q8_avx512},
+    .int4 = {int4_x24_avx512, int4_q8_avx512},
+    .prep = {prep_x24_avx512, prep_q8_avx512},
     .rows = rows_avx512, .dot = dot_avx512, .axpy = axpy_avx512, .read_sum = read_sum_avx512,
     .gated = gated_avx512, .exp_sum = exp_sum_avx512, .attend = attend_avx512,
     .residual_rms_norm = residual_rms_norm_avx512,

@@ -12,7 +12,7 @@ int tw_act_init(tw_act *a, int max_m, int kp, int num_groups) {
     a->num_groups = num_groups;
     a->x = tw_alloc((size_t)max_m * kp * sizeof(float));
     a->xsum = tw_alloc((size_t)max_m * num_groups * sizeof(float));
-    a->xq = tw_alloc((size_t)max_m * kp);
+    a->xq = tw_alloc((size_t)max_m * kp * 3);      /* 3 bytes per value: AVX-512's exact path (24-bit digits) */
     a->xd = tw_alloc((size_t)max_m * num_groups * sizeof(float));
     a->xqsum = tw_alloc((size_t)max_m * num_groups * sizeof(float));
     if (a->x && a->xsum && a->xq && a->xd && a->xqsum) return 0;

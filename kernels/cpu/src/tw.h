@@ -34,7 +34,12 @@
 /* Weight streams are read with a software prefetch this far ahead: the hardware prefetchers
  * alone left a memory-bound decode at half the read bandwidth (measured: 6.3 -> 11.7 GB/s on
  * one core); the bandwidth probe prefetches the same way, so the roofline is comparable. */
+#ifndef TW_PREFETCH_BYTES
 #define TW_PREFETCH_BYTES 4096
+#endif
+#ifndef TW_PREFETCH_HINT
+#define TW_PREFETCH_HINT _MM_HINT_T0
+#endif
 
 /* ------------------------------------------------------------------ INT4 weights */
 
@@ -57,7 +62,8 @@ typedef struct {
     int32_t num_groups;
     float *x;               /* fp32 path: [m][kp] x zero-padded to kp */
     float *xsum;            /* fp32 path: [m][num_groups] sum of x over each group */
-    int8_t *xq;             /* q8 path: [m][kp] round(x / d) per group, chunk order (even k, then odd k) */
+    int8_t *xq;             /* q8 path: [m][kp] round(x / d) per group, chunk order (even k, then odd k);
+                               an ISA may lay it out its own way, up to 3 bytes per value (kern_avx512.c) */
     float *xd;              /* q8 path: [m][num_groups] d = max|x| / 127 of each group */
     float *xqsum;           /* q8 path: [m][num_groups] d * sum(xq) over each group */
 } tw_act;
