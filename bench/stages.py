@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"streams per step for scheduler, sampling and HTTP/2 stages (default {DEFAULT_BATCH})")
     parser.add_argument("--engine-batch", default=DEFAULT_ENGINE_BATCH,
                         help=f"sequences per engine decode step (default {DEFAULT_ENGINE_BATCH})")
+    parser.add_argument("--core", type=int, default=None, help="pin this process to one CPU core")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
 
 
@@ -60,6 +61,10 @@ def run(args) -> int:
         setup, skipped = build_setup(args.model, args.backends.split(","), args.prompt_len, batch, engine_batch)
     except ValueError as exc:
         print(f"tokenwire bench stages: {exc}", file=sys.stderr)
+        return 2
+    from .proc import pin_to_core
+    if args.core is not None and not pin_to_core(args.core):
+        print(f"tokenwire bench stages: cannot pin to core {args.core}", file=sys.stderr)
         return 2
     from .stage_fns import BUILDERS
     results = []
@@ -147,11 +152,11 @@ def make_executor(engine, backend: str, context: int, max_batch: int):
     if backend not in ("reference", "cpu"):
         raise ValueError(f"unknown backend {backend!r}; choose from reference, cpu, cuda")
     from tokenwire.core.model_runner import build_engine_core
-    factory = {}
-    if backend == "reference":
-        from tokenwire.core.model import ReferenceModel
-        factory = {"model_factory": ReferenceModel}
-    core = build_engine_core(engine, max_model_len=context, max_num_seqs=max_batch, **factory)
+    if backend == "cpu":                # the C forward (numpy with a warning when it is not built)
+        from tokenwire.kernels.cpu import create_model as factory
+    else:
+        from tokenwire.core.model import ReferenceModel as factory
+    core = build_engine_core(engine, max_model_len=context, max_num_seqs=max_batch, model_factory=factory)
     return core.executor
 
 
