@@ -8,13 +8,14 @@ What it does, per shape:
    format of docs/ENGINE_FORMAT.md: random 4-bit codes, scales and zero points; group size
    64 as `tokenwire build`'s default; embedding and lm_head int4 unless --embedding says
    otherwise). Speed does not depend on the values, and nothing is downloaded.
-2. Measures the machine's read bandwidth with the backend's probe on the same threads: a
-   streaming read (each thread its own contiguous slice, front to back, the kernels' loads)
-   of a fresh buffer of exactly the bytes one decode step reads, and of a 1 GiB buffer (larger
-   than any L3 this runs on). Median of the passes after a warm-up pass.
-3. For each batch size B: one prefill step of B prompts of --prompt-len tokens (prefill
-   tokens/s), then --steps timed decode steps of B tokens after one warm-up (decode tokens/s
-   from the median step).
+2. For each batch size B (and --repeat times): measures the machine's read bandwidth with the
+   backend's probe on the same threads — a streaming read (each thread its own contiguous
+   slice, front to back, the kernels' loads and prefetch) of a fresh buffer of exactly the
+   bytes one decode step reads, --probe-reps passes after a warm-up — right before timing one
+   prefill step of B prompts of --prompt-len tokens (prefill tokens/s) and --steps decode
+   steps of B tokens after one warm-up. A row reports the medians over its repeats, so the
+   bandwidth and the step it is compared with come from the same minutes of a shared machine.
+   Once per shape, a 1 GiB buffer (larger than any L3 this runs on) is probed for context.
 
 The roofline: a decode step must read every weight once, so it cannot take less than
 weight bytes / read bandwidth. `roofline_fraction` = that time / the measured step time,
@@ -66,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="embedding and lm_head encoding (default: %(default)s)")
     parser.add_argument("--prompt-len", type=int, default=64, help="prefill tokens per sequence (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size (default: %(default)s)")
-    parser.add_argument("--probe-reps", type=int, default=7, help="timed bandwidth passes (default: %(default)s)")
+    parser.add_argument("--probe-reps", type=int, default=5, help="timed bandwidth passes per probe (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3, help="measurements per row; medians reported (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 
@@ -133,9 +135,9 @@ def random_matrix(rng, n: int, k: int, group_size: int, encoding: str) -> dict:
 
 # ------------------------------------------------------------------ measuring
 
-def bandwidth(backend, nbytes: int, reps: int) -> float:
-    """bytes/s: median over `reps` passes of a streaming read of `nbytes`."""
-    return nbytes / statistics.median(backend.read_bandwidth(nbytes, reps))
+def bandwidth_samples(backend, nbytes: int, reps: int) -> list:
+    """bytes/s of each of `reps` streaming-read passes over a fresh `nbytes` buffer."""
+    return [nbytes / s for s in backend.read_bandwidth(nbytes, reps)]
 
 
 def steps_for(batch: int, prompt: list, start: int, tables: list):
@@ -185,7 +187,7 @@ def mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
-def print_header(shape, config, args, backend, weight_bytes, bw_same, bw_large):
+def print_header(shape, config, args, backend, weight_bytes, bw_large):
     c = config
     print(f"\n== {shape}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, intermediate "
           f"{c.intermediate_size}, heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}"
@@ -193,18 +195,34 @@ def print_header(shape, config, args, backend, weight_bytes, bw_same, bw_large):
     print(f"   random-weight engine: INT4 group {args.group_size}, embedding/lm_head {args.embedding}; {backend.describe()}")
     print(f"   weights read per decode step: {mb(weight_bytes)} (every layer's products + lm_head)")
     l3 = l3_bytes()
-    print(f"   read bandwidth, streaming read on {backend.threads} threads, median of {args.probe_reps} passes after a warm-up:")
-    print(f"     {mb(weight_bytes)} buffer (= weights per step): {bw_same / 1e9:.2f} GB/s   <- the roofline")
-    print(f"     {mb(LARGE_PROBE_BYTES)} buffer (> L3 {mb(l3) if l3 else 'unknown'}): {bw_large / 1e9:.2f} GB/s")
-    print(f"   roofline: {mb(weight_bytes)} / {bw_same / 1e9:.2f} GB/s = {weight_bytes / bw_same * 1e3:.2f} ms per decode step")
-    print(f"   {'act':5} {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'weights GB/s':>13} {'% roofline':>11} "
-          f"{'KV MB/step':>11} {'prefill tok/s':>14}")
+    print(f"   read bandwidth: streaming read on {backend.threads} threads (the kernels' loads and prefetch), "
+          f"{args.probe_reps} passes after a warm-up,")
+    print(f"     of a {mb(weight_bytes)} buffer (= weights per step) just before each row's timing: the row's roofline")
+    print(f"     of a {mb(LARGE_PROBE_BYTES)} buffer (> L3 {mb(l3) if l3 else 'unknown'}), for context: "
+          f"{bw_large / 1e9:.2f} GB/s")
+    print(f"   roofline step time = {mb(weight_bytes)} / read bandwidth; % roofline = roofline step / measured step "
+          f"(medians of {args.repeat} repeats)")
+    print(f"   {'act':5} {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'weights GB/s':>13} {'read GB/s':>10} "
+          f"{'% roofline':>11} {'KV MB/step':>11} {'prefill tok/s':>14}")
 
 
 def print_row(row):
     print(f"   {row['activations']:5} {row['batch']:>5} {row['decode_tokens_per_s']:>13.1f} {row['decode_step_ms']:>8.2f} "
-          f"{row['weight_bytes_per_step'] / row['decode_step_ms'] / 1e6:>13.2f} {100 * row['roofline_fraction']:>10.1f}% "
+          f"{row['weight_bytes_per_step'] / row['decode_step_ms'] / 1e6:>13.2f} "
+          f"{row['read_bandwidth_bytes_per_s'] / 1e9:>10.2f} {100 * row['roofline_fraction']:>10.1f}% "
           f"{row['kv_bytes_per_step'] / 1e6:>11.1f} {row['prefill_tokens_per_s']:>14.1f}")
+
+
+def measure_row(model, backend, config, batch: int, weight_bytes: int, args) -> dict:
+    """--repeat times: a bandwidth probe, then the prefill and decode timing; medians."""
+    bw, steps, prefill = [], [], []
+    for _ in range(args.repeat):
+        bw += bandwidth_samples(backend, weight_bytes, args.probe_reps)
+        timing = time_batch(model, config, batch, args.prompt_len, args.steps)
+        steps.append(statistics.median(timing["step_s"]))
+        prefill.append(timing["prefill_tokens_per_s"])
+    return {"bandwidth": statistics.median(bw), "step_s": statistics.median(steps),
+            "prefill_tokens_per_s": statistics.median(prefill)}
 
 
 def run_shape(shape: str, args, backend, batches, precisions) -> list:
@@ -214,23 +232,22 @@ def run_shape(shape: str, args, backend, batches, precisions) -> list:
     models = {p: backend.build(config, tensors, BLOCK_SIZE, num_blocks, p) for p in precisions}
     del tensors
     weight_bytes = next(iter(models.values())).weight_bytes_per_token
-    bw_same = bandwidth(backend, weight_bytes, args.probe_reps)
-    bw_large = bandwidth(backend, LARGE_PROBE_BYTES, max(3, args.probe_reps // 2))
-    print_header(shape, config, args, backend, weight_bytes, bw_same, bw_large)
+    bw_large = statistics.median(bandwidth_samples(backend, LARGE_PROBE_BYTES, args.probe_reps))
+    print_header(shape, config, args, backend, weight_bytes, bw_large)
     rows = []
     for precision, model in models.items():
         for batch in batches:
-            timing = time_batch(model, config, batch, args.prompt_len, args.steps)
-            step = statistics.median(timing["step_s"])
+            m = measure_row(model, backend, config, batch, weight_bytes, args)
+            step = m["step_s"]
             row = {"shape": shape, "backend": backend.name, "activations": precision, "batch": batch,
                    "threads": backend.threads, "decode_tokens_per_s": batch / step, "decode_step_ms": step * 1e3,
-                   "prefill_tokens_per_s": timing["prefill_tokens_per_s"],
+                   "prefill_tokens_per_s": m["prefill_tokens_per_s"],
                    "weight_bytes_per_token": weight_bytes / batch, "weight_bytes_per_step": weight_bytes,
-                   "read_bandwidth_bytes_per_s": bw_same, "read_bandwidth_large_bytes_per_s": bw_large,
-                   "roofline_fraction": weight_bytes / bw_same / step,
+                   "read_bandwidth_bytes_per_s": m["bandwidth"], "read_bandwidth_large_bytes_per_s": bw_large,
+                   "roofline_fraction": weight_bytes / m["bandwidth"] / step,
                    "kv_bytes_per_step": kv_bytes_per_step(config, batch, args.prompt_len + args.steps // 2),
                    "group_size": args.group_size, "embedding": args.embedding, "prompt_len": args.prompt_len,
-                   "decode_steps": args.steps}
+                   "decode_steps": args.steps, "repeat": args.repeat}
             print_row(row)
             rows.append(row)
         base = next(r for r in rows if r["activations"] == precision and r["batch"] == min(batches))
@@ -258,8 +275,8 @@ def run(args) -> int:
     precisions = parse_list(args.activations, "--activations", ("fp32", "int8"))
     if args.threads is not None and args.threads < 1:
         raise SystemExit("tokenwire bench engine: --threads must be >= 1")
-    if args.prompt_len < 1 or args.steps < 1 or args.probe_reps < 1:
-        raise SystemExit("tokenwire bench engine: --prompt-len, --steps and --probe-reps must be >= 1")
+    if min(args.prompt_len, args.steps, args.probe_reps, args.repeat) < 1:
+        raise SystemExit("tokenwire bench engine: --prompt-len, --steps, --probe-reps and --repeat must be >= 1")
     backend = BACKENDS[args.backend](args.threads)
     rows = []
     for shape in args.shape or ["qwen2.5-0.5b"]:
