@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size (default: %(default)s)")
     parser.add_argument("--probe-reps", type=int, default=5, help="timed bandwidth passes per probe (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3, help="measurements per row; medians reported (default: %(default)s)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print where a decode step's time goes (thread 0, by stage; cpu backend)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
 
 
@@ -148,7 +150,7 @@ def steps_for(batch: int, prompt: list, start: int, tables: list):
             for i in range(batch)]
 
 
-def time_batch(model, config, batch: int, prompt_len: int, num_steps: int) -> dict:
+def time_batch(model, config, batch: int, prompt_len: int, num_steps: int, profile: bool = False) -> dict:
     """Prefill B prompts in one step, then decode; -> prefill tokens/s, decode step times (s)."""
     from ..core.forward_batch import build_forward_batch
     total = prompt_len + num_steps + 1
@@ -160,6 +162,8 @@ def time_batch(model, config, batch: int, prompt_len: int, num_steps: int) -> di
     model.forward(batch_data)
     prefill_s = time.perf_counter() - t0
     step_s = []
+    if profile:
+        model.profile(reset=True)
     for i in range(num_steps + 1):                          # the first decode step warms up
         data = build_forward_batch(steps_for(batch, prompt[i % prompt_len:], prompt_len + i, tables), BLOCK_SIZE)
         t0 = time.perf_counter()
@@ -218,11 +222,19 @@ def measure_row(model, backend, config, batch: int, weight_bytes: int, args) -> 
     bw, steps, prefill = [], [], []
     for _ in range(args.repeat):
         bw += bandwidth_samples(backend, weight_bytes, args.probe_reps)
-        timing = time_batch(model, config, batch, args.prompt_len, args.steps)
+        timing = time_batch(model, config, batch, args.prompt_len, args.steps, args.profile)
         steps.append(statistics.median(timing["step_s"]))
         prefill.append(timing["prefill_tokens_per_s"])
     return {"bandwidth": statistics.median(bw), "step_s": statistics.median(steps),
             "prefill_tokens_per_s": statistics.median(prefill)}
+
+
+def print_profile(profile: dict) -> None:
+    """Thread 0's decode-step time by stage (the last repeat's decode steps)."""
+    steps, total = profile.pop("steps"), profile.pop("step_ns")
+    parts = sorted(profile.items(), key=lambda kv: -kv[1])
+    print("      profile: " + ", ".join(f"{name} {100 * ns / total:.1f}%" for name, ns in parts if ns)
+          + f"  (step {total / steps / 1e6:.2f} ms in C)")
 
 
 def run_shape(shape: str, args, backend, batches, precisions) -> list:
@@ -249,6 +261,8 @@ def run_shape(shape: str, args, backend, batches, precisions) -> list:
                    "group_size": args.group_size, "embedding": args.embedding, "prompt_len": args.prompt_len,
                    "decode_steps": args.steps, "repeat": args.repeat}
             print_row(row)
+            if args.profile:
+                print_profile(model.profile(reset=True))
             rows.append(row)
         base = next(r for r in rows if r["activations"] == precision and r["batch"] == min(batches))
         for r in rows:

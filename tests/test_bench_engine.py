@@ -34,10 +34,11 @@ def toy_shape(monkeypatch):
 def test_bench_prints_and_writes_rows_against_the_roofline(toy_shape, tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert main(["bench", "engine", "--shape", "toy", "--batch", "1,3", "--threads", "2", "--steps", "3",
-                 "--prompt-len", "5", "--probe-reps", "3", "--repeat", "2", "--json", str(out)]) == 0
+                 "--prompt-len", "5", "--probe-reps", "3", "--repeat", "2", "--profile", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "read bandwidth: streaming read on 2 threads" in text and "the row's roofline" in text
     assert "batch 3 decodes" in text
+    assert text.count("profile: ") == 4 and "down_proj" in text and "attention" in text
     rows = json.loads(out.read_text())
     assert [(r["activations"], r["batch"]) for r in rows] == [("fp32", 1), ("fp32", 3), ("int8", 1), ("int8", 3)]
     model = bench.CpuBackend(None).build(ModelConfig.from_dict(TOY), bench.random_engine(

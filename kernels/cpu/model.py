@@ -98,6 +98,11 @@ class CpuModel:
         """Bytes of matrix weights one decode step reads: every layer's products plus lm_head."""
         return self._model.weight_bytes_per_token
 
+    def profile(self, reset: bool = False) -> dict:
+        """Where thread 0's time went, summed over the steps since the last reset:
+        {"steps": n, "step_ns": total, stage: ns} for the stages of kernels/cpu/src/model.h."""
+        return self._model.profile(reset)
+
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """One engine step (hot path: once per step). -> float32 [S_sample, vocab]"""
         logits = np.empty((len(batch.logits_indices), self.config.vocab_size), dtype=np.float32)
