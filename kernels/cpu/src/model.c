@@ -6,6 +6,7 @@
  * allocation, no Python, no GIL inside the step. The stage list mirrors
  * ReferenceModel.forward line by line. */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -20,7 +21,8 @@ int tw_model_init(tw_model *m) {
     m->k_cache = tw_alloc(per_cache * sizeof(float));
     m->v_cache = tw_alloc(per_cache * sizeof(float));
     m->attn_scale = (float)pow((double)m->head_dim, -0.5);         /* np.float32(head_dim ** -0.5) */
-    return m->k_cache && m->v_cache ? 0 : -1;
+    m->next_work = tw_alloc((size_t)(5 * m->num_layers + 1) * sizeof(_Atomic int));
+    return m->k_cache && m->v_cache && m->next_work ? 0 : -1;
 }
 
 static void free_own(tw_thread_scratch *own) {
@@ -70,6 +72,8 @@ void tw_model_free(tw_model *m) {
     tw_free(m->inv_freq);
     tw_free(m->k_cache);
     tw_free(m->v_cache);
+    tw_free((void *)m->next_work);
+    m->next_work = NULL;
     m->layers = NULL;
     m->norm = m->k_cache = m->v_cache = NULL;
     m->inv_freq = NULL;
@@ -209,12 +213,57 @@ typedef struct {
     tw_batch *b;
 } step_job;
 
-/* Thread 0 stamps each stage; the others run unobserved (they do the same work). */
+/* A thread's place in the step: thread 0 stamps each stage (the others run unobserved, they
+ * do the same work), and every thread counts the shared stages it passes, in the same order,
+ * to find that stage's work counter. */
 typedef struct {
     tw_model *m;
     int ith, nth;
     uint64_t last;
+    int stage_no;
 } clock0;
+
+/* Items [begin, end) of the current shared stage for this thread, `chunk` at a time: chunk
+ * `ith` first (known in advance, so it can be prefetched), then the next unclaimed one from
+ * the stage's counter (a core slowed by a neighbour takes fewer; results do not depend on
+ * who computes what). Start with *end = -1; returns 0 when none are left. */
+static int claim(clock0 *c, int total, int chunk, int *begin, int *end) {
+    if (c->nth == 1) {
+        if (*end >= total) return 0;
+        *begin = 0, *end = total;
+        return total > 0;
+    }
+    const int idx = *end < 0 ? c->ith
+                             : c->nth + atomic_fetch_add_explicit(&c->m->next_work[c->stage_no], 1, memory_order_relaxed);
+    *begin = idx * chunk;
+    *end = *begin + chunk < total ? *begin + chunk : total;
+    return *begin < total;
+}
+
+/* `total` items in chunks of about 1/(8 nth) of them, at least `min_chunk`. */
+static int chunk_for(const clock0 *c, int total, int min_chunk) {
+    int chunk = total / (8 * c->nth);
+    return chunk > min_chunk ? chunk : min_chunk;
+}
+
+/* tiles in chunks of >= 64 KiB: streams long enough for the prefetch */
+static int tile_chunk(const clock0 *c, const tw_int4 *w) {
+    return chunk_for(c, w->num_tiles, (int)((64u << 10) / (w->num_groups * w->block_bytes)) + 1);
+}
+
+/* Start this thread's first chunk of the next product on its way to L2 (up to 64 KiB):
+ * called when a thread's share of a product is done, so the memory bus keeps streaming
+ * weights through the barrier, the attention and the row work before the next product. */
+static void warm(const clock0 *c, const tw_weight *w) {
+    if (w->kind != TW_W_I4 || c->nth == 1) return;
+    const size_t tile_bytes = (size_t)w->i4.num_groups * w->i4.block_bytes;
+    const int chunk = tile_chunk(c, &w->i4), first = c->ith * chunk;
+    if (first >= w->i4.num_tiles) return;
+    const int last = first + chunk < w->i4.num_tiles ? first + chunk : w->i4.num_tiles;
+    size_t bytes = (size_t)(last - first) * tile_bytes;
+    bytes = bytes < (64u << 10) ? bytes : (64u << 10);
+    tw_prefetch_l2(w->i4.data + (size_t)first * tile_bytes, bytes);
+}
 
 static void stamp(clock0 *c, int stage) {
     if (c->ith) return;
@@ -243,7 +292,7 @@ static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const
         stamp(c, stage);
         return;
     }
-    int t0, t1, r0 = 0, r1 = rows;
+    int t0 = 0, t1, r0 = 0, r1 = rows;
     const int shared = shared_rows(c, rows);
     tw_act a = shared ? m->act : own->act;
     a.m = rows;
@@ -253,8 +302,11 @@ static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const
     tw_active()->prep[m->prec == TW_PREC_Q8](&a, x, ldx, w->k, r0, r1);
     stamp(c, TW_PROF_PREP);
     if (shared && c->nth > 1) sync(c);
-    tw_split(w->i4.num_tiles, c->ith, c->nth, &t0, &t1);
-    tw_active()->int4[m->prec == TW_PREC_Q8](&w->i4, &a, y, w->n, t0, t1);
+    const int chunk = tile_chunk(c, &w->i4);
+    t1 = -1;
+    while (claim(c, w->i4.num_tiles, chunk, &t0, &t1))
+        tw_active()->int4[m->prec == TW_PREC_Q8](&w->i4, &a, y, w->n, t0, t1);
+    c->stage_no++;
     stamp(c, stage);
 }
 
@@ -276,11 +328,14 @@ static void residual_norm(const tw_model *m, tw_thread_scratch *own, const float
     }
 }
 
-static void attention(const tw_model *m, int layer, const tw_batch *b, tw_thread_scratch *own, int ith, int nth) {
-    int i0, i1;
-    tw_split(b->num_seqs * m->num_kv_heads, ith, nth, &i0, &i1);
-    for (int i = i0; i < i1; i++)
-        tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads, own->rope, own->scores);
+/* (sequence, KV head) items, one at a time: their cost varies with the context length */
+static void attention(clock0 *c, int layer, const tw_batch *b, tw_thread_scratch *own) {
+    const tw_model *m = c->m;
+    int i0 = 0, i1 = -1;
+    while (claim(c, b->num_seqs * m->num_kv_heads, 1, &i0, &i1))
+        for (int i = i0; i < i1; i++)
+            tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads, own->rope, own->scores);
+    c->stage_no++;
 }
 
 /* act(gate) * up of every token -> the down product's input (split and shared for long batches) */
@@ -314,7 +369,7 @@ static void step_task(void *arg, int ith, int nth) {
     tw_batch *b = job->b;
     tw_thread_scratch *own = &m->own[ith];
     const int T = b->num_tokens, D = m->dim, q = m->num_heads * m->head_dim;
-    clock0 c = {m, ith, nth, ith ? 0 : (uint64_t)(tw_now_seconds() * 1e9)};
+    clock0 c = {m, ith, nth, ith ? 0 : (uint64_t)(tw_now_seconds() * 1e9), 0};
     const uint64_t start = c.last;
     embed_rows(m, b, own);
     for (int l = 0; l < m->num_layers; l++) {
@@ -322,18 +377,22 @@ static void step_task(void *arg, int ith, int nth) {
         residual_norm(m, own, L->attn_norm, T, l > 0);              /* x += down output of layer l-1 */
         stamp(&c, TW_PROF_ROWS);
         product(&c, own, &L->qkv, own->h, D, T, m->qkv, TW_PROF_QKV);
+        warm(&c, &L->o);
         sync(&c);
-        attention(m, l, b, own, ith, nth);
+        attention(&c, l, b, own);
         stamp(&c, TW_PROF_ATTN);
         sync(&c);
         product(&c, own, &L->o, m->attn, q, T, m->tmp, TW_PROF_O);
+        warm(&c, &L->gate_up);
         sync(&c);
         residual_norm(m, own, L->mlp_norm, T, 1);
         stamp(&c, TW_PROF_ROWS);
         product(&c, own, &L->gate_up, own->h, D, T, m->gate_up, TW_PROF_GATE_UP);
+        warm(&c, &L->down);
         sync(&c);
         const float *mlp = mlp_rows(&c, own, T);
         product(&c, own, &L->down, mlp, m->hidden, T, m->tmp, TW_PROF_DOWN);
+        warm(&c, l + 1 < m->num_layers ? &m->layers[l + 1].qkv : (m->lm_head.kind >= 0 ? &m->lm_head : &m->embed));
         sync(&c);
     }
     logits_rows(m, b, own);
@@ -362,6 +421,7 @@ int tw_model_threads(const tw_model *m, const tw_batch *b, int threads) {
 
 void tw_model_forward(tw_model *m, tw_batch *b, int threads) {
     step_job job = {m, b};
+    for (int i = 0; i < 5 * m->num_layers + 1; i++) atomic_store_explicit(&m->next_work[i], 0, memory_order_relaxed);
     tw_pool_run_n(step_task, &job, threads);
 }
 

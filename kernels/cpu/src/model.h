@@ -81,6 +81,7 @@ typedef struct {
     float *mlp;                     /* [T][I]         shared act(gate) * up, for long batches */
     tw_act act;                     /* [T] rows       shared activation preparation, for long batches */
     tw_thread_scratch *own;         /* [cap_threads]  each thread's private buffers */
+    _Atomic int *next_work;         /* [5 * L + 1] per shared stage: the next unclaimed item, 0 at step start */
     tw_profile prof;
 } tw_model;
 

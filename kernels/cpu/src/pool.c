@@ -22,7 +22,10 @@
 
 #include "tw.h"
 
-#define TASK_SPIN_NS 100000     /* a worker spins this long after a task before it sleeps */
+#define TASK_PAUSE_NS 50000     /* after a task a worker spins this long on pause ... */
+#define TASK_SPIN_NS 3000000    /* ... then yields its core between checks until this long, then sleeps:
+                                 * engine steps come back to back with ~0.3 ms of Python between them,
+                                 * and a worker woken from sleep arrives late to the first barrier */
 #define BARRIER_SPIN_NS 30000   /* a thread at a barrier spins this long before it sleeps */
 #define YIELD_AFTER 256         /* pauses before a waiter starts yielding its core (oversubscribed machines) */
 
@@ -64,12 +67,16 @@ static void relax(unsigned *spins) {
 
 static unsigned wait_for_task(unsigned seen) {
     unsigned g;
-    long long deadline = 0;
+    long long start = 0;
     for (unsigned spins = 0; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; spins++) {
         if ((spins & 255) != 255) { CPU_RELAX(); continue; }
         long long t = now_ns();
-        if (!deadline) deadline = t + TASK_SPIN_NS;
-        if (t < deadline) continue;
+        if (!start) start = t;
+        if (t - start < TASK_PAUSE_NS) continue;
+        if (t - start < TASK_SPIN_NS) {
+            sched_yield();                      /* a runnable thread on this core goes first */
+            continue;
+        }
         pthread_mutex_lock(&pool.sleep_mu);
         while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.sleep_cv, &pool.sleep_mu);
         pthread_mutex_unlock(&pool.sleep_mu);

@@ -32,10 +32,11 @@
 #define TW_TILE 16
 #define TW_ALIGN 64
 /* Weight streams are read with a software prefetch this far ahead: the hardware prefetchers
- * alone left a memory-bound decode at half the read bandwidth (measured: 6.3 -> 11.7 GB/s on
- * one core); the bandwidth probe prefetches the same way, so the roofline is comparable. */
+ * alone left a memory-bound GEMV at half the read bandwidth (measured on one core: 6.3 ->
+ * 11.7 GB/s with 4 KiB; 8 KiB did best in A/B runs of the decode step, 16 KiB no better);
+ * the bandwidth probe prefetches the same way, so the roofline is comparable. */
 #ifndef TW_PREFETCH_BYTES
-#define TW_PREFETCH_BYTES 4096
+#define TW_PREFETCH_BYTES 8192
 #endif
 #ifndef TW_PREFETCH_HINT
 #define TW_PREFETCH_HINT _MM_HINT_T0
@@ -190,6 +191,7 @@ static inline void tw_split(int total, int ith, int nth, int *begin, int *end) {
 int tw_read_bandwidth(size_t bytes, int reps, double *seconds);
 double tw_now_seconds(void);
 
+void tw_prefetch_l2(const void *p, size_t bytes);    /* prefetcht1 every 64-byte line (a no-op off x86) */
 void *tw_alloc(size_t bytes);                        /* 64-byte aligned, zeroed; NULL on failure */
 void tw_free(void *p);
 
