@@ -289,7 +289,9 @@ INLINE __m256 exp256(__m256 x_in) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const __m256 overflow = _mm256_cmp_ps(x_in, _mm256_set1_ps(88.72284f), _CMP_GT_OQ);
-    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)), _mm256_set1_ps(__builtin_inff()), overflow);
+    const __m256 normal = _mm256_cmp_ps(x_in, _mm256_set1_ps(-87.33654f), _CMP_GE_OQ);   /* else 0, as exp512 */
+    const __m256 e = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(pow2n)), normal);
+    return _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), overflow);
 }
 
 INLINE __m256 gated256(__m256 x, __m256 up, int gelu) {

@@ -120,6 +120,14 @@ void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq,
     float *v = m->v_cache + layer * per_layer + (size_t)kv_head * hd;          /* slot stride kv_size */
     const float *bias = m->layers[layer].qkv_bias;
     for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
+        /* this item's slice of the qkv row was written by whichever core computed its tiles:
+         * ask for all of its lines at once rather than missing on them one by one */
+        const float *r = m->qkv + (size_t)t * row;
+        tw_prefetch_l2(r + q0, (size_t)group * hd * sizeof(float));
+        tw_prefetch_l2(r + k0, (size_t)hd * sizeof(float));
+        tw_prefetch_l2(r + v0, (size_t)hd * sizeof(float));
+    }
+    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
         float *r = m->qkv + (size_t)t * row;
         if (bias) {
             add(r + q0, bias + q0, group * hd);
