@@ -55,23 +55,26 @@ BLOCK_SIZE = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", action="append", choices=sorted(SHAPES),
-                        help="architecture shape; repeat for several (default: qwen2.5-0.5b)")
-    parser.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default: %(default)s)")
+    from .engine_cuda import add_cuda_arguments, all_shapes
+    parser.add_argument("--shape", action="append", choices=sorted(all_shapes()),
+                        help="architecture shape; repeat for several (default: qwen2.5-0.5b on cpu, "
+                             "llama-3.2-1b and llama-3.1-8b on cuda)")
+    parser.add_argument("--batch", help="comma-separated batch sizes (default: 1,4,16 on cpu, 1,8,32,128 on cuda)")
     parser.add_argument("--threads", type=int, help="kernel threads (default: physical cores)")
-    parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS), help="(default: %(default)s)")
+    parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS) + ["cuda"], help="(default: %(default)s)")
     parser.add_argument("--activations", default="fp32,int8",
                         help="INT4 product activations, comma-separated: fp32 (exact), int8 (default: %(default)s)")
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="(default: %(default)s)")
     parser.add_argument("--embedding", default="int4", choices=("fp16", "int8", "int4"),
                         help="embedding and lm_head encoding (default: %(default)s)")
-    parser.add_argument("--prompt-len", type=int, default=64, help="prefill tokens per sequence (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size (default: %(default)s)")
+    parser.add_argument("--prompt-len", type=int, help="prefill tokens per sequence (default: 64 on cpu, 512 on cuda)")
+    parser.add_argument("--steps", type=int, help="timed decode steps per batch size (default: 10 on cpu, 50 on cuda)")
     parser.add_argument("--probe-reps", type=int, default=5, help="timed bandwidth passes per probe (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3, help="measurements per row; medians reported (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
-                        help="also print where a decode step's time goes (thread 0, by stage; cpu backend)")
+                        help="also print where a decode step's time goes (cpu: thread 0 by stage; cuda: every kernel of one eager step)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    add_cuda_arguments(parser)
 
 
 # ------------------------------------------------------------------ backends
@@ -106,7 +109,8 @@ BACKENDS = {"cpu": CpuBackend}
 
 def shape_config(shape: str):
     from ..core.config import ModelConfig
-    return ModelConfig.from_dict(SHAPES[shape])
+    from .engine_cuda import all_shapes
+    return ModelConfig.from_dict(all_shapes()[shape])
 
 
 def random_engine(config, group_size: int, embedding: str, seed: int = 0) -> dict:
@@ -284,7 +288,19 @@ def parse_list(text: str, what: str, allowed=None) -> list:
     return sorted({int(t) for t in items})
 
 
+def _fill_defaults(args, **defaults) -> None:
+    """Options whose default depends on the backend."""
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run(args) -> int:
+    if args.backend == "cuda":
+        from . import engine_cuda
+        _fill_defaults(args, batch="1,8,32,128", prompt_len=512, steps=50)
+        return engine_cuda.run(args)
+    _fill_defaults(args, batch="1,4,16", prompt_len=64, steps=10)
     batches = parse_list(args.batch, "--batch")
     precisions = parse_list(args.activations, "--activations", ("fp32", "int8"))
     if args.threads is not None and args.threads < 1:

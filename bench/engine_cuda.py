@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedding", default="int4", choices=("fp16", "int8", "int4"),
                         help="embedding and lm_head encoding (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    parser.add_argument("--profile", action="store_true", help="time every kernel of one eager decode step")
     add_cuda_arguments(parser)
 
 
@@ -72,7 +73,6 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
     g.add_argument("--int4-activations", default="exact", choices=("exact", "fp16"),
                    help="INT4 tensor-core activations: exact (hi/lo fp16 pair) or fp16 (default: %(default)s)")
-    g.add_argument("--profile", action="store_true", help="time every kernel of one eager decode step")
 
 
 # ------------------------------------------------------------------ measurements
