@@ -4,6 +4,7 @@ Prints a progress bar while quantizing and the per-tensor error report at the en
 input prints one `error: ...` line naming the file and the problem, and exits 2.
 """
 
+import argparse
 import sys
 
 
@@ -25,8 +26,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokenizer", metavar="PATH", help="llama2.c vocabulary (tok*.bin or SentencePiece .model); "
                                                             "default: the one beside the checkpoint")
     parser.add_argument("--calibration", metavar="FILE", help="calibration text (default: the shipped sample)")
-    parser.add_argument("--eval", action="store_true", help="also measure the perplexity change on held-out text "
-                                                             "(numpy reference forward; slow for large models)")
+    parser.add_argument("--eval", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the float-vs-INT4 perplexity change on the shipped held-out text "
+                             "(numpy reference forward; --no-eval skips it for large models; default on)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no report")
 
