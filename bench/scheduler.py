@@ -10,9 +10,11 @@ detokenization through the byte-table fast path, one RequestOutput per request, 
 per-token timeline stamp). Excluded: the executor (the mock's own work). Stop strings
 are off here; detokenization is also timed on its own, per token, for both decoders.
 
-Reference, measured in the same run: the bare cost of allocating B SeqStep + B
-RequestOutput records in a Python loop — the per-request floor of the record contracts
-on this machine, since NamedTuple construction dominates at large batch.
+Reference, measured in the same run: the bare cost of what the record contracts ask per
+decoding request, in a Python loop — updating its `DecodeStep` in place (core/executor.py:
+the scheduler keeps one per decoding request) and allocating one `RequestOutput`, the
+record that crosses to the event loop. NamedTuple construction dominates at large batch.
+(Before DecodeStep, the floor was a fresh SeqStep + RequestOutput per request: about twice this.)
 """
 
 import argparse
@@ -97,18 +99,21 @@ def time_steps(batch: int, num_steps: int) -> list:
 
 
 def record_floor_us(batch: int, repeats: int = 200) -> float:
-    """Median µs to build `batch` SeqSteps + `batch` RequestOutputs in a bare loop."""
-    from tokenwire.core.executor import SeqStep
+    """Median µs to update `batch` DecodeSteps and build `batch` RequestOutputs in a bare loop."""
+    from tokenwire.core.executor import DecodeStep
     from tokenwire.core.outputs import RequestOutput
     from tokenwire.core.sampling_params import SamplingParams
     new, params, ids = tuple.__new__, SamplingParams(), [1, 2, 3]
+    steps = [DecodeStep(i, (3,), 2, ids, True, params, 7, ids, ids) for i in range(batch)]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter_ns()
         seqs, outs = [], []
-        for i in range(batch):
-            seqs.append(new(SeqStep, (i, (3,), 2, ids, True, params, 7, ids, ids)))
-            outs.append(new(RequestOutput, (i, (3,), "x", None, None, 3, 1, t0, None)))
+        for i, step in enumerate(steps):
+            step.start_pos = i
+            step.token_ids = token_ids = (i,)
+            seqs.append(step)
+            outs.append(new(RequestOutput, (i, token_ids, "x", None, None, 3, 1, t0, None)))
         times.append((time.perf_counter_ns() - t0) / 1e3)
     return statistics.median(times)
 

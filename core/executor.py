@@ -2,7 +2,9 @@
 
 The scheduler (core/scheduler.py) decides, each step, which tokens of which sequences go
 through the model; it hands the executor a list of `SeqStep` records and gets back one
-sampled token per sequence that asked for one. Everything device-side — the KV cache
+sampled token per sequence that asked for one (a step's records are `SeqStep`s, or
+`DecodeStep`s: the same fields, kept per decoding request and updated in place; read them
+by field name, and only during the step). Everything device-side — the KV cache
 arrays, weights, streams, graphs — belongs to the executor. The scheduler only moves
 ints and lists (block ids, token ids), so it tests in microseconds with a fake executor.
 
@@ -27,6 +29,37 @@ class SeqStep(NamedTuple):
     seed: int                           # the request's resolved seed (drawn when the request gave none)
     prompt_token_ids: Sequence[int]     # repetition penalty context
     output_token_ids: Sequence[int]     # generated so far; len() is the RNG counter for the next draw
+
+
+class DecodeStep:
+    """A `SeqStep` the scheduler keeps for each decoding request and updates in place.
+
+    Same fields, same meaning, read by attribute as a `SeqStep` is (executors read every
+    step record by field name only; none indexes or unpacks one). A decode changes only
+    `token_ids` and `start_pos` from one step to the next, and building a fresh 9-field
+    record per request per step was a third of the scheduler's per-step cost. Like the
+    lists a `SeqStep` already shares with its request (block_table, output_token_ids),
+    its values hold for the `step()` it is passed to, not after.
+    """
+
+    __slots__ = SeqStep._fields
+
+    def __init__(self, seq_id: int, token_ids: Sequence[int], start_pos: int, block_table: Sequence[int],
+                 sample: bool, sampling: SamplingParams, seed: int, prompt_token_ids: Sequence[int],
+                 output_token_ids: Sequence[int]):
+        self.seq_id = seq_id
+        self.token_ids = token_ids
+        self.start_pos = start_pos
+        self.block_table = block_table
+        self.sample = sample
+        self.sampling = sampling
+        self.seed = seed
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids = output_token_ids
+
+    def __repr__(self) -> str:
+        return (f"DecodeStep(seq_id={self.seq_id}, token_ids={self.token_ids}, start_pos={self.start_pos}, "
+                f"blocks={len(self.block_table)})")
 
 
 class TopLogprobs(NamedTuple):

@@ -17,6 +17,8 @@ Rules:
    recompute after a preemption are one code path.
 3. The sampling RNG counter is `len(output_token_ids)`, so a recomputed request draws the
    same numbers it would have drawn without the preemption.
+4. `block_table` and `output_token_ids` are never rebound (grown, cleared in place): the
+   request's `decode_step` shares them.
 
 No tensor library here: ints and lists.
 """
@@ -25,6 +27,7 @@ import enum
 from typing import Optional
 
 from .errors import IllegalTransition
+from .executor import DecodeStep
 from .outputs import Timeline
 from .sampling_params import SamplingParams
 
@@ -55,9 +58,9 @@ class Request:
     """A request from submission to its end. Owned by the engine thread once submitted."""
 
     __slots__ = ("request_id", "params", "timeline", "priority", "arrival_seq", "seed",
-                 "prompt_token_ids", "output_token_ids", "last_token_ids", "num_prompt_tokens", "step_done_ns",
-                 "max_total_tokens", "stop_token_ids", "text_stream", "state",
-                 "num_computed_tokens", "num_scheduled_tokens", "block_table",
+                 "prompt_token_ids", "output_token_ids", "num_prompt_tokens", "step_done_ns",
+                 "max_total_tokens", "max_output_tokens", "stop_token_ids", "text_stream", "state",
+                 "num_computed_tokens", "num_scheduled_tokens", "block_table", "decode_step",
                  "finish_reason", "error", "num_preemptions")
 
     def __init__(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline, *,
@@ -71,17 +74,21 @@ class Request:
         self.seed = seed                            # resolved: never None
         self.prompt_token_ids = prompt_token_ids    # list[int] [L]
         self.output_token_ids = []                  # list[int], grows by one per decode step
-        self.last_token_ids = ()                    # (output_token_ids[-1],): the next decode feed, made once
         self.num_prompt_tokens = len(prompt_token_ids)
         self.step_done_ns = timeline.step_done_ns   # the timeline's per-token stamps, one hop closer
         max_new = params.max_tokens if params.max_tokens is not None else max_model_len
         self.max_total_tokens = min(max_model_len, self.num_prompt_tokens + max_new)
+        self.max_output_tokens = self.max_total_tokens - self.num_prompt_tokens   # the length stop, as a count
         self.stop_token_ids = stop_token_ids        # EOS (unless ignore_eos) + params.stop_token_ids
         self.text_stream = text_stream             # core/detokenizer: ids -> text, stop strings
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.num_scheduled_tokens = 0               # tokens fed in the current step
         self.block_table = []                       # list[int]: physical KV blocks, in position order
+        # this request's SeqStep while DECODING, updated in place each step: token_ids is
+        # (output_token_ids[-1],), set when that token is appended; start_pos when scheduled
+        self.decode_step = DecodeStep(request_id, (), 0, self.block_table, True, params, seed,
+                                      prompt_token_ids, self.output_token_ids)
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
         self.num_preemptions = 0

@@ -22,7 +22,6 @@ is 0 outside a step. No tensor library here: ints, lists, a heap.
 
 import bisect
 import heapq
-import itertools
 from operator import attrgetter
 from typing import Optional
 
@@ -34,7 +33,6 @@ from .request import Request, RequestState
 WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
 _sort_key = attrgetter("sort_key")
 _new_tuple = tuple.__new__          # NamedTuple construction without the Python-level __new__ (hot path)
-_NONES = itertools.repeat(None)
 
 
 class Scheduler:
@@ -106,8 +104,9 @@ class Scheduler:
                     break                   # it preempted itself: every newer request is gone too
                 bm.append_slot(req.block_table, start + 1)
             add_scheduled(req)
-            add_seq(_new_tuple(SeqStep, (req.request_id, req.last_token_ids, start, req.block_table, True,
-                                         req.params, req.seed, req.prompt_token_ids, req.output_token_ids)))
+            step = req.decode_step          # its token_ids were set when the token was appended
+            step.start_pos = start
+            add_seq(step)
         return self.max_num_batched_tokens - len(seqs), num_preempted, prefilling
 
     def _preempt_for(self, req: Request) -> int:
@@ -211,35 +210,37 @@ class Scheduler:
         outputs = []
         num_decodes = self.num_decodes
         if num_decodes:
-            self._update_decodes(scheduled[:num_decodes], sampled_ids, logprobs, now_ns, outputs)
+            decodes = scheduled if len(scheduled) == num_decodes else scheduled[:num_decodes]
+            self._append_tokens(decodes, sampled_ids, now_ns, outputs)
         k = num_decodes
         for req in scheduled[num_decodes:]:
-            req.num_computed_tokens += req.num_scheduled_tokens
+            computed = req.num_computed_tokens + req.num_scheduled_tokens
             req.num_scheduled_tokens = 0
-            if req.num_computed_tokens < req.num_tokens:
+            if computed < req.num_tokens:
+                req.num_computed_tokens = computed
                 continue                    # a prefill chunk short of the end: nothing sampled
-            lp = None if logprobs is None else logprobs[k]
+            req.num_computed_tokens = computed - 1      # _append_tokens counts the last token, as for a decode
             req.transition(DECODING)
-            self._update_decodes([req], sampled_ids[k:k + 1], None if lp is None else [lp], now_ns, outputs,
-                                 computed=False)
+            self._append_tokens((req,), sampled_ids[k:k + 1], now_ns, outputs)
             k += 1
+        if logprobs is not None:
+            self._attach_logprobs(outputs, logprobs)
         if self.finished_now:
             self.finished_now = 0
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
-    def _update_decodes(self, reqs: list, sampled_ids, logprobs, now_ns: int, outputs: list,
-                        computed: bool = True) -> None:
-        """Append one token to each request, stop or go on, and make its RequestOutput. The
-        loop body runs once per generated token: hence the local names and the inline checks."""
+    def _append_tokens(self, reqs, sampled_ids, now_ns: int, outputs: list) -> None:
+        """Append one token to each request (its last fed token is now cached), stop or go on,
+        and make its RequestOutput. The loop body runs once per generated token: hence the
+        local names and the inline checks."""
         append = outputs.append
-        lps = logprobs if logprobs is not None else _NONES
-        for req, token_id, lp in zip(reqs, sampled_ids, lps):
-            if computed:
-                req.num_computed_tokens += 1
+        for req, token_id in zip(reqs, sampled_ids):
+            req.num_computed_tokens += 1
             output_ids = req.output_token_ids
             output_ids.append(token_id)
-            req.last_token_ids = token_ids = (token_id,)     # this output's ids, and the next step's feed
+            num_output = len(output_ids)
+            req.decode_step.token_ids = token_ids = (token_id,)  # this output's ids, and the next step's feed
             req.step_done_ns.append(now_ns)
             if token_id in req.stop_token_ids:
                 finish, text = FINISH_STOP, ""      # the stop token's own text is not output
@@ -247,13 +248,21 @@ class Scheduler:
                 stream = req.text_stream
                 text = stream.push(token_id)
                 finish = FINISH_STOP if stream.stopped else \
-                    FINISH_LENGTH if req.num_computed_tokens >= req.max_total_tokens - 1 else None
+                    FINISH_LENGTH if num_output >= req.max_output_tokens else None
             if finish is not None:
                 text += req.text_stream.finish()
                 self._finish(req, RequestState.FINISHED, finish, now_ns)
                 self.finished_now += 1
-            append(_new_tuple(RequestOutput, (req.request_id, token_ids, text, None if lp is None else (lp,),
-                                              finish, req.num_prompt_tokens, len(output_ids), now_ns, None)))
+            append(_new_tuple(RequestOutput, (req.request_id, token_ids, text, None, finish, req.num_prompt_tokens,
+                                              num_output, now_ns, None)))
+
+    @staticmethod
+    def _attach_logprobs(outputs: list, logprobs) -> None:
+        """The step's outputs are its sampled tokens, in order: give each its TopLogprobs, if any
+        (rare: a second record only for the rows that asked)."""
+        for i, lp in enumerate(logprobs):
+            if lp is not None:
+                outputs[i] = outputs[i]._replace(logprobs=(lp,))
 
     def _finish(self, req: Request, state: RequestState, reason: str, now_ns: int,
                 error: Optional[str] = None) -> None:
