@@ -1,35 +1,57 @@
 """Sans-IO HTTP/2 server session: `receive_data(bytes) -> list[Event]`, `data_to_send() -> bytes`.
 
-Rule 1: h2 owns the connection: SETTINGS, PING, frame parsing, GOAWAY on protocol errors,
-        stream states, inbound flow control, RST_STREAM. Two things are ours on the way in:
-        request header checks (request_headers.py: a malformed request is a stream error,
-        as RFC 7540 8.1.2.6 says, where h2 makes it a connection error) and the concurrent
-        stream limit (one stream too many is refused with REFUSED_STREAM instead of h2
-        ending the connection); HPACK decoding stays h2's, through a memoizing decoder.
-Rule 2: response frames (HEADERS, DATA, trailers) are built here, from 9-byte headers packed
-        by a precompiled struct, because h2's per-frame work costs several microseconds and
-        the hot path writes one frame per token per stream. Header blocks use context-free
-        HPACK (hpack_plain.py), cached per session. Each frame drives h2's own connection and
-        stream state machines with the input h2's send methods would use (SEND_HEADERS,
-        SEND_END_STREAM), so h2 keeps knowing exactly which streams are open.
-Rule 3: the send windows are h2's own fields (`H2Connection.outbound_flow_control_window`,
-        `H2Stream.outbound_flow_control_window`). Each DATA frame built here debits both by
-        exactly its length, so h2's view of the windows never drifts from the bytes on the
-        wire, and a peer's WINDOW_UPDATEs can never push h2's view past 2**31 - 1.
-Rule 4: whatever h2 produces is moved into the output list right after each h2 call, so
-        frames leave in the order they were made (HEADERS before DATA before trailers).
-Rule 5: every stream has its own send queue: a stream whose window is shut queues its
-        bytes and never holds up the others; WINDOW_UPDATE and SETTINGS changes drain it.
-Rule 6: nothing here awaits or touches a socket.
+Streams are ours; the connection's negotiation is h2's.
+
+Rule 1: every frame that belongs to a stream (HEADERS, CONTINUATION, DATA, RST_STREAM,
+        WINDOW_UPDATE, PRIORITY) is split from the bytes here (9-byte headers), checked and
+        applied to our own stream table. A stream's life is the table `TRANSITIONS` (RFC 9113
+        5.1, server side); a transition that is not in it is an error, never a silent default.
+        h2 never sees a stream frame and never knows a stream.
+Rule 2: h2's `H2Connection` keeps what it does well and what is off the hot path: the client
+        preface, SETTINGS (ours, the peer's, value checks, both ACKs) and PING (the ACK, and our
+        drain PING). Those frames are handed to it one at a time, in arrival order, so a
+        SETTINGS change lands between the same stream frames as on the wire; what the peer's
+        settings mean for us (frame size, initial window, HPACK table size) is read back from
+        it. GOAWAY is ours both ways (h2 would close its state machine on one).
+Rule 3: flow control is exact and ours in both directions. Out: every DATA frame debits the
+        connection and stream send windows by exactly its length; WINDOW_UPDATE and SETTINGS
+        credit them, never past 2**31 - 1. In: every DATA byte (padding included) counts
+        against both receive windows, and a peer that overruns one ends the connection
+        (FLOW_CONTROL_ERROR). Consumed bytes go back in at most one connection WINDOW_UPDATE per
+        read, once half the window is used; a stream's window is as large as the largest body
+        we accept, so a request body never needs a stream WINDOW_UPDATE (a body being discarded
+        gets its window back in batches the same way).
+Rule 4: every header block is HPACK-decoded, in arrival order, also for streams we refuse or
+        reset: the dynamic table must see them all. Repeated blocks replay from a memo that is
+        valid only against the same table (request_headers.py).
+Rule 5: response frames (HEADERS, DATA, trailers) are built here from precompiled 9-byte
+        headers; header blocks are context-free HPACK (hpack_plain.py), cached per session.
+Rule 6: whatever h2 produces is moved into the output list right after each h2 call, so
+        frames leave in the order they were made.
+Rule 7: every stream has its own send queue: a stream whose window is shut queues its bytes
+        and never holds up the others; WINDOW_UPDATE and SETTINGS changes drain it.
+Rule 8: nothing here awaits or touches a socket.
+
+Errors (RFC 9113 5.4). A connection error writes GOAWAY (last stream id, code), reports
+`ConnectionClosed` and ignores all later input. A stream error writes RST_STREAM; if the app
+holds the stream it gets `StreamReset`. Frames that arrive on a stream we reset are ignored
+(their DATA still counts against the connection window). Where RFC 9113 asks for a stream
+error and h2 ends the connection, the RFC is followed: malformed requests (8.1.1: bad fields,
+content-length not matching the body, trailers without END_STREAM or with pseudo-headers),
+a zero or overflowing stream WINDOW_UPDATE (6.9, 6.9.1), a PRIORITY frame of the wrong size
+or depending on its own stream (6.3, RFC 7540 5.3.1). An HPACK decoding error is a
+COMPRESSION_ERROR (4.3). One stream over our SETTINGS_MAX_CONCURRENT_STREAMS is refused
+(REFUSED_STREAM, safe to retry): a client may open streams before our SETTINGS reach it.
 
 Graceful shutdown: streams the client opens after `begin_shutdown()` are refused at once
-(RST_STREAM REFUSED_STREAM: not processed, safe to retry elsewhere); the in-flight ones run
-to their end; then a PING, and GOAWAY once the PING's ACK shows the peer has read every
-byte before it; then close. GOAWAY waits that long because curl up to 8.0 drops whatever it
-received in the same read as a GOAWAY, silently truncating the streams. GOAWAY is written
-here, not through h2: h2 moves its state machine to CLOSED on sending GOAWAY. A peer's
-GOAWAY(NO_ERROR) lets the open streams finish (RFC 7540 6.8); h2 would refuse them, so its
-state machine is put back to open.
+(REFUSED_STREAM: not processed, safe to retry elsewhere); the in-flight ones run to their
+end; then a PING, and GOAWAY once the PING's ACK shows the peer has read every byte before
+it; then close. GOAWAY waits that long because curl up to 8.0 drops whatever it received in
+the same read as a GOAWAY, silently truncating the streams. A peer's GOAWAY(NO_ERROR) lets
+the open streams finish (RFC 9113 6.8).
+
+The receive path is one function per frame type on purpose: each runs per frame of every
+request, and the checks read in the order RFC 9113 gives them.
 """
 
 import base64
@@ -41,68 +63,155 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
-from h2.connection import ConnectionInputs
+import hpack
 from h2.errors import ErrorCodes
-from h2.stream import StreamInputs
 
 from .events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset
 from .hpack_plain import encode_block
-from .request_headers import MalformedRequest, MemoDecoder, split_headers
+from .request_headers import MalformedRequest, RequestDecoder
 
 # frame header: 24-bit length (as 8 + 16 bits), type, flags, 31-bit stream id
 FRAME_HEADER = struct.Struct(">BHBBI")
-DATA_HEADER = FRAME_HEADER              # type 0x0 DATA
-TYPE_HEADERS = 0x1
-END_STREAM = 0x1
-END_HEADERS = 0x4
+DATA_HEADER = FRAME_HEADER
+RECV_HEADER = struct.Struct(">IBI")     # (length << 8 | type), flags, stream id: one unpack per frame
 GOAWAY = struct.Struct(">BHBBIII")      # header + last stream id + error code
+RST_STREAM_FRAME = struct.Struct(">BHBBII")     # header + error code
+WINDOW_UPDATE_FRAME = struct.Struct(">BHBBII")  # header + increment
+U32 = struct.Struct(">I")
 DRAIN_PING = b"tw-drain"                # PING payload that asks "have you read everything?"
-TYPE_GOAWAY = 0x7
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+# frame types (RFC 9113 6)
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, TYPE_GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+TYPE_HEADERS = HEADERS
+# flags
+END_STREAM = 0x1
+ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+
 MAX_WINDOW = 2**31 - 1
+CONNECTION_WINDOW = 2**24               # our connection receive window, raised to this at the start
+MAX_CONTINUATIONS = 64                  # CONTINUATION frames per header block (h2's limit)
+CLOSED_MEMORY = 1024                    # recently closed streams remembered (how they closed)
+
+# stream states (RFC 9113 5.1, as a server sees them; idle and closed streams are not in the table)
+IDLE, OPEN, HALF_CLOSED_REMOTE, HALF_CLOSED_LOCAL, CLOSED = range(5)
+STATE_NAMES = ("idle", "open", "half-closed (remote)", "half-closed (local)", "closed")
+# inputs
+RECV_HEADERS, RECV_DATA, RECV_TRAILERS, RECV_END_STREAM, RECV_RST_STREAM, SEND_END_STREAM, SEND_RST_STREAM = range(7)
+# how a stream closed, for frames that arrive after
+CLOSED_BY_END, CLOSED_BY_RESET_SENT, CLOSED_BY_RESET_RECV = range(3)
+
+# (state, input) -> next state; anything else is an error: a stream error STREAM_CLOSED for
+# what the peer sends on a half-closed (remote) stream (RFC 9113 5.1), our bug for what we send
+TRANSITIONS = {
+    (IDLE, RECV_HEADERS): OPEN,
+    (OPEN, RECV_DATA): OPEN,
+    (OPEN, RECV_TRAILERS): OPEN,
+    (OPEN, RECV_END_STREAM): HALF_CLOSED_REMOTE,
+    (OPEN, SEND_END_STREAM): HALF_CLOSED_LOCAL,
+    (OPEN, RECV_RST_STREAM): CLOSED,
+    (OPEN, SEND_RST_STREAM): CLOSED,
+    (HALF_CLOSED_REMOTE, SEND_END_STREAM): CLOSED,
+    (HALF_CLOSED_REMOTE, RECV_RST_STREAM): CLOSED,
+    (HALF_CLOSED_REMOTE, SEND_RST_STREAM): CLOSED,
+    (HALF_CLOSED_LOCAL, RECV_DATA): HALF_CLOSED_LOCAL,
+    (HALF_CLOSED_LOCAL, RECV_TRAILERS): HALF_CLOSED_LOCAL,
+    (HALF_CLOSED_LOCAL, RECV_END_STREAM): CLOSED,
+    (HALF_CLOSED_LOCAL, RECV_RST_STREAM): CLOSED,
+    (HALF_CLOSED_LOCAL, SEND_RST_STREAM): CLOSED,
+}
+_RECV_INPUTS = frozenset({RECV_HEADERS, RECV_DATA, RECV_TRAILERS, RECV_END_STREAM, RECV_RST_STREAM})
+
+
+class ConnectionError_(Exception):
+    """A connection error (RFC 9113 5.4.1): GOAWAY with `code`, then nothing more."""
+
+    def __init__(self, code: ErrorCodes, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class StreamError(Exception):
+    """A stream error (RFC 9113 5.4.2): RST_STREAM with `code` on `stream_id`."""
+
+    def __init__(self, stream_id: int, code: ErrorCodes, message: str):
+        super().__init__(message)
+        self.stream_id = stream_id
+        self.code = code
 
 
 class _Stream:
     """One request/response exchange as the session sees it."""
-    __slots__ = ("id", "h2", "method", "target", "headers", "body", "arrived_ns",
-                 "too_large", "pending", "end_after")
+    __slots__ = ("id", "state", "method", "target", "headers", "body", "body_len", "content_length",
+                 "arrived_ns", "too_large", "send_window", "recv_window", "recv_unacked", "pending", "end_after")
 
-    def __init__(self, stream_id, h2_stream, method, target, headers, arrived_ns):
+    def __init__(self, stream_id, method, target, headers, content_length, arrived_ns, send_window, recv_window):
         self.id = stream_id
-        self.h2 = h2_stream             # h2's H2Stream: holds this stream's send window
+        self.state = OPEN
         self.method = method
         self.target = target
         self.headers = headers
-        self.body = bytearray()
+        self.body = None                # bytes of the first DATA frame; a list of chunks from the second on
+        self.body_len = 0
+        self.content_length = content_length    # the request's content-length, None if it gave none
         self.arrived_ns = arrived_ns
         self.too_large = False
+        self.send_window = send_window  # bytes we may send (the peer's window for this stream)
+        self.recv_window = recv_window  # bytes the peer may send
+        self.recv_unacked = 0           # discarded body bytes not yet handed back (too-large bodies)
         self.pending = bytearray()      # response bytes waiting for window
         self.end_after = None           # trailers list (maybe empty) once the response is ended
+
+
+def transition(st: _Stream, event: int) -> int:
+    """Apply one input to a stream's state machine; -> the new state (see TRANSITIONS)."""
+    new = TRANSITIONS.get((st.state, event))
+    if new is None:
+        if event in _RECV_INPUTS:
+            raise StreamError(st.id, ErrorCodes.STREAM_CLOSED,
+                              f"stream {st.id} is {STATE_NAMES[st.state]}: the peer may not send that on it")
+        raise RuntimeError(f"stream {st.id}: input {event} in state {STATE_NAMES[st.state]} (a bug in the session)")
+    st.state = new
+    return new
 
 
 class H2Session:
     """The server side of one HTTP/2 connection (prior knowledge, TLS ALPN `h2`, or after h2c upgrade)."""
 
     def __init__(self, limits: Limits, upgrade_settings: bytes | None = None):
-        # inbound header checks happen in request_headers.split_headers (see there)
         config = h2.config.H2Configuration(client_side=False, header_encoding=None, validate_inbound_headers=False)
         self.conn = h2.connection.H2Connection(config)
-        self.conn.local_settings = _local_settings(limits, limits.max_concurrent_streams)
-        self.conn.decoder = MemoDecoder()
+        self.conn.local_settings = _local_settings(limits)
+        self.decoder = self.conn.decoder = RequestDecoder()     # h2 sets its table size on our SETTINGS' ACK
         # enforced from the first request, not only once the client has acknowledged our SETTINGS;
-        # over it, h2 ends the connection (GOAWAY) rather than answering 431 on the stream
-        self.conn.decoder.max_header_list_size = limits.max_header_list_size
+        # a header list over it ends the connection (ENHANCE_YOUR_CALM)
+        self.decoder.max_header_list_size = limits.max_header_list_size
         self.limits = limits
-        self.streams: dict[int, _Stream] = {}
+        self.streams: dict[int, _Stream] = {}       # streams whose response is not over: the app writes to these
+        self._open: dict[int, _Stream] = {}         # every stream not closed (RFC 9113 5.1)
+        self._closed: dict[int, int] = {}           # recently closed stream id -> CLOSED_BY_*
         self._blocked: dict[int, _Stream] = {}      # streams with queued bytes, oldest first
         self._out: list[bytes] = []
+        self._buf = b""                             # an incomplete frame, kept for the next read
         self._received_ns = 0
-        self._blocks: dict = {}                      # (status, headers) -> encoded header block
-        self.goaway_last_id: int | None = None       # set once a graceful shutdown began: the last stream served
+        self._preface_left = len(PREFACE)
+        self._first_frame = True                    # the preface must be followed by SETTINGS
+        self._header_block = None                   # (stream id, HEADERS flags, [fragments], self-dependent) until END_HEADERS
+        self._blocks: dict = {}                     # (status, headers) -> encoded header block
+        self.highest_stream_id = 0                  # the highest stream the peer opened
+        self.stream_recv_window = _initial_window(limits)
+        self._recv_window = CONNECTION_WINDOW       # connection: bytes the peer may still send
+        self._recv_unacked = 0                      # consumed, not yet handed back
+        self.send_window = 65535                    # connection: bytes we may send (RFC 9113 6.9.2)
+        self.goaway_last_id: int | None = None      # set once a graceful shutdown began: the last stream served
         self.goaway_sent = False
         self._drain_pinged = False
-        self.closed = False                          # peer went away or broke the protocol
-        self.wants_poll = False                      # HTTP/1.1 pipelining flag; never set here
-        self.peer_goaway = False                     # the peer sent GOAWAY(NO_ERROR): finish and close
+        self.closed = False                         # peer went away or broke the protocol
+        self.wants_poll = False                     # HTTP/1.1 pipelining flag; never set here
+        self.peer_goaway = False                    # the peer sent GOAWAY(NO_ERROR): finish and close
         if upgrade_settings is None:
             self.conn.initiate_connection()
         else:
@@ -110,11 +219,9 @@ class H2Session:
             base64.urlsafe_b64decode(padded)  # raises binascii.Error on garbage before h2 sees it
             self.conn.initiate_upgrade_connection(padded)
         self._drain_h2()
-        # The SETTINGS just written advertise our stream limit; h2 itself gets no limit, because
-        # it would end the whole connection over one stream too many. A client may open streams
-        # before our SETTINGS reach it (RFC 7540 5.1.2: the limit starts unlimited), so the extra
-        # ones are refused one by one (RST_STREAM REFUSED_STREAM, safe to retry) in _on_request.
-        self.conn.local_settings = _local_settings(limits, 2**31 - 1)
+        self._out.append(WINDOW_UPDATE_FRAME.pack(0, 4, WINDOW_UPDATE, 0, 0, CONNECTION_WINDOW - 65535))
+        self.max_frame_size = self.conn.max_outbound_frame_size     # the peer's SETTINGS_MAX_FRAME_SIZE
+        self.peer_initial_window = self.conn.remote_settings.initial_window_size
 
     # ----------------------------------------------------------------- input
 
@@ -123,96 +230,384 @@ class H2Session:
         if self.closed:
             return []
         self._received_ns = time.monotonic_ns()   # a request's arrival: when its last header bytes came in
-        try:
-            h2_events = self.conn.receive_data(data)
-        except (h2.exceptions.ProtocolError, ValueError) as exc:  # h2 has queued GOAWAY
-            self._drain_h2()
-            self.closed = True
-            return [ConnectionClosed(f"HTTP/2 protocol error: {exc}")]
-        self._drain_h2()            # ACKs and the like go before anything the handlers write
+        if self._buf:
+            data = self._buf + data
+            self._buf = b""
         events = []
-        for ev in h2_events:
-            handler = _HANDLERS.get(type(ev))
-            if handler is not None:
-                handler(self, ev, events)
+        try:
+            if self._preface_left:
+                data = self._take_preface(data)
+            pos = self._frames(data, events)
+        except ConnectionError_ as exc:
+            self._connection_error(exc.code, str(exc), events)
+            return events
+        if pos < len(data):
+            self._buf = data[pos:]
+        if self._recv_unacked >= CONNECTION_WINDOW // 2:
+            self._hand_back_connection_window()
         return events
+
+    def _take_preface(self, data: bytes) -> bytes:
+        n = min(self._preface_left, len(data))
+        self._to_h2(data[:n], [])                   # h2 checks it
+        self._preface_left -= n
+        return data[n:]
+
+    def _frames(self, data: bytes, events: list) -> int:
+        """Handle every complete frame in `data` (hot path: per read); -> bytes used."""
+        pos, end = 0, len(data)
+        handlers = self._handlers
+        max_size = self.conn.max_inbound_frame_size
+        while end - pos >= 9:
+            head, flags, stream_id = RECV_HEADER.unpack_from(data, pos)
+            length, ftype = head >> 8, head & 0xFF
+            if length > max_size:
+                raise ConnectionError_(ErrorCodes.FRAME_SIZE_ERROR, f"a frame of {length} bytes, over the "
+                                       f"{max_size} of SETTINGS_MAX_FRAME_SIZE")
+            stop = pos + 9 + length
+            if stop > end:
+                break
+            if self._header_block is not None and ftype != CONTINUATION:
+                raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "a header block was interrupted by another frame")
+            if self._first_frame:
+                if ftype != SETTINGS:
+                    raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "the client preface must end with SETTINGS")
+                self._first_frame = False
+            stream_id &= 0x7FFFFFFF
+            try:
+                if ftype < 10:
+                    handlers[ftype](self, flags, stream_id, data, pos, stop, events)
+                # unknown frame types are ignored (RFC 9113 5.5)
+            except StreamError as exc:
+                self._stream_error(exc.stream_id, exc.code, events)
+            pos = stop
+            if self.closed:
+                break
+        return pos
+
+    # --------------------------------------------------- stream frames
+
+    def _on_headers(self, flags, sid, data, pos, stop, events):
+        """HEADERS: a request's header block, or its trailers (maybe continued by CONTINUATION)."""
+        start = pos + 9
+        if sid == 0:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "HEADERS on stream 0")
+        if flags & PADDED:
+            start, stop = _unpad(data, start, stop)
+        if flags & PRIORITY_FLAG:
+            if stop - start < 5:
+                raise ConnectionError_(ErrorCodes.FRAME_SIZE_ERROR, "HEADERS too short for its priority fields")
+            self_dependent = U32.unpack_from(data, start)[0] & 0x7FFFFFFF == sid
+            start += 5
+        else:
+            self_dependent = False
+        fragment = data[start:stop]
+        if not flags & END_HEADERS:
+            self._header_block = (sid, flags, [fragment], self_dependent)
+            return
+        self._on_header_block(sid, flags, fragment, self_dependent, events)
+
+    def _on_continuation(self, flags, sid, data, pos, stop, events):
+        block = self._header_block
+        if block is None or block[0] != sid:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"CONTINUATION on stream {sid} without a header block "
+                                   "in progress on it")
+        fragments = block[2]
+        fragments.append(data[pos + 9:stop])
+        if len(fragments) > MAX_CONTINUATIONS:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"more than {MAX_CONTINUATIONS} CONTINUATION frames")
+        if flags & END_HEADERS:
+            self._header_block = None
+            self._on_header_block(sid, block[1], b"".join(fragments), block[3], events)
+
+    def _on_header_block(self, sid, flags, block, self_dependent, events):
+        """A complete header block (hot path: once per request)."""
+        st = self._open.get(sid)
+        if st is not None:
+            self._on_trailers(st, flags, block, events)
+            return
+        if sid <= self.highest_stream_id or not sid & 1:
+            self._decode(block)                      # keeps the table in step if this is only a stream error
+            how = self._closed.get(sid)
+            if how is CLOSED_BY_RESET_SENT or how is CLOSED_BY_RESET_RECV:
+                raise StreamError(sid, ErrorCodes.STREAM_CLOSED, f"HEADERS on reset stream {sid}")
+            if how is CLOSED_BY_END:
+                raise ConnectionError_(ErrorCodes.STREAM_CLOSED, f"HEADERS on closed stream {sid}")
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"stream id {sid} is even or not above "
+                                   f"{self.highest_stream_id}, the last one opened")
+        self.highest_stream_id = sid
+        try:
+            method, target, headers, content_length = self._decode_request(block)
+        except MalformedRequest:         # RFC 9113 8.1.1: a stream error, not a connection error
+            self._reset(sid, ErrorCodes.PROTOCOL_ERROR)
+            return
+        if self_dependent:
+            self._reset(sid, ErrorCodes.PROTOCOL_ERROR)
+            return
+        if ((self.goaway_last_id is not None and sid > self.goaway_last_id)
+                or len(self._open) >= self.limits.max_concurrent_streams):
+            self._reset(sid, ErrorCodes.REFUSED_STREAM)
+            return
+        st = _Stream(sid, method, target, headers, content_length, self._received_ns,
+                     self.peer_initial_window, self.stream_recv_window)
+        self._open[sid] = self.streams[sid] = st
+        if flags & END_STREAM:
+            self._end_request(st, events)
+
+    def _on_trailers(self, st: _Stream, flags: int, block: bytes, events: list) -> None:
+        """A second header block on a request: trailers. They must end the stream and carry no
+        pseudo-header (RFC 9113 8.1); their fields are not used."""
+        fields = self._decode(block)
+        transition(st, RECV_TRAILERS)
+        if not flags & END_STREAM or any(name[:1] == b":" for name, _ in fields):
+            raise StreamError(st.id, ErrorCodes.PROTOCOL_ERROR, "malformed trailers")
+        self._end_request(st, events)
+
+    def _on_data(self, flags, sid, data, pos, stop, events):
+        """DATA: request body bytes (hot path: once per request, usually)."""
+        start = pos + 9
+        length = stop - start                        # flow-controlled: padding included
+        if sid == 0:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "DATA on stream 0")
+        self._recv_window -= length
+        if self._recv_window < 0:
+            raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        self._recv_unacked += length
+        if flags & PADDED:
+            start, stop = _unpad(data, start, stop)
+        st = self._open.get(sid)
+        if st is None:
+            self._on_data_closed(sid)
+            return
+        st.recv_window -= length
+        if st.recv_window < 0:
+            raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR, f"DATA beyond the window of stream {sid}")
+        transition(st, RECV_DATA)
+        if stop > start:
+            if st.too_large or st.end_after is not None:
+                self._discard(st, length)
+            else:
+                self._add_body(st, data[start:stop], events)
+        elif length and (st.too_large or st.end_after is not None):
+            self._discard(st, length)
+        if flags & END_STREAM:
+            self._end_request(st, events)
+
+    def _on_data_closed(self, sid: int) -> None:
+        """DATA on a stream not open: on an idle one, a connection error; on one we reset,
+        ignored; on one otherwise closed, a stream error (h2 does the same)."""
+        if sid > self.highest_stream_id:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"DATA on idle stream {sid}")
+        if self._closed.get(sid) is not CLOSED_BY_RESET_SENT:
+            raise StreamError(sid, ErrorCodes.STREAM_CLOSED, f"DATA on closed stream {sid}")
+
+    def _add_body(self, st: _Stream, chunk: bytes, events: list) -> None:
+        n = st.body_len + len(chunk)
+        if n > self.limits.max_body_bytes:
+            st.too_large = True
+            st.body = None
+            self._discard(st, 0)
+            events.append(BodyTooLarge(st.id, st.method, st.target, st.headers, st.arrived_ns))
+            return
+        if st.content_length is not None and n > st.content_length:
+            raise StreamError(st.id, ErrorCodes.PROTOCOL_ERROR, "body longer than its content-length")
+        body = st.body
+        if body is None:
+            st.body = chunk
+        elif type(body) is list:
+            body.append(chunk)
+        else:
+            st.body = [body, chunk]
+        st.body_len = n
+
+    def _discard(self, st: _Stream, length: int) -> None:
+        """Body bytes nobody will read: hand the stream's window back in batches, so the client can finish."""
+        st.recv_unacked += length
+        if st.recv_unacked >= self.stream_recv_window // 2 and st.state in (OPEN, HALF_CLOSED_LOCAL):
+            self._out.append(WINDOW_UPDATE_FRAME.pack(0, 4, WINDOW_UPDATE, 0, st.id, st.recv_unacked))
+            st.recv_window += st.recv_unacked
+            st.recv_unacked = 0
+
+    def _end_request(self, st: _Stream, events: list) -> None:
+        """The peer's END_STREAM: the request is complete (unless it was too large)."""
+        if transition(st, RECV_END_STREAM) == CLOSED:
+            self._close(st, CLOSED_BY_END)
+        if st.too_large or st.end_after is not None:
+            return
+        if st.content_length is not None and st.body_len != st.content_length:
+            raise StreamError(st.id, ErrorCodes.PROTOCOL_ERROR, "body shorter than its content-length")
+        body = st.body
+        st.body = None
+        if body is None:
+            body = b""
+        elif type(body) is list:
+            body = b"".join(body)
+        events.append(Request(st.id, st.method, st.target, st.headers, body, st.arrived_ns))
+
+    def _on_rst_stream(self, flags, sid, data, pos, stop, events):
+        if stop - pos != 13:
+            raise ConnectionError_(ErrorCodes.FRAME_SIZE_ERROR, "RST_STREAM must be 4 bytes")
+        if sid == 0:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "RST_STREAM on stream 0")
+        st = self._open.get(sid)
+        if st is None:
+            if sid > self.highest_stream_id:
+                raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
+            return                                  # already closed: nothing to do
+        transition(st, RECV_RST_STREAM)
+        held = sid in self.streams
+        self._close(st, CLOSED_BY_RESET_RECV)
+        if held:
+            events.append(StreamReset(sid))
+            self._maybe_goaway()
+
+    def _on_window_update(self, flags, sid, data, pos, stop, events):
+        if stop - pos != 13:
+            raise ConnectionError_(ErrorCodes.FRAME_SIZE_ERROR, "WINDOW_UPDATE must be 4 bytes")
+        increment = U32.unpack_from(data, pos + 9)[0] & 0x7FFFFFFF
+        if sid == 0:
+            if not increment:
+                raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "WINDOW_UPDATE of 0 on the connection")
+            self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR, "connection window above 2**31 - 1")
+            if self._blocked:
+                self._drain_blocked()
+            return
+        st = self._open.get(sid)
+        if st is None:
+            if sid > self.highest_stream_id:
+                raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
+            return                                  # closed: may arrive for a while (RFC 9113 5.1)
+        if not increment:
+            raise StreamError(sid, ErrorCodes.PROTOCOL_ERROR, f"WINDOW_UPDATE of 0 on stream {sid}")
+        st.send_window += increment
+        if st.send_window > MAX_WINDOW:
+            raise StreamError(sid, ErrorCodes.FLOW_CONTROL_ERROR, f"window of stream {sid} above 2**31 - 1")
+        if st.pending:
+            self._drain_stream(st)
+
+    def _on_priority(self, flags, sid, data, pos, stop, events):
+        """Priority signals are ignored, once checked (RFC 9113 6.3)."""
+        if sid == 0:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "PRIORITY on stream 0")
+        if stop - pos != 14:
+            self._priority_error(sid, ErrorCodes.FRAME_SIZE_ERROR, "PRIORITY must be 5 bytes")
+        elif U32.unpack_from(data, pos + 9)[0] & 0x7FFFFFFF == sid:
+            self._priority_error(sid, ErrorCodes.PROTOCOL_ERROR, f"stream {sid} depends on itself")
+
+    def _priority_error(self, sid: int, code: ErrorCodes, message: str) -> None:
+        """A stream error, but RST_STREAM may not name an idle stream (RFC 9113 6.4): then the connection's."""
+        if sid > self.highest_stream_id:
+            raise ConnectionError_(code, message)
+        raise StreamError(sid, code, message)
+
+    # ------------------------------------------------ connection frames
+
+    def _on_connection_frame(self, flags, sid, data, pos, stop, events):
+        """SETTINGS and PING: h2's (see rule 2)."""
+        self._to_h2(data[pos:stop], events)
+
+    def _on_push_promise(self, flags, sid, data, pos, stop, events):
+        raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "a client may not send PUSH_PROMISE")
+
+    def _on_goaway(self, flags, sid, data, pos, stop, events):
+        """The peer is going away. NO_ERROR: no new streams, but the open ones may finish (RFC 9113 6.8)."""
+        if sid != 0:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "GOAWAY on a stream")
+        if stop - pos < 17:
+            raise ConnectionError_(ErrorCodes.FRAME_SIZE_ERROR, "GOAWAY shorter than 8 bytes")
+        code = U32.unpack_from(data, pos + 13)[0]
+        if code == ErrorCodes.NO_ERROR and self.streams:
+            self.peer_goaway = True
+            return
+        self.closed = True
+        events.append(ConnectionClosed(f"peer sent GOAWAY (error code {_code_name(code)})"))
+
+    def _to_h2(self, raw: bytes, events: list) -> None:
+        try:
+            h2_events = self.conn.receive_data(raw)
+        except (h2.exceptions.ProtocolError, ValueError) as exc:  # h2 queued its own GOAWAY: ours replaces it
+            self.conn.data_to_send()
+            raise ConnectionError_(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR), str(exc)) from None
+        self._drain_h2()            # ACKs go before anything written after this frame
+        for ev in h2_events:
+            if type(ev) is h2.events.RemoteSettingsChanged:
+                self._on_settings_changed(ev)
+            elif type(ev) is h2.events.PingAckReceived:
+                self._on_ping_ack(ev)
+
+    def _on_settings_changed(self, ev) -> None:
+        """The peer's new SETTINGS: a new initial window moves every stream's send window by the
+        difference (RFC 9113 6.9.2); a new frame size or window may let queued bytes go."""
+        changed = ev.changed_settings.get(h2.settings.SettingCodes.INITIAL_WINDOW_SIZE)
+        if changed is not None:
+            delta = changed.new_value - self.peer_initial_window
+            self.peer_initial_window = changed.new_value
+            for st in self._open.values():
+                st.send_window += delta
+                if st.send_window > MAX_WINDOW:
+                    raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR,
+                                           f"SETTINGS_INITIAL_WINDOW_SIZE puts stream {st.id} above 2**31 - 1")
+        self.max_frame_size = self.conn.max_outbound_frame_size
+        if self._blocked:
+            self._drain_blocked()
+
+    def _on_ping_ack(self, ev) -> None:
+        if ev.ping_data == DRAIN_PING and self._drain_pinged and not self.goaway_sent:
+            self._send_goaway(self.goaway_last_id, ErrorCodes.NO_ERROR)
+
+    # ------------------------------------------------------------ errors
+
+    def _connection_error(self, code: ErrorCodes, message: str, events: list) -> None:
+        self._send_goaway(self.highest_stream_id, code)
+        self.closed = True
+        events.append(ConnectionClosed(f"HTTP/2 protocol error ({_code_name(code)}): {message}"))
+
+    def _stream_error(self, sid: int, code: ErrorCodes, events: list) -> None:
+        """RST_STREAM; the app hears of it if it holds the stream."""
+        held = sid in self.streams
+        self._reset(sid, code)
+        if held:
+            events.append(StreamReset(sid))
+            self._maybe_goaway()
+
+    def _reset(self, sid: int, code: ErrorCodes) -> None:
+        st = self._open.get(sid)
+        if st is not None:
+            transition(st, SEND_RST_STREAM)
+            self._close(st, CLOSED_BY_RESET_SENT)
+        else:
+            self._remember_closed(sid, CLOSED_BY_RESET_SENT)
+        self._out.append(RST_STREAM_FRAME.pack(0, 4, RST_STREAM, 0, sid, code))
+
+    def _close(self, st: _Stream, how: int) -> None:
+        del self._open[st.id]
+        self.streams.pop(st.id, None)
+        if st.pending:
+            self._blocked.pop(st.id, None)
+        self._remember_closed(st.id, how)
+
+    def _remember_closed(self, sid: int, how: int) -> None:
+        closed = self._closed
+        closed[sid] = how
+        if len(closed) > 2 * CLOSED_MEMORY:        # keep the newest half: amortized O(1) per stream
+            self._closed = dict(list(closed.items())[-CLOSED_MEMORY:])
+
+    # ---------------------------------------------------------------- output
 
     def poll_events(self) -> list:
         """HTTP/2 delivers every event from `receive_data`; present for symmetry with HTTP/1.1."""
         return []
 
     def upgraded_request(self, request: Request) -> Request:
-        """Adopt the HTTP/1.1 request that carried `Upgrade: h2c` as stream 1."""
-        self.streams[1] = _Stream(1, self.conn.streams[1], request.method, request.target,
-                                  request.headers, request.arrived_ns)
+        """Adopt the HTTP/1.1 request that carried `Upgrade: h2c` as stream 1 (half-closed (remote))."""
+        st = _Stream(1, request.method, request.target, request.headers, None, request.arrived_ns,
+                     self.peer_initial_window, self.stream_recv_window)
+        st.state = HALF_CLOSED_REMOTE
+        self._open[1] = self.streams[1] = st
+        self.highest_stream_id = 1
         return request._replace(stream_id=1)
-
-    def _on_request(self, ev, events):
-        sid = ev.stream_id
-        try:
-            method, target, headers = split_headers(ev.headers)
-        except MalformedRequest:         # RFC 7540 8.1.2.6: a stream error, not a connection error
-            self.conn.reset_stream(sid, ErrorCodes.PROTOCOL_ERROR)
-            self._drain_h2()
-            return
-        if ((self.goaway_last_id is not None and sid > self.goaway_last_id)
-                or len(self.streams) >= self.limits.max_concurrent_streams):
-            self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
-            self._drain_h2()
-            return
-        self.streams[sid] = _Stream(sid, self.conn.streams[sid], method, target, headers, self._received_ns)
-
-    def _on_data(self, ev, events):
-        self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-        self._drain_h2()
-        st = self.streams.get(ev.stream_id)
-        if st is None or st.too_large:
-            return
-        if len(st.body) + len(ev.data) > self.limits.max_body_bytes:
-            st.too_large = True
-            st.body = bytearray()
-            events.append(BodyTooLarge(st.id, st.method, st.target, st.headers, st.arrived_ns))
-            return
-        st.body += ev.data
-
-    def _on_stream_ended(self, ev, events):
-        st = self.streams.get(ev.stream_id)
-        if st is not None and not st.too_large:
-            events.append(Request(st.id, st.method, st.target, st.headers, bytes(st.body), st.arrived_ns))
-            st.body = bytearray()
-
-    def _on_stream_reset(self, ev, events):
-        st = self.streams.pop(ev.stream_id, None)
-        self._blocked.pop(ev.stream_id, None)
-        if st is not None:
-            events.append(StreamReset(ev.stream_id))
-            self._maybe_goaway()
-
-    def _on_window_updated(self, ev, events):
-        if ev.stream_id == 0:
-            self._drain_blocked()
-        else:
-            st = self._blocked.get(ev.stream_id)
-            if st is not None:
-                self._drain_stream(st)
-
-    def _on_settings_changed(self, ev, events):
-        codes = ev.changed_settings
-        if (h2.settings.SettingCodes.INITIAL_WINDOW_SIZE in codes
-                or h2.settings.SettingCodes.MAX_FRAME_SIZE in codes):
-            self._drain_blocked()
-
-    def _on_terminated(self, ev, events):
-        """Peer GOAWAY. NO_ERROR: no new streams, but open ones may finish (RFC 7540 6.8); h2 moved
-        its state machine to CLOSED, which would refuse them, so it goes back to open here."""
-        if ev.error_code == ErrorCodes.NO_ERROR and self.streams:
-            self.conn.state_machine.state = h2.connection.ConnectionState.SERVER_OPEN
-            self.peer_goaway = True
-            return
-        self.closed = True
-        events.append(ConnectionClosed(f"peer sent GOAWAY (error code {ev.error_code!r})"))
-
-    # ---------------------------------------------------------------- output
 
     def data_to_send(self) -> bytes:
         """Everything written since the last call, in order (one transport write)."""
@@ -228,27 +623,32 @@ class H2Session:
         self._send_headers(self.streams[stream_id], status, headers, 0)
 
     def _send_headers(self, st: _Stream, status: int | None, headers, flags: int) -> None:
-        """One HEADERS frame (response or trailers), through h2's state machines but not its encoder."""
-        conn = self.conn
+        """One HEADERS frame (response or trailers), continued by CONTINUATION frames if it is too big."""
         key = (status, headers if type(headers) is tuple else tuple(headers))
         block = self._blocks.get(key)
         if block is None:
             block = encode_block(status, key[1])
             if len(self._blocks) < 64:
                 self._blocks[key] = block
-        if conn.encoder.table_size_changes or len(block) > conn.max_outbound_frame_size:
-            # rare: the peer resized its HPACK table (the next block must say so) or a huge block
-            full = ([(b":status", str(status).encode())] if status is not None else []) + list(key[1])
-            conn.send_headers(st.id, full, end_stream=bool(flags & END_STREAM))
-            self._drain_h2()
-            return
-        conn.state_machine.process_input(ConnectionInputs.SEND_HEADERS)
-        st.h2.state_machine.process_input(StreamInputs.SEND_HEADERS)
-        if flags & END_STREAM:
-            st.h2.state_machine.process_input(StreamInputs.SEND_END_STREAM)
+        encoder = self.conn.encoder
+        if encoder.table_size_changes:      # the peer resized its table: the next block says so first
+            block = encoder.encode([]) + block
         n = len(block)
-        self._out.append(FRAME_HEADER.pack(n >> 16, n & 0xFFFF, TYPE_HEADERS, flags | END_HEADERS, st.id))
-        self._out.append(block)
+        if n <= self.max_frame_size:
+            self._out.append(FRAME_HEADER.pack(n >> 16, n & 0xFFFF, HEADERS, flags | END_HEADERS, st.id))
+            self._out.append(block)
+            return
+        self._send_continued(st.id, block, flags)
+
+    def _send_continued(self, sid: int, block: bytes, flags: int) -> None:
+        size = self.max_frame_size
+        chunks = [block[i:i + size] for i in range(0, len(block), size)]
+        for i, chunk in enumerate(chunks):
+            ftype = HEADERS if i == 0 else CONTINUATION
+            fflags = (flags if i == 0 else 0) | (END_HEADERS if i == len(chunks) - 1 else 0)
+            n = len(chunk)
+            self._out.append(FRAME_HEADER.pack(n >> 16, n & 0xFFFF, ftype, fflags, sid))
+            self._out.append(chunk)
 
     def send_data(self, stream_id: int, payload: bytes) -> None:
         """Queue `payload` as DATA on the stream (hot path: once per token per stream).
@@ -258,14 +658,12 @@ class H2Session:
         """
         st = self.streams[stream_id]
         n = len(payload)
-        conn = self.conn
-        if (st.pending or n > conn.outbound_flow_control_window
-                or n > st.h2.outbound_flow_control_window or n > conn.max_outbound_frame_size):
+        if st.pending or n > self.send_window or n > st.send_window or n > self.max_frame_size:
             st.pending += payload
             self._drain_stream(st)
             return
-        conn.outbound_flow_control_window -= n
-        st.h2.outbound_flow_control_window -= n
+        self.send_window -= n
+        st.send_window -= n
         self._out.append(DATA_HEADER.pack(n >> 16, n & 0xFFFF, 0, 0, stream_id))
         self._out.append(payload)
 
@@ -287,22 +685,19 @@ class H2Session:
         self.end_response(stream_id, trailers)
 
     def reset_stream(self, stream_id: int, error_code: int = ErrorCodes.CANCEL) -> None:
-        st = self.streams.pop(stream_id, None)
-        self._blocked.pop(stream_id, None)
-        if st is not None:
-            self.conn.reset_stream(stream_id, error_code)
-            self._drain_h2()
+        if stream_id in self.streams:
+            self._reset(stream_id, error_code)
             self._maybe_goaway()
 
     def begin_shutdown(self) -> None:
         """Graceful shutdown: serve the open streams, refuse new ones, GOAWAY once the open ones end."""
         if self.goaway_last_id is not None or self.closed:
             return
-        self.goaway_last_id = self.conn.highest_inbound_stream_id
+        self.goaway_last_id = self.highest_stream_id
         self._maybe_goaway(served_any=bool(self.streams))
 
     def _maybe_goaway(self, served_any: bool = True) -> None:
-        """Once the last in-flight stream ended: PING, then GOAWAY on its ACK (see the module rules)."""
+        """Once the last in-flight stream ended: PING, then GOAWAY on its ACK (see the module docstring)."""
         if self.goaway_last_id is None or self.streams or self.goaway_sent or self._drain_pinged:
             return
         if served_any:
@@ -310,15 +705,11 @@ class H2Session:
             self.conn.ping(DRAIN_PING)
             self._drain_h2()
         else:
-            self._send_goaway()
+            self._send_goaway(self.goaway_last_id, ErrorCodes.NO_ERROR)
 
-    def _send_goaway(self) -> None:
+    def _send_goaway(self, last_stream_id: int, code: ErrorCodes) -> None:
         self.goaway_sent = True
-        self._out.append(GOAWAY.pack(0, 8, TYPE_GOAWAY, 0, 0, self.goaway_last_id, ErrorCodes.NO_ERROR))
-
-    def _on_ping_ack(self, ev, events):
-        if ev.ping_data == DRAIN_PING and self._drain_pinged and not self.goaway_sent:
-            self._send_goaway()
+        self._out.append(GOAWAY.pack(0, 8, TYPE_GOAWAY, 0, 0, last_stream_id, code))
 
     @property
     def num_active_streams(self) -> int:
@@ -331,10 +722,32 @@ class H2Session:
 
     def window_for(self, stream_id: int) -> int:
         """Bytes the stream may send now (both windows), for tests and diagnostics."""
-        return min(self.conn.outbound_flow_control_window,
-                   self.streams[stream_id].h2.outbound_flow_control_window)
+        return min(self.send_window, self.streams[stream_id].send_window)
 
     # -------------------------------------------------------------- internals
+
+    def _decode(self, block: bytes) -> list:
+        """HPACK-decode a block that is not a new request's (trailers, or one we will refuse)."""
+        try:
+            return self.decoder.decode(block, raw=True)
+        except hpack.OversizedHeaderListError as exc:
+            raise ConnectionError_(ErrorCodes.ENHANCE_YOUR_CALM, str(exc)) from None
+        except (hpack.HPACKError, IndexError, TypeError) as exc:
+            raise ConnectionError_(ErrorCodes.COMPRESSION_ERROR, f"header block does not decode: {exc}") from None
+
+    def _decode_request(self, block: bytes) -> tuple:
+        try:
+            return self.decoder.decode_request(block)
+        except hpack.OversizedHeaderListError as exc:
+            raise ConnectionError_(ErrorCodes.ENHANCE_YOUR_CALM, str(exc)) from None
+        except (hpack.HPACKError, IndexError, TypeError) as exc:
+            raise ConnectionError_(ErrorCodes.COMPRESSION_ERROR, f"header block does not decode: {exc}") from None
+
+    def _hand_back_connection_window(self) -> None:
+        n = self._recv_unacked
+        self._recv_unacked = 0
+        self._recv_window += n
+        self._out.append(WINDOW_UPDATE_FRAME.pack(0, 4, WINDOW_UPDATE, 0, 0, n))
 
     def _drain_h2(self) -> None:
         data = self.conn.data_to_send()
@@ -343,15 +756,13 @@ class H2Session:
 
     def _drain_stream(self, st: _Stream) -> None:
         """Send as much of the stream's queue as both windows and the frame size allow."""
-        conn = self.conn
         pending = st.pending
         while pending:
-            n = min(len(pending), conn.outbound_flow_control_window,
-                    st.h2.outbound_flow_control_window, conn.max_outbound_frame_size)
+            n = min(len(pending), self.send_window, st.send_window, self.max_frame_size)
             if n <= 0:
                 break
-            conn.outbound_flow_control_window -= n
-            st.h2.outbound_flow_control_window -= n
+            self.send_window -= n
+            st.send_window -= n
             self._out.append(DATA_HEADER.pack(n >> 16, n & 0xFFFF, 0, 0, st.id))
             self._out.append(bytes(pending[:n]))
             del pending[:n]
@@ -365,9 +776,10 @@ class H2Session:
 
     def _drain_blocked(self) -> None:
         for st in list(self._blocked.values()):
-            if self.conn.outbound_flow_control_window <= 0:
+            if self.send_window <= 0:
                 break
-            self._drain_stream(st)
+            if st.id in self.streams:
+                self._drain_stream(st)
 
     def _finish(self, st: _Stream) -> None:
         """END_STREAM: on the trailers' HEADERS frame, or on an empty DATA frame."""
@@ -375,28 +787,41 @@ class H2Session:
         if st.end_after:
             self._send_headers(st, None, st.end_after, END_STREAM)
         else:
-            self.conn.state_machine.process_input(ConnectionInputs.SEND_DATA)
-            st.h2.state_machine.process_input(StreamInputs.SEND_END_STREAM)
-            self._out.append(FRAME_HEADER.pack(0, 0, 0, END_STREAM, st.id))
+            self._out.append(FRAME_HEADER.pack(0, 0, DATA, END_STREAM, st.id))
+        if transition(st, SEND_END_STREAM) == CLOSED:
+            self._close(st, CLOSED_BY_END)
         self._maybe_goaway()
 
+    _handlers = (_on_data, _on_headers, _on_priority, _on_rst_stream, _on_connection_frame, _on_push_promise,
+                 _on_connection_frame, _on_goaway, _on_window_update, _on_continuation)
 
-def _local_settings(limits: Limits, max_concurrent_streams: int) -> h2.settings.Settings:
+
+def _unpad(data: bytes, start: int, stop: int) -> tuple:
+    """(start, stop) of a padded frame's content (RFC 9113 6.1): padding as long as the payload is an error."""
+    if start == stop:
+        raise ConnectionError_(ErrorCodes.FRAME_SIZE_ERROR, "padded frame without its pad length")
+    pad = data[start]
+    if pad >= stop - start:
+        raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "padding as long as the frame")
+    return start + 1, stop - pad
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCodes(code).name
+    except ValueError:
+        return str(code)
+
+
+def _initial_window(limits: Limits) -> int:
+    """Our SETTINGS_INITIAL_WINDOW_SIZE: the largest body we accept, and never below the default,
+    since a client may send 65535 bytes before it sees our SETTINGS."""
+    return min(max(limits.max_body_bytes, 65535), MAX_WINDOW)
+
+
+def _local_settings(limits: Limits) -> h2.settings.Settings:
     return h2.settings.Settings(client=False, initial_values={
-        h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_concurrent_streams,
+        h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
         h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: limits.max_header_list_size,
-        # never below the default: a client may send 65535 bytes before it sees our SETTINGS
-        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: min(max(limits.max_body_bytes, 65535), MAX_WINDOW),
+        h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: _initial_window(limits),
     })
-
-
-_HANDLERS = {
-    h2.events.RequestReceived: H2Session._on_request,
-    h2.events.DataReceived: H2Session._on_data,
-    h2.events.StreamEnded: H2Session._on_stream_ended,
-    h2.events.StreamReset: H2Session._on_stream_reset,
-    h2.events.WindowUpdated: H2Session._on_window_updated,
-    h2.events.RemoteSettingsChanged: H2Session._on_settings_changed,
-    h2.events.ConnectionTerminated: H2Session._on_terminated,
-    h2.events.PingAckReceived: H2Session._on_ping_ack,
-}

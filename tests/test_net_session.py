@@ -180,7 +180,7 @@ def test_connection_window_of_one_byte():
     s.send_data(1, b"x" * 16384)
     s.send_data(1, b"x" * 16382)
     c.receive_data(s.data_to_send())        # the client does not acknowledge: window stays at 1
-    assert s.conn.outbound_flow_control_window == 1
+    assert s.send_window == 1
     for i in range(10):
         s.send_data(1, b"%d" % i)
     s.end_response(1)
@@ -232,7 +232,7 @@ def test_max_frame_size_splits_large_payloads():
 
 
 def test_peer_window_updates_never_overflow_h2_accounting():
-    """DATA bypasses h2, so h2's windows must be debited; else these updates would overflow 2**31-1."""
+    """Each DATA frame debits both send windows by its length; else these updates would overflow 2**31-1."""
     s, c = H2Session(Limits()), client()
     handshake(c, s)
     s.start_response(1, 200, [])
@@ -506,15 +506,16 @@ def test_cookie_fields_are_combined_and_authority_becomes_host():
     assert ev.headers["cookie"] == "a=1; b=2" and ev.headers["host"] == "localhost"
 
 
-def test_memo_decoder_replays_a_block_only_against_the_same_table():
-    from tokenwire.net.request_headers import MemoDecoder
+def test_request_decoder_replays_a_block_only_against_the_same_table():
+    from tokenwire.net.request_headers import RequestDecoder
     import hpack
-    enc, dec = hpack.Encoder(), MemoDecoder()
+    enc, dec = hpack.Encoder(), RequestDecoder()
+    pseudo = [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/")]
     a, c = [(b"x-a", b"1")], [(b"x-c", b"3")]
-    dec.decode(enc.encode(a), raw=True)                 # literal with indexing: x-a enters the table
-    pure = enc.encode(a)                                # now a single indexed field (dynamic index 62)
-    assert dec.decode(pure, raw=True) == a
-    assert dec.decode(pure, raw=True) == a              # replayed from the memo
+    dec.decode_request(enc.encode(pseudo + a))          # literal with indexing: x-a enters the table
+    pure = enc.encode(pseudo + a)                       # now the static pseudo-headers and dynamic index 62
+    assert dec.decode_request(pure)[2] == {"x-a": "1"}
     assert pure in dec._memo
-    dec.decode(enc.encode(c), raw=True)                 # x-c enters in front: index 62 is x-c now
-    assert dec.decode(pure, raw=True) == c              # the memo does not answer for the old table
+    assert dec.decode_request(pure)[2] == {"x-a": "1"}  # replayed from the memo
+    dec.decode_request(enc.encode(pseudo + c))          # x-c enters in front: index 62 is x-c now
+    assert dec.decode_request(pure)[2] == {"x-c": "3"}  # the memo does not answer for the old table
