@@ -10,6 +10,9 @@ detokenization through the byte-table fast path, one RequestOutput per request, 
 per-token timeline stamp). Excluded: the executor (the mock's own work). Stop strings
 are off here; detokenization is also timed on its own, per token, for both decoders.
 
+`--sampling` times core/sampling.py's `sample()` instead (V = 32000 and 151936, batch 1 and
+64, greedy / temperature / top_p / top_k / min_p) against `sample_reference()` in the same run.
+
 Reference, measured in the same run: the bare cost of what the record contracts ask per
 decoding request, in a Python loop — updating its `DecodeStep` in place (core/executor.py:
 the scheduler keeps one per decoding request) and allocating one `RequestOutput`, the
@@ -41,12 +44,16 @@ def batch_list(text: str) -> list:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batches", type=batch_list, default=[1, 16, 64, 256],
-                        help="comma-separated batch sizes (default: 1,16,64,256)")
+    parser.add_argument("--batches", type=batch_list, default=None,
+                        help="comma-separated batch sizes (default: 1,16,64,256; with --sampling 1,64)")
     parser.add_argument("--steps", type=positive_int, default=1000, help="timed steps per round (default: %(default)s)")
     parser.add_argument("--rounds", type=positive_int, default=5,
                         help="rounds per batch size, fresh engine each (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--sampling", action="store_true",
+                        help="instead: core/sampling.py's sample() per step, fast path against the reference")
+    parser.add_argument("--vocab-sizes", type=batch_list, default=[32000, 151936],
+                        help="with --sampling: comma-separated vocabulary sizes (default: 32000,151936)")
 
 
 class TimedExecutor:
@@ -142,8 +149,68 @@ def percentile(xs: list, q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+SAMPLING_MODES = {                      # name -> SamplingParams keyword arguments
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.8},
+    "top_p": {"temperature": 0.8, "top_p": 0.9},
+    "top_k": {"temperature": 0.8, "top_k": 50},
+    "min_p": {"temperature": 0.8, "min_p": 0.05},
+}
+
+
+def time_call_us(fn, min_repeats: int, budget_s: float) -> tuple:
+    """-> (median µs of one call, its result): at least `min_repeats` calls, more while the budget lasts."""
+    times, result, start = [], None, time.perf_counter()
+    while len(times) < min_repeats or (time.perf_counter() - start < budget_s and len(times) < 200):
+        t0 = time.perf_counter_ns()
+        result = fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+    return statistics.median(times), result
+
+
+def sampling_rows(vocab_sizes: list, batches: list) -> list:
+    """sample() against sample_reference() on the same float32 logits (standard normal x 2.5)
+    and seeds; each cell checks that both pick the same tokens."""
+    import numpy as np
+    from tokenwire.core.executor import SeqStep
+    from tokenwire.core.sampling import sample, sample_reference
+    from tokenwire.core.sampling_params import SamplingParams
+    rows = []
+    for vocab_size in vocab_sizes:
+        for batch in batches:
+            logits = (np.random.default_rng(vocab_size + batch).standard_normal((batch, vocab_size)) * 2.5
+                      ).astype(np.float32)
+            for mode, kwargs in SAMPLING_MODES.items():
+                params = SamplingParams(**kwargs)
+                seqs = [SeqStep(i, (1,), 8, [0], True, params, 1000 + i, [1, 2, 3], [4] * (i % 7)) for i in range(batch)]
+                fast_us, fast = time_call_us(lambda: sample(logits, seqs), 5, 0.5)
+                ref_us, ref = time_call_us(lambda: sample_reference(logits, seqs), 2, 0.5)
+                assert fast.token_ids == ref.token_ids, f"{mode} V={vocab_size} B={batch}: fast path differs"
+                rows.append({"vocab_size": vocab_size, "batch": batch, "mode": mode, "fast_us": fast_us,
+                             "reference_us": ref_us, "fast_us_per_token": fast_us / batch})
+                r = rows[-1]
+                print(f"{vocab_size:>7} {batch:>6} {mode:>12} {fast_us:>12.0f} {fast_us / batch:>10.1f} "
+                      f"{ref_us:>15.0f} {ref_us / fast_us:>8.1f}x", flush=True)
+    return rows
+
+
+def run_sampling(args) -> int:
+    batches = args.batches or [1, 64]
+    print("tokenwire bench scheduler --sampling: core/sampling.sample() per step (penalties and logprobs off)")
+    print("reference, same run: sample_reference() (whole-batch float64, argsort per filtered row); "
+          "both pick the same tokens (checked)\n")
+    print(f"{'vocab':>7} {'batch':>6} {'mode':>12} {'fast us':>12} {'us/token':>10} {'reference us':>15} {'speedup':>9}")
+    rows = sampling_rows(args.vocab_sizes, batches)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"sampling": rows}, f, indent=2)
+    return 0
+
+
 def run(args) -> int:
-    batches = args.batches
+    if args.sampling:
+        return run_sampling(args)
+    batches = args.batches or [1, 16, 64, 256]
     print("tokenwire bench scheduler: EngineCore.step() minus executor time, zero-cost mock engine")
     print("included: inbox/cancels, scheduling + SeqSteps, token append, stop/length checks, "
           "detokenization (byte table), RequestOutputs; excluded: the executor")

@@ -22,9 +22,35 @@ a pure function (two splitmix64 rounds) that a GPU sampler can compute the same 
 
 Every step works row by row (reductions along the vocabulary axis only), so a row's result
 depends on its own logits, params, seed and counter, never on which other rows share the batch.
+
+Two implementations of the rules, giving the same token for the same logits, params and
+seed — the same decisions as the reference's own float64 roundings, not just up to them:
+- the reference (`sample_reference`: `sample_random`, `sample_filtered`, `invert_cdf`,
+  `softmax`): whole-batch float64 [R, V] arrays, a stable argsort of every filtered row.
+  Readable; the CUDA fake kernels call it; slow at real vocabularies (a 152k-token top_p
+  row: ~18 ms).
+- the fast path, `sample`: rows in chunks of at most CHUNK_ELEMENTS values (float64
+  temporaries stay in cache; none is [R, V]), no argsort of the vocabulary. It computes the
+  reference's exponentials bit for bit and skips only work that provably cannot change the
+  token:
+  * temperature only: the reference's token is the first index where its running sum of
+    fl(e / sum(e)) passes u x the last one. Block sums locate that crossing; when it clears
+    a bound on both sides' float rounding (`_crossing`) it is the reference's, else the row
+    runs the reference's own inversion (the chance is about 1e-5 at a 152k vocabulary).
+  * top_k / top_p / min_p: the reference normalizes by the sum of exp over the row in
+    descending order, and that float sum depends on the order: so the row is sorted by
+    value (np.sort of float32, no indices), giving the exponentials and the sum exactly, in
+    the reference's order. The kept tokens are a prefix of that order: the reference's
+    arithmetic is repeated exactly over the first n ranks (64, x 4 while undecided),
+    vectorized over the chunk, and a row is done once one filter provably drops every later
+    rank (`_prefix_ranks`). No id is sorted: the picked rank's value, and its rank among
+    equal values (lower ids first), name the token. A row with NaN or +inf goes to the
+    reference.
+- logprobs: the reference's operations one row at a time. Penalties: only the ids that
+  occur are touched (never a [V] array); see `penalize_row`.
 """
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -50,10 +76,246 @@ def request_uniform(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
     return (mix64(x) >> np.uint64(11)).astype(np.float64) * (2.0 ** -53)
 
 
+CHUNK_ELEMENTS = 1 << 17               # rows sampled together: chunk rows x V <= this (1 MiB of float64)
+FIRST_CANDIDATES = 64                   # filtered rows are decided over this many leading ranks, x 4 per retry
+WHOLE_ROW_MAX_VOCAB = 1024              # temperature-only rows up to this vocabulary: the reference's inversion
+CDF_BLOCK = 512                         # temperature-only rows: the CDF crossing is found from sums of this many
+TOP_P_MARGIN = 1e-12                    # relative: far above the 3 x 2**-53 a later token's mass can fall short
+
+
 def sample(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
     """logits: float32 [S, V], one row per sampling SeqStep (hot path: once per step)."""
     num_seqs = len(seqs)
     assert logits.ndim == 2 and logits.shape[0] == num_seqs, (logits.shape, num_seqs)
+    params = [s.sampling for s in seqs]
+    penalized = {i: penalize_row(logits[i].copy(), seqs[i]) for i, p in enumerate(params) if p.has_penalties}
+    token_ids = np.empty(num_seqs, dtype=np.int64)                 # [S]
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy) == num_seqs and not penalized:
+        token_ids[:] = np.argmax(logits, axis=1)
+    else:
+        for i in greedy:
+            token_ids[i] = np.argmax(penalized.get(i, logits[i]))
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        u = request_uniform(np.array([seqs[i].seed for i in rows], dtype=np.uint64),
+                            np.array([len(seqs[i].output_token_ids) for i in rows], dtype=np.uint64))
+        draws = dict(zip(rows, u.tolist()))
+        plain = [i for i in rows if not is_filtered(params[i])]
+        filtered = [i for i in rows if is_filtered(params[i])]
+        for chunk in _chunks(plain, logits.shape[1]):
+            token_ids[chunk] = _sample_plain(_gather(logits, chunk, penalized), params, chunk, draws)
+        for chunk in _chunks(filtered, logits.shape[1]):
+            token_ids[chunk] = _sample_filtered_fast(_gather(logits, chunk, penalized), params, chunk, draws)
+    logprobs = None
+    if any(p.logprobs is not None for p in params):
+        logprobs = compute_logprobs(logits, token_ids, params)
+    return StepOutput(token_ids.tolist(), logprobs)
+
+
+def is_filtered(p) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+
+
+def _chunks(rows: list, vocab_size: int):
+    step = max(1, CHUNK_ELEMENTS // vocab_size)
+    for k in range(0, len(rows), step):
+        yield rows[k:k + step]
+
+
+def _gather(logits: np.ndarray, chunk: list, penalized: dict) -> np.ndarray:
+    """float32 [k, V]: the chunk's rows, penalized where a row has penalties."""
+    block = logits[chunk[0]:chunk[0] + 1] if len(chunk) == 1 else logits[chunk]
+    if penalized and any(i in penalized for i in chunk):
+        block = np.array(block)
+        for j, i in enumerate(chunk):
+            if i in penalized:
+                block[j] = penalized[i]
+    return block
+
+
+def _temperatures(params, chunk: list) -> np.ndarray:
+    return np.array([params[i].temperature for i in chunk], dtype=np.float64)[:, None]      # [k, 1]
+
+
+def _sample_plain(block: np.ndarray, params, chunk: list, draws: dict) -> np.ndarray:
+    """Temperature-only rows, float32 [k, V]: the reference's exponentials, then the CDF
+    crossing found from block sums (see `_crossing`); the reference's own inversion for a
+    row whose crossing is too close to call."""
+    x = block.astype(np.float64)                                                      # [k, V]
+    x /= _temperatures(params, chunk)
+    x -= x.max(axis=1, keepdims=True)
+    np.exp(x, out=x)                                                                  # e, as the reference's
+    u = np.array([draws[i] for i in chunk])
+    if x.shape[1] <= WHOLE_ROW_MAX_VOCAB:                           # small rows: the reference's inversion
+        return invert_cdf(x / x.sum(axis=1, keepdims=True), u)
+    starts = np.arange(0, x.shape[1], CDF_BLOCK)
+    block_cdf = np.cumsum(np.add.reduceat(x, starts, axis=1), axis=1)                 # [k, V / CDF_BLOCK]
+    out = np.empty(len(chunk), dtype=np.int64)
+    for r, i in enumerate(chunk):
+        token = None
+        if np.isfinite(block_cdf[r, -1]) and block_cdf[r, -1] > 0:
+            token = _crossing(x[r], block_cdf[r], u[r])
+        if token is None:
+            token = int(invert_cdf((x[r] / x[r].sum())[None], u[r:r + 1])[0])
+        out[r] = token
+    return out
+
+
+def _crossing(e: np.ndarray, block_cdf: np.ndarray, u: float) -> Optional[int]:
+    """The first j with cdf[j] > u x cdf[-1], the reference's CDF being the running sum of
+    fl(e / sum(e)) in index order — or None when the float roundings could decide it.
+
+    The reference's cdf[j] is E_j / s x (1 + a_j) with E_j the exact sum of e[:j + 1] and
+    |a_j| <= (j + 2) eps (eps = 2**-53; nonnegative terms); its target u x cdf[-1] has one
+    more rounding. So its test cdf[j] <= target is the exact test E_j / E_V <= u except where
+    the two are within (2V + 3) eps. Here E_j comes from block sums, a running sum over
+    blocks and one over the block that crosses: within (3 CDF_BLOCK + 2 nblocks + 4) eps of
+    exact. When both neighbours of the crossing clear the sum of the two bounds (twice it,
+    for second-order terms), the reference crosses at the same j: its CDF never decreases."""
+    total = block_cdf[-1]
+    target = u * total
+    b = int(np.searchsorted(block_cdf, target, "right"))
+    if b >= len(block_cdf):
+        return None
+    base = float(block_cdf[b - 1]) if b else 0.0
+    cdf = base + np.cumsum(e[b * CDF_BLOCK:(b + 1) * CDF_BLOCK])
+    j = int(np.searchsorted(cdf, target, "right"))
+    if j >= len(cdf):
+        return None
+    before = float(cdf[j - 1]) if j else base
+    tol = 2.0 * (2 * len(e) + 3 * CDF_BLOCK + 2 * len(block_cdf) + 16) * 2.0 ** -53
+    if cdf[j] / total - u <= tol or u - before / total <= tol:
+        return None
+    return b * CDF_BLOCK + j
+
+
+def _sample_filtered_fast(block: np.ndarray, params, chunk: list, draws: dict) -> np.ndarray:
+    """top_k / top_p / min_p rows, float32 [k, V]: sorted values give the reference's
+    exponentials and normalizer exactly; ranks are decided over the fewest leading columns
+    that provably suffice; no id is sorted."""
+    out = np.empty(len(chunk), dtype=np.int64)
+    temps = _temperatures(params, chunk)
+    u = np.array([draws[i] for i in chunk])
+    keys = np.negative(block)
+    keys.sort(axis=1)                                               # [k, V] float32: -logit ascending
+    good = np.isfinite(keys[:, 0]) & ~np.isnan(keys[:, -1])
+    for r in np.flatnonzero(~good).tolist():                        # NaN / +inf / all -inf: the reference
+        out[r] = sample_filtered(block[r:r + 1].astype(np.float64) / temps[r:r + 1], u[r:r + 1],
+                                 [params[chunk[r]]])[0]
+    if not good.all():
+        block, keys, temps, u, chunk = block[good], keys[good], temps[good], u[good], [
+            i for i, g in zip(chunk, good) if g]
+    if not chunk:
+        return out
+    e = keys.astype(np.float64)                                     # the reference's descending x[order]
+    e /= -temps                                                     # is keys / -T (sign-symmetric division)
+    e -= e[:, :1].copy()                                            # (a view of e itself: numpy's slow path)
+    np.exp(e, out=e)                                                # [k, V] e, descending
+    ranks = _filtered_ranks(e, [params[i] for i in chunk], u)
+    out[good] = _ids_at_ranks(block, keys, ranks)
+    return out
+
+
+def _filtered_ranks(e: np.ndarray, params: list, u: np.ndarray) -> np.ndarray:
+    """e float64 [k, V] descending -> the rank each row's reference picks. The leading n
+    columns decide a row once some filter provably drops every later rank
+    (`_prefix_ranks`); undecided rows retry with 4 x n columns."""
+    k, vocab_size = e.shape
+    totals = e.sum(axis=1)                                          # the reference's normalizer, same order
+    top_k = np.array([p.top_k or vocab_size for p in params])       # [k]
+    top_p = np.array([p.top_p for p in params])
+    min_p = np.array([p.min_p for p in params])
+    ranks = np.empty(k, dtype=np.int64)
+    todo = np.arange(k)
+    n = min(vocab_size, FIRST_CANDIDATES)
+    while len(todo):
+        rows = todo if len(todo) < k else slice(None)
+        r_ranks, decided = _prefix_ranks(e[rows, :n], e[rows, n] if n < vocab_size else None, totals[todo],
+                                         top_k[todo], top_p[todo], min_p[todo], u[todo])
+        ranks[todo[decided]] = r_ranks[decided]
+        todo = todo[~decided]
+        n = min(vocab_size, 4 * n)
+    return ranks
+
+
+def _prefix_ranks(e: np.ndarray, e_next, totals, top_k, top_p, min_p, u) -> tuple:
+    """The reference's `sample_filtered` arithmetic over the first n ranks (e float64 [m, n],
+    descending; e_next [m] the (n+1)-th or None). -> (rank per row, whether the prefix
+    decides the row). Its operations on these columns are the reference's on the same
+    values, so a decided row's rank is the reference's:
+    - top_k <= n: later ranks fail rank < top_k.
+    - top_p: a later rank j's mass-before, fl(fl(cdf[j-1] + p_j) - p_j), is at least
+      cdf[j-1] x (1 - 3 x 2**-53) (as p_j <= cdf[j-1]), and the running sum never falls: so
+      cdf[n-1] >= top_p x (1 + TOP_P_MARGIN) drops every later rank.
+    - min_p: probabilities never rise along the order, so once one (inside, or the next
+      one) is below min_p x the top probability, every later one is.
+    Then the inversion: the reference's weights after rank n are 0, so its CDF there stays
+    at the prefix's total; it counts those ranks only when the count already reaches n, past
+    `last`, which caps it."""
+    n = e.shape[1]
+    probs = e / totals[:, None]                                                       # [m, n]
+    cdf = np.cumsum(probs, axis=1)
+    floor = min_p * probs[:, 0]                                                       # [m]
+    keep = (np.arange(n)[None, :] < top_k[:, None]) & (cdf - probs < top_p[:, None]) & (probs >= floor[:, None])
+    keep[:, 0] = True
+    decided = (top_k <= n) | ((top_p < 1.0) & (cdf[:, -1] >= top_p * (1.0 + TOP_P_MARGIN)))
+    decided |= (min_p > 0.0) & (probs[:, -1] < floor)
+    if e_next is None:
+        decided[:] = True
+    else:
+        decided |= (min_p > 0.0) & (e_next / totals < floor)
+    weights = np.where(keep, probs, 0.0)
+    wcdf = np.cumsum(weights, axis=1)
+    total = wcdf[:, -1]
+    target = u * total
+    count = np.count_nonzero(wcdf <= target[:, None], axis=1)
+    last = n - 1 - np.argmax(weights[:, ::-1] > 0, axis=1)
+    return np.minimum(count, last), decided
+
+
+def _ids_at_ranks(block: np.ndarray, keys: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """The id at each row's rank of the descending order, ties by lower id: the rank's value,
+    and its place among equal values. block float32 [k, V], keys = sorted(-block)."""
+    k = len(ranks)
+    at = keys[np.arange(k), ranks]                                                    # [k] -value
+    tie = ranks - np.count_nonzero(keys < at[:, None], axis=1)                        # equal values before it
+    ids = np.argmax(block == -at[:, None], axis=1)
+    for r in np.flatnonzero(tie).tolist():
+        ids[r] = np.flatnonzero(block[r] == -at[r])[tie[r]]
+    return ids
+
+
+def apply_penalties(logits: np.ndarray, seqs: Sequence[SeqStep], rows: Sequence[int]) -> np.ndarray:
+    """In place on float32 [S, V] for the given rows."""
+    for i in rows:
+        penalize_row(logits[i], seqs[i])
+    return logits
+
+
+def penalize_row(row: np.ndarray, s: SeqStep) -> np.ndarray:
+    """In place on float32 [V]: work over the ids that occur (O(context), never O(V)).
+    Frequency/presence change only ids with a count; the [V]-wide form this replaced also
+    subtracted a zero from the others, which can only turn a -0.0 logit into +0.0."""
+    vocab_size, p = len(row), s.sampling
+    if p.repetition_penalty != 1.0:
+        seen = np.unique(np.concatenate((np.asarray(s.prompt_token_ids, dtype=np.int64),
+                                         np.asarray(s.output_token_ids, dtype=np.int64))))
+        seen = seen[(seen >= 0) & (seen < vocab_size)]
+        vals = row[seen]
+        row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(s.output_token_ids):
+        out = np.asarray(s.output_token_ids, dtype=np.int64)
+        ids, counts = np.unique(out[(out >= 0) & (out < vocab_size)], return_counts=True)
+        row[ids] -= np.float32(p.frequency_penalty) * counts.astype(np.float32) + np.float32(p.presence_penalty)
+    return row
+
+
+# ------------------------------------------------------------------ the reference
+
+def sample_reference(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
+    """The rules as whole-batch float64 arrays: what `sample` must equal, token for token."""
+    num_seqs = len(seqs)
     params = [s.sampling for s in seqs]
     raw = logits
     penalized = [i for i, p in enumerate(params) if p.has_penalties]
@@ -72,24 +334,6 @@ def sample(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
     return StepOutput(token_ids.tolist(), logprobs)
 
 
-def apply_penalties(logits: np.ndarray, seqs: Sequence[SeqStep], rows: Sequence[int]) -> np.ndarray:
-    """In place on float32 [S, V] for the given rows; one row at a time (penalties are rare)."""
-    vocab_size = logits.shape[1]
-    for i in rows:
-        s, row = seqs[i], logits[i]
-        p = s.sampling
-        if p.repetition_penalty != 1.0:
-            seen = np.unique(np.fromiter((*s.prompt_token_ids, *s.output_token_ids), dtype=np.int64))
-            seen = seen[(seen >= 0) & (seen < vocab_size)]
-            vals = row[seen]
-            row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(s.output_token_ids):
-            out = np.asarray(s.output_token_ids, dtype=np.int64)
-            counts = np.bincount(out[out < vocab_size], minlength=vocab_size).astype(np.float32)  # [V]
-            row -= np.float32(p.frequency_penalty) * counts + np.float32(p.presence_penalty) * (counts > 0)
-    return logits
-
-
 def sample_random(logits: np.ndarray, seqs: Sequence[SeqStep]) -> np.ndarray:
     """float32 [R, V] of rows with temperature > 0 -> int64 [R] sampled ids."""
     params = [s.sampling for s in seqs]
@@ -98,7 +342,7 @@ def sample_random(logits: np.ndarray, seqs: Sequence[SeqStep]) -> np.ndarray:
     u = request_uniform(np.array([s.seed for s in seqs], dtype=np.uint64),
                         np.array([len(s.output_token_ids) for s in seqs], dtype=np.uint64))  # [R]
     out = np.empty(len(seqs), dtype=np.int64)
-    filtered = np.array([p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params], dtype=bool)
+    filtered = np.array([is_filtered(p) for p in params], dtype=bool)
     if (~filtered).any():
         rows = np.flatnonzero(~filtered)
         out[rows] = invert_cdf(softmax(x[rows]), u[rows])
@@ -140,15 +384,17 @@ def invert_cdf(weights: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def compute_logprobs(logits: np.ndarray, token_ids: np.ndarray, params) -> list:
-    """Log-softmax of the raw logits for rows that asked. -> [TopLogprobs | None] per row"""
+    """Log-softmax of the raw logits for rows that asked, one row at a time (float64 [V], no
+    [R, V] copy). -> [TopLogprobs | None] per row"""
     out = [None] * len(params)
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-    x = logits[rows].astype(np.float64)
-    lse = np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1, keepdims=True)) + x.max(axis=1, keepdims=True)
-    lp = x - lse                                                                       # [R, V]
-    for r, i in enumerate(rows):
-        n = min(params[i].logprobs, lp.shape[1])
-        top = np.argpartition(-lp[r], n - 1)[:n] if n else np.empty(0, dtype=np.int64)
-        top = top[np.argsort(-lp[r, top], kind="stable")]
-        out[i] = TopLogprobs(float(lp[r, token_ids[i]]), top.tolist(), lp[r, top].tolist())
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        x = logits[i].astype(np.float64)                                               # [V]
+        xmax = x.max()
+        lp = x - (np.log(np.exp(x - xmax).sum()) + xmax)                               # [V]
+        n = min(p.logprobs, len(lp))
+        top = np.argpartition(-lp, n - 1)[:n] if n else np.empty(0, dtype=np.int64)
+        top = top[np.argsort(-lp[top], kind="stable")]
+        out[i] = TopLogprobs(float(lp[token_ids[i]]), top.tolist(), lp[top].tolist())
     return out

@@ -17,3 +17,15 @@ def test_bench_scheduler_prints_and_writes_its_figures(tmp_path, capsys):
     for row in data["steps"]:
         assert 0 < row["best_round_median_us"] <= row["p99_us"] and row["record_floor_us"] > 0
     assert data["detok_us_per_token"]["byte_table"] > 0 and data["detok_us_per_token"]["generic"] > 0
+
+
+def test_bench_sampling_compares_the_fast_path_with_the_reference(tmp_path, capsys):
+    out = tmp_path / "sampling.json"
+    assert main(["bench", "scheduler", "--sampling", "--vocab-sizes", "300", "--batches", "1,3",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "reference" in text and "speedup" in text
+    rows = json.loads(out.read_text())["sampling"]
+    assert {(r["batch"], r["mode"]) for r in rows} == {(b, m) for b in (1, 3)
+                                                       for m in ("greedy", "temperature", "top_p", "top_k", "min_p")}
+    assert all(r["fast_us"] > 0 and r["reference_us"] > 0 for r in rows)
