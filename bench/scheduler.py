@@ -12,6 +12,8 @@ are off here; detokenization is also timed on its own, per token, for both decod
 
 `--sampling` times core/sampling.py's `sample()` instead (V = 32000 and 151936, batch 1 and
 64, greedy / temperature / top_p / top_k / min_p) against `sample_reference()` in the same run.
+`--forward-batch` times core/forward_batch.py's `build_forward_batch` (decode steps, a prefill,
+a mixed step) against `build_forward_batch_reference` in the same run.
 
 Reference, measured in the same run: the bare cost of what the record contracts ask per
 decoding request, in a Python loop — updating its `DecodeStep` in place (core/executor.py:
@@ -54,6 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: core/sampling.py's sample() per step, fast path against the reference")
     parser.add_argument("--vocab-sizes", type=batch_list, default=[32000, 151936],
                         help="with --sampling: comma-separated vocabulary sizes (default: 32000,151936)")
+    parser.add_argument("--forward-batch", action="store_true",
+                        help="instead: core/forward_batch.py's build_forward_batch per step, against its reference")
 
 
 class TimedExecutor:
@@ -207,9 +211,57 @@ def run_sampling(args) -> int:
     return 0
 
 
+def forward_batch_steps(batches: list) -> dict:
+    """name -> SeqSteps: decode steps (contexts 200..1000, tables of 16-token blocks), a
+    512-token prefill, and 60 decodes beside a 1500-token prefill chunk."""
+    import numpy as np
+    from tokenwire.core.executor import DecodeStep, SeqStep
+    from tokenwire.core.sampling_params import SamplingParams
+    rng, params, first_free = np.random.default_rng(0), SamplingParams(), [0]
+
+    def table(num_tokens: int) -> list:
+        n = -(-num_tokens // 16)
+        first_free[0] += n
+        return list(range(first_free[0] - n, first_free[0]))
+
+    def decodes(batch: int) -> list:
+        ctx = rng.integers(200, 1001, batch).tolist()
+        return [DecodeStep(i, (int(rng.integers(0, 32000)),), c, table(c + 1), True, params, 0, [1], [])
+                for i, c in enumerate(ctx)]
+
+    def prefill(n: int) -> SeqStep:
+        return SeqStep(999, rng.integers(0, 32000, n).tolist(), 0, table(n), True, params, 0, [], [])
+    steps = {f"decode, batch {b}": decodes(b) for b in batches}
+    steps["prefill 512"] = [prefill(512)]
+    steps["60 decodes + prefill 1500"] = decodes(60) + [prefill(1500)]
+    return steps
+
+
+def run_forward_batch(args) -> int:
+    from tokenwire.core.forward_batch import BlockTables, build_forward_batch, build_forward_batch_reference
+    print("tokenwire bench scheduler --forward-batch: build_forward_batch per step, block size 16")
+    print("reference, same run: build_forward_batch_reference (sequence by sequence); 'fresh' builds every "
+          "array anew, 'kept tables' reuses the executor's BlockTables (steady state: no table changed)\n")
+    print(f"{'step':>28} {'reference us':>13} {'fresh us':>10} {'kept tables us':>15}")
+    rows = []
+    for name, seqs in forward_batch_steps(args.batches or [1, 16, 64]).items():
+        tables = BlockTables()
+        ref_us = time_call_us(lambda: build_forward_batch_reference(seqs, 16), 50, 0.3)[0]
+        fresh_us = time_call_us(lambda: build_forward_batch(seqs, 16), 50, 0.3)[0]
+        kept_us = time_call_us(lambda: build_forward_batch(seqs, 16, tables), 50, 0.3)[0]
+        rows.append({"step": name, "reference_us": ref_us, "fresh_us": fresh_us, "kept_tables_us": kept_us})
+        print(f"{name:>28} {ref_us:>13.1f} {fresh_us:>10.1f} {kept_us:>15.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"forward_batch": rows}, f, indent=2)
+    return 0
+
+
 def run(args) -> int:
     if args.sampling:
         return run_sampling(args)
+    if args.forward_batch:
+        return run_forward_batch(args)
     batches = args.batches or [1, 16, 64, 256]
     print("tokenwire bench scheduler: EngineCore.step() minus executor time, zero-cost mock engine")
     print("included: inbox/cancels, scheduling + SeqSteps, token append, stop/length checks, "

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 from .config import ModelConfig
 from .executor import SeqStep, StepOutput
-from .forward_batch import build_forward_batch
+from .forward_batch import BlockTables, build_forward_batch
 from .sampling import sample
 
 log = logging.getLogger(__name__)
@@ -35,9 +35,10 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.block_tables = BlockTables()                       # the batch's block-table array, kept across steps
 
     def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
-        batch = build_forward_batch(seqs, self.block_size)
+        batch = build_forward_batch(seqs, self.block_size, self.block_tables)
         logits = self.model.forward(batch)                      # [S_sample, V]
         sampling_seqs = [s for s in seqs if s.sample]
         if not sampling_seqs:

@@ -29,3 +29,12 @@ def test_bench_sampling_compares_the_fast_path_with_the_reference(tmp_path, caps
     assert {(r["batch"], r["mode"]) for r in rows} == {(b, m) for b in (1, 3)
                                                        for m in ("greedy", "temperature", "top_p", "top_k", "min_p")}
     assert all(r["fast_us"] > 0 and r["reference_us"] > 0 for r in rows)
+
+
+def test_bench_forward_batch_compares_with_the_reference(tmp_path, capsys):
+    out = tmp_path / "fb.json"
+    assert main(["bench", "scheduler", "--forward-batch", "--batches", "1,4", "--json", str(out)]) == 0
+    assert "reference" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["forward_batch"]
+    assert [r["step"] for r in rows] == ["decode, batch 1", "decode, batch 4", "prefill 512", "60 decodes + prefill 1500"]
+    assert all(r["reference_us"] > 0 and r["fresh_us"] > 0 and r["kept_tables_us"] > 0 for r in rows)
