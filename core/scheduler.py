@@ -90,7 +90,7 @@ class Scheduler:
         """One token for every DECODING request (the loop body runs once per request per step).
         -> (budget left, preemptions, PREFILLING requests)"""
         running, bm = self.running, self.block_manager
-        block_size = bm.block_size
+        block_size, free_block_ids = bm.block_size, bm.free_block_ids
         num_preempted, prefilling = 0, []
         add_scheduled, add_seq = scheduled.append, seqs.append
         for req in running:                 # _preempt_for pops from the end: the iterator just stops sooner
@@ -98,11 +98,12 @@ class Scheduler:
                 prefilling.append(req)
                 continue
             start = req.num_computed_tokens
-            if start >= len(req.block_table) * block_size:
-                num_preempted += self._preempt_for(req)
-                if req.state is not DECODING:
-                    break                   # it preempted itself: every newer request is gone too
-                bm.append_slot(req.block_table, start + 1)
+            if start >= len(req.block_table) * block_size:     # its next token starts a new block
+                if not free_block_ids:
+                    num_preempted += self._preempt_for(req)
+                    if req.state is not DECODING:
+                        break               # it preempted itself: every newer request is gone too
+                bm.append_block(req.block_table)
             add_scheduled(req)
             step = req.decode_step          # its token_ids were set when the token was appended
             step.start_pos = start

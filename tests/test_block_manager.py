@@ -39,6 +39,19 @@ def test_exhaustion_and_errors_are_named():
         BlockManager(0, 16)
 
 
+def test_append_block_takes_one_free_block_with_one_holder():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    table = bm.allocate(1)
+    bm.append_block(table)
+    bm.append_block(table)
+    assert table == [0, 1, 2] and bm.num_free_blocks == 0 and bm.ref_counts == [1, 1, 1]
+    with pytest.raises(BlockAccountingError, match="asked for 1 KV block, 0 are free"):
+        bm.append_block(table)
+    assert table == [0, 1, 2]
+    bm.free(table)
+    assert bm.num_free_blocks == 3
+
+
 def test_a_table_naming_a_block_twice_is_refused_without_damage():
     bm = BlockManager(num_blocks=4, block_size=4)
     (b,) = bm.allocate(1)
