@@ -74,15 +74,17 @@ class App:
 
     def attach(self, engine, model: ModelInfo, loop) -> None:
         """Serve `engine` (an EngineCore, started by the caller) from now on."""
-        d = self.dispatcher
-        d.loop, d.model, d.engine = loop, model, engine
+        self.dispatcher.attach(engine, model, loop)
         self.model = model
         self.engine = engine
-        engine.on_step = d.on_step_threadsafe
 
     def detach(self) -> None:
         """The loop is stopping: the engine thread must never wait for it again."""
         self.dispatcher.detach()
+
+    def close(self) -> None:
+        """Release what the hand-off holds, once the engine thread has stopped."""
+        self.dispatcher.close()
 
     # --------------------------------------------------- connection events
 
@@ -96,6 +98,7 @@ class App:
         self.dispatcher.cancel_all(proto)
 
     def on_events(self, proto, events: list) -> None:
+        """Everything one read brought; the engine thread is woken once, after the last request."""
         for ev in events:
             kind = type(ev)
             if kind is Request:
@@ -108,6 +111,8 @@ class App:
                     code="body_too_large"))
             elif kind is ConnectionClosed:
                 self.dispatcher.cancel_all(proto)
+        if self.engine is not None:
+            self.engine.wake()
 
     def _handle(self, proto, req: Request) -> None:
         try:
@@ -187,7 +192,7 @@ class App:
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
         request_id = next(self._ids)
         try:
-            self.engine.add_request(request_id, prompt_ids, g.params, timeline)
+            self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False)
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", headers=[(b"retry-after", b"1")]) from None
         except PromptTooLong as exc:

@@ -271,6 +271,8 @@ class Server:
         self.app.detach()               # the engine thread must not wait for this loop any more
         if self.engine is not None:
             self.engine.shutdown(timeout=10)
+            if not self.engine.is_alive():
+                self.app.close()
         if self.app.trace is not None:
             self.app.trace.close()
 
