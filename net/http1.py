@@ -13,6 +13,7 @@ Nothing here awaits or touches a socket.
 """
 
 import time
+from functools import partial
 from http import HTTPStatus
 
 import h11
@@ -151,6 +152,10 @@ class H1Session:
         self._chunked = (self.conn.their_http_version == b"1.1"
                          and not any(name == b"content-length" for name, _ in headers))
         self._send(h11.Response(status_code=status, headers=headers, reason=_reason(status)))
+
+    def data_writer(self, stream_id: int):
+        """`send_data` for one stream, as a one-argument function (per token)."""
+        return partial(self.send_data, stream_id)
 
     def send_data(self, stream_id: int, payload: bytes) -> None:
         """One chunk of the response body (hot path: once per token when streaming).

@@ -57,6 +57,7 @@ request, and the checks read in the order RFC 9113 gives them.
 import base64
 import struct
 import time
+from functools import partial
 
 import h2.config
 import h2.connection
@@ -614,8 +615,9 @@ class H2Session:
         out = self._out
         if not out:
             return b""
-        self._out = []
-        return b"".join(out)
+        data = b"".join(out)
+        out.clear()                 # the same list: data writers hold its append
+        return data
 
     def start_response(self, stream_id: int, status: int, headers) -> None:
         """Send the response HEADERS (once per request). `headers`: (name, value) byte pairs;
@@ -624,12 +626,15 @@ class H2Session:
 
     def _send_headers(self, st: _Stream, status: int | None, headers, flags: int) -> None:
         """One HEADERS frame (response or trailers), continued by CONTINUATION frames if it is too big."""
-        key = (status, headers if type(headers) is tuple else tuple(headers))
-        block = self._blocks.get(key)
-        if block is None:
-            block = encode_block(status, key[1])
-            if len(self._blocks) < 64:
-                self._blocks[key] = block
+        if status is None:              # trailers: their values differ per stream, nothing to cache
+            block = encode_block(None, headers)
+        else:
+            key = (status, headers if type(headers) is tuple else tuple(headers))
+            block = self._blocks.get(key)
+            if block is None:
+                block = encode_block(status, key[1])
+                if len(self._blocks) < 64:
+                    self._blocks[key] = block
         encoder = self.conn.encoder
         if encoder.table_size_changes:      # the peer resized its table: the next block says so first
             block = encoder.encode([]) + block
@@ -651,21 +656,30 @@ class H2Session:
             self._out.append(chunk)
 
     def send_data(self, stream_id: int, payload: bytes) -> None:
-        """Queue `payload` as DATA on the stream (hot path: once per token per stream).
+        """Queue `payload` as DATA on the stream.
 
         One frame when the windows and the peer's max frame size allow, else it joins the
         stream's queue and leaves as the windows open.
         """
-        st = self.streams[stream_id]
+        self._send(self.streams[stream_id], payload)
+
+    def data_writer(self, stream_id: int):
+        """`send_data` for one stream, as a one-argument function (hot path: called once per token)."""
+        return partial(self._send, self.streams[stream_id])    # a C-level call into _send: one frame, not two
+
+    def _send(self, st: _Stream, payload: bytes) -> None:
         n = len(payload)
-        if st.pending or n > self.send_window or n > st.send_window or n > self.max_frame_size:
+        if st.pending or n > self.send_window or n > st.send_window or n > self.max_frame_size or st.state == CLOSED:
+            if st.id not in self.streams:
+                raise KeyError(f"stream {st.id} is not open for a response (reset, or its response ended)")
             st.pending += payload
             self._drain_stream(st)
             return
         self.send_window -= n
         st.send_window -= n
-        self._out.append(DATA_HEADER.pack(n >> 16, n & 0xFFFF, 0, 0, stream_id))
-        self._out.append(payload)
+        out = self._out
+        out.append(DATA_HEADER.pack(n >> 16, n & 0xFFFF, 0, 0, st.id))
+        out.append(payload)
 
     def end_response(self, stream_id: int, trailers: list | None = None) -> None:
         """End the stream after its queued bytes: with trailers (HEADERS, END_STREAM) or an empty DATA frame."""
