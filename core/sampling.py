@@ -76,6 +76,26 @@ def request_uniform(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
     return (mix64(x) >> np.uint64(11)).astype(np.float64) * (2.0 ** -53)
 
 
+M64 = (1 << 64) - 1
+
+
+def _mix64_int(z: int) -> int:
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & M64
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def request_uniforms(seeds: list, counters: list) -> list:
+    """request_uniform's floats, bit for bit: Python ints for a few rows (the numpy form costs
+    ~15 us however few), numpy for many."""
+    if len(seeds) > 8:
+        return request_uniform(np.array(seeds, dtype=np.uint64), np.array(counters, dtype=np.uint64)).tolist()
+    return [(_mix64_int((_mix64_int(s) + (c + 1) * 0x9E3779B97F4A7C15) & M64) >> 11) * 2.0 ** -53
+            for s, c in zip(seeds, counters)]
+
+
 CHUNK_ELEMENTS = 1 << 17               # rows sampled together: chunk rows x V <= this (1 MiB of float64)
 FIRST_CANDIDATES = 64                   # filtered rows are decided over this many leading ranks, x 4 per retry
 WHOLE_ROW_MAX_VOCAB = 1024              # temperature-only rows up to this vocabulary: the reference's inversion
@@ -98,9 +118,8 @@ def sample(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
             token_ids[i] = np.argmax(penalized.get(i, logits[i]))
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        u = request_uniform(np.array([seqs[i].seed for i in rows], dtype=np.uint64),
-                            np.array([len(seqs[i].output_token_ids) for i in rows], dtype=np.uint64))
-        draws = dict(zip(rows, u.tolist()))
+        draws = dict(zip(rows, request_uniforms([seqs[i].seed for i in rows],
+                                                [len(seqs[i].output_token_ids) for i in rows])))
         plain = [i for i in rows if not is_filtered(params[i])]
         filtered = [i for i in rows if is_filtered(params[i])]
         for chunk in _chunks(plain, logits.shape[1]):
@@ -226,20 +245,21 @@ def _filtered_ranks(e: np.ndarray, params: list, u: np.ndarray) -> np.ndarray:
     top_k = np.array([p.top_k or vocab_size for p in params])       # [k]
     top_p = np.array([p.top_p for p in params])
     min_p = np.array([p.min_p for p in params])
+    active = (int(top_k.min()), any(p.top_p < 1.0 for p in params), any(p.min_p > 0.0 for p in params))
     ranks = np.empty(k, dtype=np.int64)
     todo = np.arange(k)
     n = min(vocab_size, FIRST_CANDIDATES)
     while len(todo):
         rows = todo if len(todo) < k else slice(None)
         r_ranks, decided = _prefix_ranks(e[rows, :n], e[rows, n] if n < vocab_size else None, totals[todo],
-                                         top_k[todo], top_p[todo], min_p[todo], u[todo])
+                                         top_k[todo], top_p[todo], min_p[todo], u[todo], active)
         ranks[todo[decided]] = r_ranks[decided]
         todo = todo[~decided]
         n = min(vocab_size, 4 * n)
     return ranks
 
 
-def _prefix_ranks(e: np.ndarray, e_next, totals, top_k, top_p, min_p, u) -> tuple:
+def _prefix_ranks(e: np.ndarray, e_next, totals, top_k, top_p, min_p, u, active: tuple) -> tuple:
     """The reference's `sample_filtered` arithmetic over the first n ranks (e float64 [m, n],
     descending; e_next [m] the (n+1)-th or None). -> (rank per row, whether the prefix
     decides the row). Its operations on these columns are the reference's on the same
@@ -252,19 +272,27 @@ def _prefix_ranks(e: np.ndarray, e_next, totals, top_k, top_p, min_p, u) -> tupl
       one) is below min_p x the top probability, every later one is.
     Then the inversion: the reference's weights after rank n are 0, so its CDF there stays
     at the prefix's total; it counts those ranks only when the count already reaches n, past
-    `last`, which caps it."""
+    `last`, which caps it. `active` = (smallest top_k, any top_p < 1, any min_p > 0) of the
+    chunk: a test no row can fail is skipped (rank < top_k >= n; probs >= 0 x top)."""
     n = e.shape[1]
+    min_top_k, any_top_p, any_min_p = active
     probs = e / totals[:, None]                                                       # [m, n]
     cdf = np.cumsum(probs, axis=1)
-    floor = min_p * probs[:, 0]                                                       # [m]
-    keep = (np.arange(n)[None, :] < top_k[:, None]) & (cdf - probs < top_p[:, None]) & (probs >= floor[:, None])
-    keep[:, 0] = True
-    decided = (top_k <= n) | ((top_p < 1.0) & (cdf[:, -1] >= top_p * (1.0 + TOP_P_MARGIN)))
-    decided |= (min_p > 0.0) & (probs[:, -1] < floor)
+    keep = cdf - probs < top_p[:, None]                             # the reference applies it even at top_p 1
+    if min_top_k < n:
+        keep &= np.arange(n)[None, :] < top_k[:, None]
+    decided = top_k <= n
+    if any_top_p:
+        decided |= (top_p < 1.0) & (cdf[:, -1] >= top_p * (1.0 + TOP_P_MARGIN))
+    if any_min_p:
+        floor = min_p * probs[:, 0]                                                   # [m]
+        keep &= probs >= floor[:, None]
+        decided |= (min_p > 0.0) & (probs[:, -1] < floor)
+        if e_next is not None:
+            decided |= (min_p > 0.0) & (e_next / totals < floor)
     if e_next is None:
         decided[:] = True
-    else:
-        decided |= (min_p > 0.0) & (e_next / totals < floor)
+    keep[:, 0] = True
     weights = np.where(keep, probs, 0.0)
     wcdf = np.cumsum(weights, axis=1)
     total = wcdf[:, -1]

@@ -9,7 +9,7 @@ import pytest
 
 from tokenwire.core import sampling
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.sampling import penalize_row, request_uniform, sample, sample_reference
+from tokenwire.core.sampling import penalize_row, request_uniform, request_uniforms, sample, sample_reference
 from tokenwire.core.sampling_params import SamplingParams
 
 
@@ -168,3 +168,12 @@ def test_sparse_penalties_equal_the_dense_definition():
                                 presence_penalty=float(rng.uniform(-2, 2)))
         s = seq(params, 0, rng.integers(0, 320, 20), rng.integers(0, 300, int(rng.integers(0, 40))))
         np.testing.assert_array_equal(penalize_row(row.copy(), s), dense_penalties(row.copy(), s))
+
+
+@pytest.mark.parametrize("num_rows", [1, 8, 9, 40])
+def test_python_and_numpy_draws_are_the_same_floats(num_rows):
+    rng = np.random.default_rng(num_rows)
+    seeds = [0, (1 << 64) - 1, 1 << 63, *rng.integers(0, 2**63, num_rows, dtype=np.uint64).tolist()][:num_rows]
+    counters = rng.integers(0, 1 << 40, num_rows).tolist()
+    want = request_uniform(np.array(seeds, dtype=np.uint64), np.array(counters, dtype=np.uint64)).tolist()
+    assert request_uniforms(seeds, counters) == want
