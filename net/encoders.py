@@ -69,7 +69,7 @@ class _Sse:
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
     __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_fields", "_include_usage",
-                 "_token_text", "_offset", "_started")
+                 "_token_text", "_offset", "_started", "_head")
 
     def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str]):
         self._fields = fields                   # id, object, created, model: the head of every chunk
@@ -96,7 +96,12 @@ class _Sse:
         return prefix + orjson.dumps(out.text) + self._lp_mid + lp + self._tail
 
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
-        """The finish chunk, the usage chunk if asked for, and [DONE]."""
+        """The finish chunk, the usage chunk if asked for, and [DONE] (once per request: the
+        common case, no usage chunk and no error, is spliced from bytes, the same bytes
+        orjson makes of the whole chunk)."""
+        if error is None and not self._include_usage:
+            return (self._head + self._finish_choice() + orjson.dumps(finish_reason) + b'}],"timings":'
+                    + orjson.dumps(timings) + b"}\n\n" + SSE_DONE)
         chunk = self._finish_chunk(finish_reason)
         if error is not None:
             chunk["error"] = {"message": error, "type": "server_error", "param": None, "code": "engine_error"}
@@ -124,6 +129,7 @@ class CompletionSse(_Sse):
         fields = {"id": request_id, "object": "text_completion", "created": created, "model": model}
         super().__init__(fields, include_usage, token_text)
         head = orjson.dumps(fields)[:-1]
+        self._head = b"data: " + head
         usage_tail = b',"usage":null' if include_usage else b""
         self._prefix = self._first_prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
         self._lp_mid = b',"logprobs":'
@@ -145,6 +151,9 @@ class CompletionSse(_Sse):
     def _finish_chunk(self, finish_reason: str) -> dict:
         return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}])
 
+    def _finish_choice(self) -> bytes:
+        return b',"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":'
+
 
 class ChatSse(_Sse):
     """`chat.completion.chunk` chunks for POST /v1/chat/completions; the first carries the role."""
@@ -155,6 +164,7 @@ class ChatSse(_Sse):
         fields = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         super().__init__(fields, include_usage, token_text)
         head = orjson.dumps(fields)[:-1]
+        self._head = b"data: " + head
         usage_tail = b',"usage":null' if include_usage else b""
         start = b"data: " + head + b',"choices":[{"index":0,"delta":{'
         self._prefix = start + b'"content":'
@@ -169,6 +179,10 @@ class ChatSse(_Sse):
     def _finish_chunk(self, finish_reason: str) -> dict:
         delta = {} if self._started else {"role": "assistant", "content": ""}
         return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+
+    def _finish_choice(self) -> bytes:
+        delta = b"{}" if self._started else b'{"role":"assistant","content":""}'
+        return b',"choices":[{"index":0,"delta":' + delta + b',"logprobs":null,"finish_reason":'
 
 
 def chat_logprobs(token_ids, logprobs, token_text: Callable[[int], str]) -> list:

@@ -35,11 +35,23 @@ def encode_string(data: bytes) -> bytes:
 
 
 def encode_field(name: bytes, value: bytes) -> bytes:
-    """Literal header field without indexing (RFC 7541 6.2.2)."""
+    """Literal header field without indexing (RFC 7541 6.2.2). The names we send are encoded
+    once, at import; a value's length prefix is one table lookup below 127 bytes (trailers
+    make one block per request)."""
+    head = _NAME_PARTS.get(name)
+    if head is None:
+        head = _name_part(name)
+    n = len(value)
+    return head + (_SHORT_LENGTHS[n] if n < 127 else encode_int(n, 7, 0x00)) + value
+
+
+def _name_part(name: bytes) -> bytes:
     index = NAME_INDEX.get(name)
-    if index is not None:
-        return encode_int(index, 4, 0x00) + encode_string(value)
-    return b"\x00" + encode_string(name) + encode_string(value)
+    return encode_int(index, 4, 0x00) if index is not None else b"\x00" + encode_string(name)
+
+
+_NAME_PARTS = {name: _name_part(name) for name in (*NAME_INDEX, b"server-timing", b"x-request-id")}
+_SHORT_LENGTHS = tuple(bytes([n]) for n in range(127))     # H bit clear, 7-bit prefix
 
 
 def encode_block(status: int | None, headers) -> bytes:

@@ -11,6 +11,7 @@ and so is any key the route does not know, so nothing is ever silently ignored. 
 accepted no-op is `user` (an end-user id for abuse tracking; it never affects output).
 """
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import orjson
@@ -121,6 +122,8 @@ def parse_generate(body: dict) -> GenerationRequest:
 # ---------------------------------------------------------------- helpers
 
 def _check_keys(body: dict, known: set) -> None:
+    if body.keys() <= known:
+        return
     for key in body:
         if key not in known:
             raise unsupported(key, f"unknown or unsupported parameter {key!r}")
@@ -182,9 +185,18 @@ def _sampling(body: dict, *, max_tokens, logprobs) -> SamplingParams:
     if stop_ids:
         kwargs["stop_token_ids"] = tuple(_token_ids(stop_ids, "stop_token_ids", allow_empty=True))
     try:
-        return SamplingParams(**kwargs)
+        return _sampling_params(tuple(kwargs.items()))
     except InvalidParameter as exc:
         raise bad_param(exc.param, str(exc)) from None
+
+
+@lru_cache(maxsize=256)
+def _sampling_params(fields: tuple) -> SamplingParams:
+    """SamplingParams are immutable, and most requests share theirs (defaults, or a client's
+    fixed settings): one made per distinct set of fields, not per request (~3 µs each).
+    `fields` are (name, value) pairs whose types `_sampling` has checked, so equal keys
+    mean equal parameters."""
+    return SamplingParams(**dict(fields))
 
 
 # body key -> JSON type, for the SamplingParams fields taken from the body as they are
