@@ -5,7 +5,7 @@ Runs `EngineCore.step()` over the zero-cost mock executor with B requests decodi
 
 Included in the figure: taking the inbox and cancellations (lock), scheduling (decode
 slots, block accounting with a new block every `block_size` tokens, one SeqStep per
-request), and output processing (appending the token, EOS / stop-id / length checks,
+request: its DecodeStep, updated in place), and output processing (appending the token, EOS / stop-id / length checks,
 detokenization through the byte-table fast path, one RequestOutput per request, the
 per-token timeline stamp). Excluded: the executor (the mock's own work). Stop strings
 are off here; detokenization is also timed on its own, per token, for both decoders.

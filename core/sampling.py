@@ -48,6 +48,8 @@ seed — the same decisions as the reference's own float64 roundings, not just u
     reference.
 - logprobs: the reference's operations one row at a time. Penalties: only the ids that
   occur are touched (never a [V] array); see `penalize_row`.
+The module is longer than most because the fast path and the reference it must equal live
+side by side (tests/test_sampling_fast.py holds them to it).
 """
 
 from typing import Optional, Sequence
@@ -96,7 +98,7 @@ def request_uniforms(seeds: list, counters: list) -> list:
             for s, c in zip(seeds, counters)]
 
 
-CHUNK_ELEMENTS = 1 << 17               # rows sampled together: chunk rows x V <= this (1 MiB of float64)
+CHUNK_ELEMENTS = 1 << 17                # rows sampled together: chunk rows x V <= this (1 MiB of float64)
 FIRST_CANDIDATES = 64                   # filtered rows are decided over this many leading ranks, x 4 per retry
 WHOLE_ROW_MAX_VOCAB = 1024              # temperature-only rows up to this vocabulary: the reference's inversion
 CDF_BLOCK = 512                         # temperature-only rows: the CDF crossing is found from sums of this many
