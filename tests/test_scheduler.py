@@ -369,3 +369,26 @@ def test_random_workloads_keep_every_invariant(ops, num_blocks, budget):
             want = alone(rid, prompt_len=prompt_len, max_tokens=max_tokens)
             assert tokens[rid] == want[:len(tokens[rid])] and finish[rid] == FINISH_LENGTH
             assert len(tokens[rid]) == min(max_tokens, 32 - prompt_len)
+
+
+def test_logprobs_reach_their_own_requests_in_mixed_steps():
+    """Decodes and prefills that complete in the same step: each output carries the logprobs
+    its request asked for (greedy here, so the top id is the token itself), and no other."""
+    engine = make_engine(KVCheckingExecutor(sampled_logits=True), max_num_seqs=8)
+    asks = {0: 2, 1: None, 2: 0, 3: 5}
+    engine.add_request(0, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=12, logprobs=2), Timeline())
+    seen = {i: 0 for i in asks}
+    for step in range(14):
+        if step == 3:
+            for i in (1, 2, 3):
+                engine.add_request(i, [8 + i, 9], SamplingParams(temperature=0.0, max_tokens=6, logprobs=asks[i]),
+                                   Timeline())
+        for out in engine.step():
+            seen[out.request_id] += 1
+            if asks[out.request_id] is None:
+                assert out.logprobs is None
+            else:
+                (lp,) = out.logprobs
+                assert len(lp.top_ids) == asks[out.request_id]
+                assert lp.top_ids[:1] in ([], [out.token_ids[0]]) and lp.token_logprob <= 0
+    assert seen == {0: 12, 1: 6, 2: 6, 3: 6}
