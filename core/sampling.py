@@ -110,24 +110,22 @@ def sample(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
     num_seqs = len(seqs)
     assert logits.ndim == 2 and logits.shape[0] == num_seqs, (logits.shape, num_seqs)
     params = [s.sampling for s in seqs]
-    penalized = {i: penalize_row(logits[i].copy(), seqs[i]) for i, p in enumerate(params) if p.has_penalties}
+    rows = _Rows(logits, seqs, {i for i, p in enumerate(params) if p.has_penalties})
     token_ids = np.empty(num_seqs, dtype=np.int64)                 # [S]
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    if len(greedy) == num_seqs and not penalized:
+    if len(greedy) == num_seqs and not rows.penalized:
         token_ids[:] = np.argmax(logits, axis=1)
     else:
         for i in greedy:
-            token_ids[i] = np.argmax(penalized.get(i, logits[i]))
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        draws = dict(zip(rows, request_uniforms([seqs[i].seed for i in rows],
-                                                [len(seqs[i].output_token_ids) for i in rows])))
-        plain = [i for i in rows if not is_filtered(params[i])]
-        filtered = [i for i in rows if is_filtered(params[i])]
-        for chunk in _chunks(plain, logits.shape[1]):
-            token_ids[chunk] = _sample_plain(_gather(logits, chunk, penalized), params, chunk, draws)
-        for chunk in _chunks(filtered, logits.shape[1]):
-            token_ids[chunk] = _sample_filtered_fast(_gather(logits, chunk, penalized), params, chunk, draws)
+            token_ids[i] = np.argmax(rows.gather([i]))
+    random = [i for i, p in enumerate(params) if not p.greedy]
+    if random:
+        draws = dict(zip(random, request_uniforms([seqs[i].seed for i in random],
+                                                  [len(seqs[i].output_token_ids) for i in random])))
+        for chunk in _chunks([i for i in random if not is_filtered(params[i])], logits.shape[1]):
+            token_ids[chunk] = _sample_plain(rows.gather(chunk), params, chunk, draws)
+        for chunk in _chunks([i for i in random if is_filtered(params[i])], logits.shape[1]):
+            token_ids[chunk] = _sample_filtered_fast(rows.gather(chunk), params, chunk, draws)
     logprobs = None
     if any(p.logprobs is not None for p in params):
         logprobs = compute_logprobs(logits, token_ids, params)
@@ -144,15 +142,28 @@ def _chunks(rows: list, vocab_size: int):
         yield rows[k:k + step]
 
 
-def _gather(logits: np.ndarray, chunk: list, penalized: dict) -> np.ndarray:
-    """float32 [k, V]: the chunk's rows, penalized where a row has penalties."""
-    block = logits[chunk[0]:chunk[0] + 1] if len(chunk) == 1 else logits[chunk]
-    if penalized and any(i in penalized for i in chunk):
-        block = np.array(block)
+class _Rows:
+    """A step's logits by chunks of rows, penalized where a row has penalties. Penalized rows
+    are copied into one scratch block per step: a fresh [V] copy per row cost more in page
+    faults (~0.4 ms at V = 152k) than the penalties themselves."""
+
+    def __init__(self, logits: np.ndarray, seqs: Sequence[SeqStep], penalized: set):
+        self.logits, self.seqs, self.penalized = logits, seqs, penalized
+        self.scratch = None                                        # float32 [chunk rows, V], made on first use
+
+    def gather(self, chunk: list) -> np.ndarray:
+        """-> float32 [k, V], read only (a one-row chunk without penalties is a view)."""
+        if not self.penalized.intersection(chunk):
+            return self.logits[chunk[0]:chunk[0] + 1] if len(chunk) == 1 else self.logits[chunk]
+        if self.scratch is None:
+            vocab_size = self.logits.shape[1]
+            self.scratch = np.empty((max(1, CHUNK_ELEMENTS // vocab_size), vocab_size), dtype=np.float32)
+        block = self.scratch[:len(chunk)]
+        np.take(self.logits, chunk, axis=0, out=block)
         for j, i in enumerate(chunk):
-            if i in penalized:
-                block[j] = penalized[i]
-    return block
+            if i in self.penalized:
+                penalize_row(block[j], self.seqs[i])
+        return block
 
 
 def _temperatures(params, chunk: list) -> np.ndarray:
@@ -328,17 +339,26 @@ def penalize_row(row: np.ndarray, s: SeqStep) -> np.ndarray:
     Frequency/presence change only ids with a count; the [V]-wide form this replaced also
     subtracted a zero from the others, which can only turn a -0.0 logit into +0.0."""
     vocab_size, p = len(row), s.sampling
+    out = np.asarray(s.output_token_ids, dtype=np.int64)
     if p.repetition_penalty != 1.0:
-        seen = np.unique(np.concatenate((np.asarray(s.prompt_token_ids, dtype=np.int64),
-                                         np.asarray(s.output_token_ids, dtype=np.int64))))
-        seen = seen[(seen >= 0) & (seen < vocab_size)]
+        seen, _ = _distinct(np.concatenate((np.asarray(s.prompt_token_ids, dtype=np.int64), out)), vocab_size)
         vals = row[seen]
         row[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(s.output_token_ids):
-        out = np.asarray(s.output_token_ids, dtype=np.int64)
-        ids, counts = np.unique(out[(out >= 0) & (out < vocab_size)], return_counts=True)
+    if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and len(out):
+        ids, counts = _distinct(out, vocab_size)
         row[ids] -= np.float32(p.frequency_penalty) * counts.astype(np.float32) + np.float32(p.presence_penalty)
     return row
+
+
+def _distinct(ids: np.ndarray, vocab_size: int) -> tuple:
+    """int64 [n] -> (the distinct ids in [0, V), ascending; how often each occurs). A sort and
+    a comparison: np.unique on integers costs ~10x that in numpy 2.4 (~120 us for 1500 ids)."""
+    ids = np.sort(ids[(ids >= 0) & (ids < vocab_size)])
+    first = np.empty(len(ids), dtype=bool)
+    first[:1] = True
+    np.not_equal(ids[1:], ids[:-1], out=first[1:])
+    starts = np.flatnonzero(first)
+    return ids[starts], np.diff(starts, append=len(ids))
 
 
 # ------------------------------------------------------------------ the reference
