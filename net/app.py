@@ -98,7 +98,13 @@ class App:
         self.dispatcher.cancel_all(proto)
 
     def on_events(self, proto, events: list) -> None:
-        """Everything one read brought; the engine thread is woken once, after the last request."""
+        """Everything one read brought, in order.
+
+        Steps the engine finished meanwhile are written first (tokens already made go out
+        before new requests are parsed and tokenized); the engine thread is held until the
+        new requests are in its inbox, so its next step takes them, and woken once, after
+        the last one."""
+        num_steps = self.dispatcher.dispatch_pending()
         for ev in events:
             kind = type(ev)
             if kind is Request:
@@ -113,6 +119,7 @@ class App:
                 self.dispatcher.cancel_all(proto)
         if self.engine is not None:
             self.engine.wake()
+        self.dispatcher.release_engine(num_steps)
 
     def _handle(self, proto, req: Request) -> None:
         try:

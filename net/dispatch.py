@@ -115,11 +115,21 @@ class Dispatcher:
         The engine is let go last: it needs the GIL for its next step anyway, and its step
         then runs while this thread would only be returning to the event loop."""
         self._step_ready.wait()
+        self.release_engine(self.dispatch_pending())
+
+    def dispatch_pending(self) -> int:
+        """Write the steps the engine has handed over; -> how many. The engine waits for
+        `release_engine` (App.on_events writes them before new requests, and lets the engine
+        go only after them, so its next step includes those requests)."""
         steps = self._steps
-        try:
-            while steps:
-                self._dispatch_step(steps.popleft())
-        finally:
+        num_steps = 0
+        while steps:
+            num_steps += 1
+            self._dispatch_step(steps.popleft())
+        return num_steps
+
+    def release_engine(self, num_steps: int) -> None:
+        if num_steps:
             self._step_taken.ring()
 
     def _dispatch_step(self, outputs: list) -> None:

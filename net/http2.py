@@ -669,7 +669,8 @@ class H2Session:
 
     def _send(self, st: _Stream, payload: bytes) -> None:
         n = len(payload)
-        if st.pending or n > self.send_window or n > st.send_window or n > self.max_frame_size or st.state == CLOSED:
+        if (st.pending or n > self.send_window or n > st.send_window or n > self.max_frame_size
+                or st.state >= HALF_CLOSED_LOCAL):
             if st.id not in self.streams:
                 raise KeyError(f"stream {st.id} is not open for a response (reset, or its response ended)")
             st.pending += payload
