@@ -55,8 +55,9 @@ def fp32_bound(x, qweight, scales, zeros, k):
     return (k + 4) * EPS32 * (np.abs(x) @ ((q + np.abs(z)) * s).T)
 
 
-SHAPES = [  # (M, N, K, G)
-    (1, 1, 32, 32), (1, 16, 64, 32), (1, 17, 100, 32), (2, 33, 64, 64), (3, 5, 191, 64), (4, 48, 128, 128),
+SHAPES = [  # (M, N, K, G); M = 1 has its own kernels (decode): odd and even group counts, all group sizes
+    (1, 1, 32, 32), (1, 16, 64, 32), (1, 17, 100, 32), (1, 40, 192, 64), (1, 33, 130, 64), (1, 16, 896, 64),
+    (1, 20, 384, 128), (1, 31, 256, 128), (2, 33, 64, 64), (3, 5, 191, 64), (4, 48, 128, 128),
     (5, 16, 129, 128), (7, 31, 256, 64), (8, 16, 8, 32), (9, 47, 96, 32), (16, 64, 384, 128), (17, 3, 64, 64),
     (33, 20, 160, 32), (64, 40, 192, 64),
 ]
@@ -95,9 +96,13 @@ def test_fp32_precision_over_a_wide_dynamic_range(isa):
     per = (q + np.abs(np.repeat(parts[2].astype(np.float64), g, 1))) * np.repeat(parts[1].astype(np.float64), g, 1)
     group_max = np.abs(x.astype(np.float64)).reshape(m, -1, g).max(axis=2)                 # [M, ng]
     resolution = EPS32 * group_max @ per.reshape(n, -1, g).sum(axis=2).T                    # [M, N]
-    got = cpu.Int4Linear(*parts, k)(x)
-    assert np.all(np.isfinite(got))
-    assert np.all(np.abs(got - exact) <= fp32_bound(x, *parts, k) + resolution + 1e-37)
+    w = cpu.Int4Linear(*parts, k)
+    got = w(x)
+    rows = np.concatenate([w(x[i:i + 1]) for i in range(m)])          # one row at a time: the decode kernels
+    bound = fp32_bound(x, *parts, k) + resolution + 1e-37
+    for result in (got, rows):
+        assert np.all(np.isfinite(result))
+        assert np.all(np.abs(result - exact) <= bound)
 
 
 @pytest.mark.parametrize("m,n,k,g", SHAPES)

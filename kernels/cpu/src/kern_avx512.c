@@ -46,6 +46,14 @@ INLINE __mmask16 tile_mask(const tw_int4 *w, int t) {
 #define DPBUSD_BCAST(acc, w, x) \
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)(x)))
 
+/* A zeroed register by the zeroing idiom (no execution port): written as asm because GCC
+ * otherwise keeps one zero register and copies it into each accumulator (a vector move each). */
+INLINE __m512i zero_acc(void) {
+    __m512i z;
+    __asm__ volatile("vpxord %0, %0, %0" : "=v"(z));
+    return z;
+}
+
 INLINE __m512 load_half16(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)p));
 }
@@ -95,7 +103,65 @@ INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t,
     for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, _mm512_load_ps(F[i]));
 }
 
+/* One activation row (decode): as tile_x24_one, two groups at a time with the low and high
+ * nibbles in their own accumulators (the high ones as byte & 0xf0, 16x, shifted back per group). */
+INLINE __m512 q8_rescale(__m512 F, __m512i L, __m512i H, const uint8_t *block, const tw_act *a, int g) {
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(L, _mm512_srai_epi32(H, 4)));
+    const __m512 s = load_half16(block), z = load_half16(block + 32);
+    const __m512 v = _mm512_fmsub_ps(dot, _mm512_set1_ps(a->xd[g]), _mm512_mul_ps(z, _mm512_set1_ps(a->xqsum[g])));
+    return _mm512_fmadd_ps(s, v, F);
+}
+
+INLINE void tile_q8_one(const tw_int4 *w, const tw_act *a, float *y, int t, const int GS) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high4 = _mm512_set1_epi8((char)0xf0);
+    const int ng = w->num_groups, gs = GS ? GS : w->group_size, chunks = gs / 8;
+    const size_t bb = GS ? 64 + 8 * (size_t)GS : w->block_bytes, xg = (size_t)chunks * 8;
+    const uint8_t *block = w->data + (size_t)t * ng * bb;
+    __m512 F = _mm512_setzero_ps();
+    int g = 0;
+    for (; g + 2 <= ng; g += 2, block += 2 * bb) {
+        const __m512i *qa = (const __m512i *)(block + 64), *qb = (const __m512i *)(block + bb + 64);
+        const int8_t *xa = a->xq + (size_t)g * xg, *xb = xa + xg;
+        __m512i La = zero_acc(), Ha = zero_acc(), Lb = zero_acc(), Hb = zero_acc();
+        __m512i La2 = zero_acc(), Ha2 = zero_acc(), Lb2 = zero_acc(), Hb2 = zero_acc();
+        for (size_t off = 0; off < 2 * bb; off += 64) _mm_prefetch((const char *)block + off + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
+        for (int c = 0; c < chunks; c += 2) {
+            const __m512i wa = _mm512_load_si512(qa + c), wb = _mm512_load_si512(qb + c);
+            DPBUSD_BCAST(La, _mm512_and_si512(wa, low4), xa + 8 * c);
+            DPBUSD_BCAST(Ha, _mm512_and_si512(wa, high4), xa + 8 * c + 4);
+            DPBUSD_BCAST(Lb, _mm512_and_si512(wb, low4), xb + 8 * c);
+            DPBUSD_BCAST(Hb, _mm512_and_si512(wb, high4), xb + 8 * c + 4);
+            if (c + 1 < chunks) {
+                const __m512i va = _mm512_load_si512(qa + c + 1), vb = _mm512_load_si512(qb + c + 1);
+                DPBUSD_BCAST(La2, _mm512_and_si512(va, low4), xa + 8 * c + 8);
+                DPBUSD_BCAST(Ha2, _mm512_and_si512(va, high4), xa + 8 * c + 12);
+                DPBUSD_BCAST(Lb2, _mm512_and_si512(vb, low4), xb + 8 * c + 8);
+                DPBUSD_BCAST(Hb2, _mm512_and_si512(vb, high4), xb + 8 * c + 12);
+            }
+        }
+        F = q8_rescale(F, _mm512_add_epi32(La, La2), _mm512_add_epi32(Ha, Ha2), block, a, g);
+        F = q8_rescale(F, _mm512_add_epi32(Lb, Lb2), _mm512_add_epi32(Hb, Hb2), block + bb, a, g + 1);
+    }
+    if (g < ng) {
+        const __m512i *q = (const __m512i *)(block + 64);
+        const int8_t *x = a->xq + (size_t)g * xg;
+        __m512i L = zero_acc(), H = zero_acc();
+        for (size_t off = 0; off < bb; off += 64) _mm_prefetch((const char *)block + off + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
+        for (int c = 0; c < chunks; c++) {
+            const __m512i wv = _mm512_load_si512(q + c);
+            DPBUSD_BCAST(L, _mm512_and_si512(wv, low4), x + 8 * c);
+            DPBUSD_BCAST(H, _mm512_and_si512(wv, high4), x + 8 * c + 4);
+        }
+        F = q8_rescale(F, L, H, block, a, g);
+    }
+    _mm512_mask_storeu_ps(y + t * TW_TILE, tile_mask(w, t), F);
+}
+
 INLINE void tiles_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1, const int GS) {
+    if (a->m == 1) {
+        for (int t = t0; t < t1; t++) tile_q8_one(w, a, y, t, GS);
+        return;
+    }
     for (int t = t0; t < t1; t++) {
         int m = 0;
         for (; m + 16 <= a->m; m += 16) tile_q8(w, a, y, ldy, t, m, 16, GS);
@@ -183,7 +249,78 @@ INLINE void tile_x24(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t
     for (int i = 0; i < MB; i++) _mm512_mask_storeu_ps(y + (size_t)(m0 + i) * ldy + t * TW_TILE, mask, _mm512_load_ps(F[i]));
 }
 
+/* One activation row (decode): two groups of the tile at a time, each with its own six
+ * accumulators (3 digits x low / high nibbles), so 12 independent vpdpbusd chains hide the
+ * instruction's latency. The high nibbles are masked in place (byte & 0xf0 = 16 * nibble,
+ * one op instead of shift + mask); their sums are exact multiples of 16 and are shifted
+ * back once per group. */
+INLINE __m512i x24_digits_dot(__m512i L, __m512i H) { return _mm512_add_epi32(L, _mm512_srai_epi32(H, 4)); }
+
+INLINE __m512 x24_group_sum(__m512i L0, __m512i L1, __m512i L2, __m512i H0, __m512i H1, __m512i H2) {
+    const __m512i d0 = x24_digits_dot(L0, H0), d1 = x24_digits_dot(L1, H1), d2 = x24_digits_dot(L2, H2);
+    const __m512 hi2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d2), _mm512_set1_ps(65536.0f),
+                                       _mm512_mul_ps(_mm512_cvtepi32_ps(d1), _mm512_set1_ps(256.0f)));
+    return _mm512_add_ps(hi2, _mm512_cvtepi32_ps(d0));
+}
+
+INLINE __m512 x24_rescale(__m512 F, __m512 dot, const uint8_t *block, const tw_act *a, int g) {
+    const __m512 s = load_half16(block), z = load_half16(block + 32);
+    const __m512 v = _mm512_fmsub_ps(dot, _mm512_set1_ps(a->xd[g]), _mm512_mul_ps(z, _mm512_set1_ps(a->xqsum[g])));
+    return _mm512_fmadd_ps(s, v, F);
+}
+
+#define X24_CHUNK(L0, L1, L2, H0, H1, H2, wv, x)                                   \
+    do {                                                                          \
+        const __m512i lo_ = _mm512_and_si512(wv, low4), hi_ = _mm512_and_si512(wv, high4); \
+        DPBUSD_BCAST(L0, lo_, (x));                                                \
+        DPBUSD_BCAST(H0, hi_, (x) + 4);                                            \
+        DPBUSD_BCAST(L1, lo_, (x) + 8);                                            \
+        DPBUSD_BCAST(H1, hi_, (x) + 12);                                           \
+        DPBUSD_BCAST(L2, lo_, (x) + 16);                                           \
+        DPBUSD_BCAST(H2, hi_, (x) + 20);                                           \
+    } while (0)
+
+INLINE void tile_x24_one(const tw_int4 *w, const tw_act *a, float *y, int t, const int GS) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), high4 = _mm512_set1_epi8((char)0xf0);
+    const int ng = w->num_groups, gs = GS ? GS : w->group_size, chunks = gs / 8;
+    const size_t bb = GS ? 64 + 8 * (size_t)GS : w->block_bytes, xg = (size_t)chunks * 24;
+    const uint8_t *block = w->data + (size_t)t * ng * bb;
+    __m512 F = _mm512_setzero_ps();
+    int g = 0;
+    for (; g + 2 <= ng; g += 2, block += 2 * bb) {
+        const __m512i *qa = (const __m512i *)(block + 64), *qb = (const __m512i *)(block + bb + 64);
+        const int8_t *xa = a->xq + (size_t)g * xg, *xb = xa + xg;
+        __m512i La0 = zero_acc(), La1 = zero_acc(), La2 = zero_acc(), Ha0 = zero_acc(), Ha1 = zero_acc(), Ha2 = zero_acc();
+        __m512i Lb0 = zero_acc(), Lb1 = zero_acc(), Lb2 = zero_acc(), Hb0 = zero_acc(), Hb1 = zero_acc(), Hb2 = zero_acc();
+        /* the pair's 2 * bb bytes, one line per 64 bytes, TW_PREFETCH_BYTES ahead */
+        for (size_t off = 0; off < 2 * bb; off += 64) _mm_prefetch((const char *)block + off + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
+        for (int c = 0; c < chunks; c++) {
+            const __m512i wa = _mm512_load_si512(qa + c), wb = _mm512_load_si512(qb + c);
+            X24_CHUNK(La0, La1, La2, Ha0, Ha1, Ha2, wa, xa + 24 * c);
+            X24_CHUNK(Lb0, Lb1, Lb2, Hb0, Hb1, Hb2, wb, xb + 24 * c);
+        }
+        F = x24_rescale(F, x24_group_sum(La0, La1, La2, Ha0, Ha1, Ha2), block, a, g);
+        F = x24_rescale(F, x24_group_sum(Lb0, Lb1, Lb2, Hb0, Hb1, Hb2), block + bb, a, g + 1);
+    }
+    if (g < ng) {
+        const __m512i *q = (const __m512i *)(block + 64);
+        const int8_t *x = a->xq + (size_t)g * xg;
+        __m512i L0 = zero_acc(), L1 = zero_acc(), L2 = zero_acc(), H0 = zero_acc(), H1 = zero_acc(), H2 = zero_acc();
+        for (size_t off = 0; off < bb; off += 64) _mm_prefetch((const char *)block + off + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
+        for (int c = 0; c < chunks; c++) {
+            const __m512i wv = _mm512_load_si512(q + c);
+            X24_CHUNK(L0, L1, L2, H0, H1, H2, wv, x + 24 * c);
+        }
+        F = x24_rescale(F, x24_group_sum(L0, L1, L2, H0, H1, H2), block, a, g);
+    }
+    _mm512_mask_storeu_ps(y + t * TW_TILE, tile_mask(w, t), F);
+}
+
 INLINE void tiles_x24(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t0, int t1, const int GS) {
+    if (a->m == 1) {
+        for (int t = t0; t < t1; t++) tile_x24_one(w, a, y, t, GS);
+        return;
+    }
     for (int t = t0; t < t1; t++) {
         int m = 0;
         for (; m + 8 <= a->m; m += 8) tile_x24(w, a, y, ldy, t, m, 8, GS);
