@@ -180,7 +180,8 @@ class App:
     def _json_body(self, req: Request) -> dict:
         self._authorize(req)
         content_type = req.headers.get("content-type")
-        if content_type is not None and content_type.split(";", 1)[0].strip().lower() != "application/json":
+        if (content_type is not None and content_type != "application/json"
+                and content_type.split(";", 1)[0].strip().lower() != "application/json"):
             raise ApiError(415, f"content-type must be application/json, got {content_type!r}",
                            code="unsupported_media_type")
         self._require_model()

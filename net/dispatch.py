@@ -43,9 +43,10 @@ class Exchange:
         self.last_ns = 0                    # when the previous token was dispatched (0: none yet)
         self.response_id = response_id
         self.created = created
-        self.texts = []                     # whole responses collect here
-        self.token_ids = []
-        self.logprobs = []
+        whole = not streaming               # whole responses collect their text, ids and logprobs here
+        self.texts = [] if whole else None
+        self.token_ids = [] if whole else None
+        self.logprobs = [] if whole else None
         self.want_logprobs = want_logprobs
         self.send = proto.session.data_writer(stream_id)        # made once: called per token
         self.encode = encoder.token if encoder is not None else None

@@ -65,6 +65,18 @@ def server_timing(timings: dict) -> bytes:
 
 # ------------------------------------------------------------------- SSE
 
+def _tails(lp_mid: bytes, usage_tail: bytes) -> tuple:
+    """(tail after logprobs, tail of a chunk without logprobs): the same bytes for every request."""
+    tail = b',"finish_reason":null}]' + usage_tail + b"}\n\n"
+    return tail, lp_mid + b"null" + tail
+
+
+# include_usage -> (completion tails, chat tails)
+_TAILS = {usage: (_tails(b',"logprobs":', b',"usage":null' if usage else b""),
+                  _tails(b'},"logprobs":', b',"usage":null' if usage else b""))
+          for usage in (False, True)}
+
+
 class _Sse:
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
@@ -128,13 +140,10 @@ class CompletionSse(_Sse):
                  token_text: Callable[[int], str]):
         fields = {"id": request_id, "object": "text_completion", "created": created, "model": model}
         super().__init__(fields, include_usage, token_text)
-        head = orjson.dumps(fields)[:-1]
-        self._head = b"data: " + head
-        usage_tail = b',"usage":null' if include_usage else b""
-        self._prefix = self._first_prefix = b"data: " + head + b',"choices":[{"index":0,"text":'
+        self._head = head = b"data: " + orjson.dumps(fields)[:-1]
+        self._prefix = self._first_prefix = head + b',"choices":[{"index":0,"text":'
         self._lp_mid = b',"logprobs":'
-        self._tail = b',"finish_reason":null}]' + usage_tail + b"}\n\n"
-        self._null_tail = self._lp_mid + b"null" + self._tail
+        self._tail, self._null_tail = _TAILS[bool(include_usage)][0]
 
     def _logprobs(self, out) -> dict:
         text = self._token_text
@@ -163,15 +172,12 @@ class ChatSse(_Sse):
                  token_text: Callable[[int], str]):
         fields = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         super().__init__(fields, include_usage, token_text)
-        head = orjson.dumps(fields)[:-1]
-        self._head = b"data: " + head
-        usage_tail = b',"usage":null' if include_usage else b""
-        start = b"data: " + head + b',"choices":[{"index":0,"delta":{'
+        self._head = head = b"data: " + orjson.dumps(fields)[:-1]
+        start = head + b',"choices":[{"index":0,"delta":{'
         self._prefix = start + b'"content":'
         self._first_prefix = start + b'"role":"assistant","content":'
         self._lp_mid = b'},"logprobs":'
-        self._tail = b',"finish_reason":null}]' + usage_tail + b"}\n\n"
-        self._null_tail = self._lp_mid + b"null" + self._tail
+        self._tail, self._null_tail = _TAILS[bool(include_usage)][1]
 
     def _logprobs(self, out) -> dict:
         return {"content": chat_logprobs(out.token_ids, out.logprobs, self._token_text)}
