@@ -78,6 +78,10 @@ class Doorbell:
             if self._w != self._r:
                 os.close(self._w)
 
+    def __del__(self):          # an engine never started or shut down still gives its descriptor back
+        if not getattr(self, "closed", True):
+            self.close()
+
 
 class EngineCore:
     def __init__(self, executor: Executor, tokenizer, *, eos_token_ids: Sequence[int], max_model_len: int,
