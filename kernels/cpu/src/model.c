@@ -238,56 +238,86 @@ typedef struct {
     tw_batch *b;
 } step_job;
 
+/* Bytes of the next product a thread streams towards L2 while it waits at a barrier: its own
+ * first share (below), up to WAIT_PREFETCH_BYTES. */
+#define WAIT_PREFETCH_BYTES (256u << 10)
+#define WARM_BYTES (64u << 10)          /* of which warm() asks for this much at once */
+
 /* A thread's place in the step: thread 0 stamps each stage (the others run unobserved, they
  * do the same work), and every thread counts the shared stages it passes, in the same order,
- * to find that stage's work counter. */
+ * to find that stage's work counter. `ahead` is what it may still prefetch while it waits. */
 typedef struct {
     tw_model *m;
     int ith, nth;
     uint64_t last;
     int stage_no;
+    tw_prefetch_range ahead;
 } clock0;
 
-/* Items [begin, end) of the current shared stage for this thread, `chunk` at a time: chunk
- * `ith` first (known in advance, so it can be prefetched), then the next unclaimed one from
- * the stage's counter (a core slowed by a neighbour takes fewer; results do not depend on
- * who computes what). Start with *end = -1; returns 0 when none are left. */
-static int claim(clock0 *c, int total, int chunk, int *begin, int *end) {
+/* How a shared stage's `total` items are handed out: thread ith first takes its own share
+ * [ith * first, (ith + 1) * first) (known in advance, so it can be prefetched), then pieces
+ * of what is left from the stage's counter, each 1 / (2 nth) of the remainder and at least
+ * `min` ("guided"): a core slowed by a neighbour takes fewer, few pieces mean few jumps for
+ * the weight stream, and the last pieces are small, so the threads finish a product within
+ * microseconds of each other (chunks of 1/16 left one idle for up to 20 us per product, and
+ * ~300 us after the lm_head). Results do not depend on who computes what. */
+typedef struct {
+    int total, first, min;
+} shares;
+
+/* Items [begin, end) of the current shared stage for this thread; start with *end = -1;
+ * returns 0 when none are left. */
+static int claim(clock0 *c, shares s, int *begin, int *end) {
     if (c->nth == 1) {
-        if (*end >= total) return 0;
-        *begin = 0, *end = total;
-        return total > 0;
+        if (*end >= s.total) return 0;
+        *begin = 0, *end = s.total;
+        return s.total > 0;
     }
-    const int idx = *end < 0 ? c->ith
-                             : c->nth + atomic_fetch_add_explicit(&c->m->next_work[c->stage_no], 1, memory_order_relaxed);
-    *begin = idx * chunk;
-    *end = *begin + chunk < total ? *begin + chunk : total;
-    return *begin < total;
+    if (*end < 0) {
+        *begin = c->ith * s.first;
+        *end = *begin + s.first < s.total ? *begin + s.first : s.total;
+        if (*begin < *end) return 1;
+    }
+    _Atomic int *counter = &c->m->next_work[c->stage_no];
+    const int base = c->nth * s.first;
+    int taken = atomic_load_explicit(counter, memory_order_relaxed), size;
+    do {
+        const int left = s.total - base - taken;
+        if (left <= 0) return 0;
+        size = left / (2 * c->nth);
+        size = size > s.min ? size : s.min;
+        size = size < left ? size : left;
+    } while (!atomic_compare_exchange_weak_explicit(counter, &taken, taken + size, memory_order_relaxed,
+                                                    memory_order_relaxed));
+    *begin = base + taken;
+    *end = *begin + size;
+    return 1;
 }
 
-/* `total` items in chunks of about 1/(8 nth) of them, at least `min_chunk`. */
-static int chunk_for(const clock0 *c, int total, int min_chunk) {
-    int chunk = total / (8 * c->nth);
-    return chunk > min_chunk ? chunk : min_chunk;
+/* A product's tiles: half of them in equal own shares, the rest in guided pieces of >= 64 KiB
+ * (streams long enough for the prefetch). */
+static shares tile_shares(const clock0 *c, const tw_int4 *w) {
+    const int min = (int)((64u << 10) / (w->num_groups * w->block_bytes)) + 1;
+    return (shares){w->num_tiles, w->num_tiles / (2 * c->nth), min};
 }
 
-/* tiles in chunks of >= 64 KiB: streams long enough for the prefetch */
-static int tile_chunk(const clock0 *c, const tw_int4 *w) {
-    return chunk_for(c, w->num_tiles, (int)((64u << 10) / (w->num_groups * w->block_bytes)) + 1);
-}
-
-/* Start this thread's first chunk of the next product on its way to L2 (up to 64 KiB):
- * called when a thread's share of a product is done, so the memory bus keeps streaming
- * weights through the barrier, the attention and the row work before the next product. */
-static void warm(const clock0 *c, const tw_weight *w) {
+/* Start this thread's own share of the next product on its way to L2: WARM_BYTES now, and up
+ * to WAIT_PREFETCH_BYTES while it waits at the next barrier. Called when a thread's part of a
+ * product is done, so the memory bus keeps streaming weights through the barrier, the
+ * attention and the row work before the next product. */
+static void warm(clock0 *c, const tw_weight *w) {
+    c->ahead.left = 0;
     if (w->kind != TW_W_I4 || c->nth == 1) return;
     const size_t tile_bytes = (size_t)w->i4.num_groups * w->i4.block_bytes;
-    const int chunk = tile_chunk(c, &w->i4), first = c->ith * chunk;
-    if (first >= w->i4.num_tiles) return;
-    const int last = first + chunk < w->i4.num_tiles ? first + chunk : w->i4.num_tiles;
+    const shares s = tile_shares(c, &w->i4);
+    const int first = c->ith * s.first, last = first + s.first < s.total ? first + s.first : s.total;
+    if (first >= last) return;
     size_t bytes = (size_t)(last - first) * tile_bytes;
-    bytes = bytes < (64u << 10) ? bytes : (64u << 10);
-    tw_prefetch_l2(w->i4.data + (size_t)first * tile_bytes, bytes);
+    bytes = bytes < WAIT_PREFETCH_BYTES ? bytes : WAIT_PREFETCH_BYTES;
+    const uint8_t *start = w->i4.data + (size_t)first * tile_bytes;
+    const size_t now = bytes < WARM_BYTES ? bytes : WARM_BYTES;
+    tw_prefetch_l2(start, now);
+    c->ahead = (tw_prefetch_range){start + now, bytes - now};
 }
 
 static void stamp(clock0 *c, int stage) {
@@ -298,7 +328,7 @@ static void stamp(clock0 *c, int stage) {
 }
 
 static void sync(clock0 *c) {
-    tw_pool_barrier(c->ith, c->nth);
+    tw_pool_barrier_prefetch(c->ith, c->nth, &c->ahead);
     stamp(c, TW_PROF_BARRIER);
 }
 
@@ -327,9 +357,9 @@ static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const
     tw_active()->prep[m->prec == TW_PREC_Q8](&a, x, ldx, w->k, r0, r1);
     stamp(c, TW_PROF_PREP);
     if (shared && c->nth > 1) sync(c);
-    const int chunk = tile_chunk(c, &w->i4);
+    const shares s = tile_shares(c, &w->i4);
     t1 = -1;
-    while (claim(c, w->i4.num_tiles, chunk, &t0, &t1))
+    while (claim(c, s, &t0, &t1))
         tw_active()->int4[m->prec == TW_PREC_Q8](&w->i4, &a, y, w->n, t0, t1);
     c->stage_no++;
     stamp(c, stage);
@@ -357,7 +387,7 @@ static void residual_norm(const tw_model *m, tw_thread_scratch *own, const float
 static void attention(clock0 *c, int layer, const tw_batch *b, tw_thread_scratch *own) {
     const tw_model *m = c->m;
     int i0 = 0, i1 = -1;
-    while (claim(c, b->num_seqs * m->num_kv_heads, 1, &i0, &i1))
+    while (claim(c, (shares){b->num_seqs * m->num_kv_heads, 1, 1}, &i0, &i1))
         for (int i = i0; i < i1; i++)
             tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads, own->rope, own->scores);
     c->stage_no++;

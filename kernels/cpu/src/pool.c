@@ -233,8 +233,10 @@ static void phase_wake_all(void) {}
 #endif
 
 /* Spin briefly (threads usually arrive within microseconds of each other), then sleep on the
- * phase word so a thread waiting for a descheduled one gives its core away. */
-void tw_pool_barrier(int ith, int nth) {
+ * phase word so a thread waiting for a descheduled one gives its core away. While it spins, a
+ * thread streams `ahead` towards L2: the memory bus has work while the slower thread
+ * finishes, and the early one starts its next share from L2. */
+void tw_pool_barrier_prefetch(int ith, int nth, tw_prefetch_range *ahead) {
     (void)ith;
     if (nth <= 1) return;
     unsigned phase = atomic_load_explicit(&pool.bar_phase, memory_order_acquire);
@@ -246,7 +248,15 @@ void tw_pool_barrier(int ith, int nth) {
     }
     long long deadline = 0;
     for (unsigned spins = 0; atomic_load_explicit(&pool.bar_phase, memory_order_acquire) == phase; spins++) {
-        if ((spins & 63) != 63) { CPU_RELAX(); continue; }
+        if (ahead && ahead->left >= 64) {          /* no pause: the fill buffers pace this loop */
+            tw_prefetch_l2(ahead->p, 64);
+            ahead->p += 64;
+            ahead->left -= 64;
+        } else if ((spins & 63) != 63) {
+            CPU_RELAX();
+            continue;
+        }
+        if ((spins & 63) != 63) continue;
         long long t = now_ns();
         if (!deadline) deadline = t + BARRIER_SPIN_NS;
         if (t < deadline) continue;
@@ -256,3 +266,5 @@ void tw_pool_barrier(int ith, int nth) {
         break;
     }
 }
+
+void tw_pool_barrier(int ith, int nth) { tw_pool_barrier_prefetch(ith, nth, NULL); }

@@ -178,6 +178,14 @@ void tw_pool_run(tw_task fn, void *arg);
 void tw_pool_run_n(tw_task fn, void *arg, int max_threads);     /* on at most max_threads threads */
 void tw_pool_barrier(int ith, int nth);             /* inside a task: all threads meet here */
 
+/* Memory a thread will read soon: a barrier wait streams it towards L2 (prefetcht1, line by
+ * line, advancing p) instead of spinning idle, until released or the range is done. */
+typedef struct {
+    const uint8_t *p;
+    size_t left;                                    /* bytes */
+} tw_prefetch_range;
+void tw_pool_barrier_prefetch(int ith, int nth, tw_prefetch_range *ahead);   /* ahead may be NULL */
+
 static inline void tw_split(int total, int ith, int nth, int *begin, int *end) {
     int base = total / nth, rem = total % nth;
     *begin = ith * base + (ith < rem ? ith : rem);
