@@ -16,6 +16,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ...core.executor import SeqStep
+from ...core.sampling import distinct_counts
 
 META_ALIGN = 16
 
@@ -173,13 +174,13 @@ def fill_sampling(v: dict, seqs: Sequence[SeqStep], capacity: int) -> int:
 
 def _penalty_entries(entries: np.ndarray, e: int, s: SeqStep, capacity: int) -> int:
     out = np.asarray(s.output_token_ids, dtype=np.int64)
-    seen = np.unique(np.concatenate([np.asarray(s.prompt_token_ids, dtype=np.int64), out]))
+    seen, _ = distinct_counts(np.concatenate([np.asarray(s.prompt_token_ids, dtype=np.int64), out]))
     if e + len(seen) > capacity:
         raise ValueError(f"penalty context of {e + len(seen)} distinct tokens in one step exceeds the CUDA "
                          f"executor's capacity of {capacity} (raise max_penalty_tokens)")
     counts = np.zeros(len(seen), dtype=np.int32)
     if len(out):
-        idx, c = np.unique(out, return_counts=True)
+        idx, c = distinct_counts(out)
         counts[np.searchsorted(seen, idx)] = c
     pairs = entries[2 * e:2 * (e + len(seen))].reshape(-1, 2)
     pairs[:, 0] = np.clip(seen, -1, np.iinfo(np.int32).max)
