@@ -63,7 +63,8 @@ class Doorbell:
         return self._r
 
     def ring(self) -> None:
-        os.write(self._w, _RING)
+        if not self.closed:             # closed: nobody is left to wake (and the descriptor may be reused)
+            os.write(self._w, _RING)
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Block until rung (or `timeout` seconds), consuming the ring."""
@@ -269,6 +270,7 @@ class EngineCore:
         while True:
             with self._lock:
                 if self._stopping:
+                    self._sleeping = False
                     return False
                 if self._inbox or self._cancels or self.scheduler.has_unfinished():
                     self._sleeping = False
@@ -298,8 +300,7 @@ class EngineCore:
         """Stop the thread (after its current step), fail what is left, close the executor."""
         with self._lock:
             self._stopping = True
-        if not self._doorbell.closed:
-            self._doorbell.ring()
+        self._doorbell.ring()
         if self._thread is threading.current_thread():
             self._close_on_exit = True      # called from on_step: the loop ends after this step
             return

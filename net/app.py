@@ -104,22 +104,24 @@ class App:
         before new requests are parsed and tokenized); the engine thread is held until the
         new requests are in its inbox, so its next step takes them, and woken once, after
         the last one."""
-        num_steps = self.dispatcher.dispatch_pending()
-        for ev in events:
-            kind = type(ev)
-            if kind is Request:
-                self._handle(proto, ev)
-            elif kind is StreamReset:
-                self.dispatcher.cancel(proto, ev.stream_id)
-            elif kind is BodyTooLarge:
-                self._respond_error(proto, ev.stream_id, ApiError(
-                    413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",
-                    code="body_too_large"))
-            elif kind is ConnectionClosed:
-                self.dispatcher.cancel_all(proto)
-        if self.engine is not None:
-            self.engine.wake()
-        self.dispatcher.release_engine(num_steps)
+        try:
+            self.dispatcher.dispatch_pending()
+            for ev in events:
+                kind = type(ev)
+                if kind is Request:
+                    self._handle(proto, ev)
+                elif kind is StreamReset:
+                    self.dispatcher.cancel(proto, ev.stream_id)
+                elif kind is BodyTooLarge:
+                    self._respond_error(proto, ev.stream_id, ApiError(
+                        413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",
+                        code="body_too_large"))
+                elif kind is ConnectionClosed:
+                    self.dispatcher.cancel_all(proto)
+        finally:
+            if self.engine is not None:
+                self.engine.wake()
+            self.dispatcher.release_engine()
 
     def _handle(self, proto, req: Request) -> None:
         try:

@@ -67,6 +67,7 @@ class Dispatcher:
         self._steps = deque()               # steps handed over by the engine thread, oldest first
         self._step_ready = None             # Doorbell: the engine rang, a step waits (watched by the loop)
         self._step_taken = None             # Doorbell: the loop wrote the step, the engine may go on
+        self._engine_waits = False          # a step was taken from _steps and the engine waits for its ring
         self._touched = []
         self._firsts = []
         self._token_text_cache: dict[int, str] = {}
@@ -111,26 +112,29 @@ class Dispatcher:
                 bell.close()
 
     def _on_steps(self) -> None:
-        """Loop side of the hand-off: write the waiting step(s), then let the engine thread go on.
+        """Loop side of the hand-off: write the waiting step, then let the engine thread go on.
 
         The engine is let go last: it needs the GIL for its next step anyway, and its step
         then runs while this thread would only be returning to the event loop."""
         self._step_ready.wait()
-        self.release_engine(self.dispatch_pending())
+        try:
+            self.dispatch_pending()
+        finally:
+            self.release_engine()
 
-    def dispatch_pending(self) -> int:
-        """Write the steps the engine has handed over; -> how many. The engine waits for
-        `release_engine` (App.on_events writes them before new requests, and lets the engine
-        go only after them, so its next step includes those requests)."""
+    def dispatch_pending(self) -> None:
+        """Write the step the engine has handed over, if any; the engine waits for
+        `release_engine` (App.on_events writes it before new requests, and lets the engine
+        go only after them, so its next step takes those requests). Call `release_engine`
+        after this, also when it raised."""
         steps = self._steps
-        num_steps = 0
         while steps:
-            num_steps += 1
+            self._engine_waits = True
             self._dispatch_step(steps.popleft())
-        return num_steps
 
-    def release_engine(self, num_steps: int) -> None:
-        if num_steps:
+    def release_engine(self) -> None:
+        if self._engine_waits:
+            self._engine_waits = False
             self._step_taken.ring()
 
     def _dispatch_step(self, outputs: list) -> None:
