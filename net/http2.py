@@ -6,7 +6,8 @@ Rule 1: every frame that belongs to a stream (HEADERS, CONTINUATION, DATA, RST_S
         WINDOW_UPDATE, PRIORITY) is split from the bytes here (9-byte headers), checked and
         applied to our own stream table. A stream's life is the table `TRANSITIONS` (RFC 9113
         5.1, server side); a transition that is not in it is an error, never a silent default.
-        h2 never sees a stream frame and never knows a stream.
+        h2 never sees a stream frame (after an h2c upgrade it keeps the stream 1 its upgrade
+        call made, and never hears of it again).
 Rule 2: h2's `H2Connection` keeps what it does well and what is off the hot path: the client
         preface, SETTINGS (ours, the peer's, value checks, both ACKs) and PING (the ACK, and our
         drain PING). Those frames are handed to it one at a time, in arrival order, so a
@@ -18,7 +19,8 @@ Rule 3: flow control is exact and ours in both directions. Out: every DATA frame
         credit them, never past 2**31 - 1. In: every DATA byte (padding included) counts
         against both receive windows, and a peer that overruns one ends the connection
         (FLOW_CONTROL_ERROR). Consumed bytes go back in at most one connection WINDOW_UPDATE per
-        read, once half the window is used; a stream's window is as large as the largest body
+        read, once half the window is used (our connection window is 2**24: one WINDOW_UPDATE
+        follows our SETTINGS); a stream's window is as large as the largest body
         we accept, so a request body never needs a stream WINDOW_UPDATE (a body being discarded
         gets its window back in batches the same way).
 Rule 4: every header block is HPACK-decoded, in arrival order, also for streams we refuse or
@@ -38,8 +40,8 @@ holds the stream it gets `StreamReset`. Frames that arrive on a stream we reset 
 (their DATA still counts against the connection window). Where RFC 9113 asks for a stream
 error and h2 ends the connection, the RFC is followed: malformed requests (8.1.1: bad fields,
 content-length not matching the body, trailers without END_STREAM or with pseudo-headers),
-a zero or overflowing stream WINDOW_UPDATE (6.9, 6.9.1), a PRIORITY frame of the wrong size
-or depending on its own stream (6.3, RFC 7540 5.3.1). An HPACK decoding error is a
+a stream WINDOW_UPDATE of 0 (6.9), a PRIORITY frame of the wrong size or depending on its
+own stream (6.3, RFC 7540 5.3.1). An HPACK decoding error is a
 COMPRESSION_ERROR (4.3). One stream over our SETTINGS_MAX_CONCURRENT_STREAMS is refused
 (REFUSED_STREAM, safe to retry): a client may open streams before our SETTINGS reach it.
 
@@ -50,8 +52,10 @@ it; then close. GOAWAY waits that long because curl up to 8.0 drops whatever it 
 the same read as a GOAWAY, silently truncating the streams. A peer's GOAWAY(NO_ERROR) lets
 the open streams finish (RFC 9113 6.8).
 
-The receive path is one function per frame type on purpose: each runs per frame of every
-request, and the checks read in the order RFC 9113 gives them.
+This is the protocol core, hence one long file: the stream table, both directions of flow
+control and the frame handlers share their state and must change together. The receive
+path is one function per frame type: each runs per frame of every request, and its checks
+read in the order RFC 9113 gives them.
 """
 
 import base64
