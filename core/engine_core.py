@@ -21,6 +21,7 @@ Contract (net/ builds on it):
 import itertools
 import logging
 import os
+import random
 import select
 import threading
 import time
@@ -112,6 +113,10 @@ class EngineCore:
         self._live_ids = set()              # ids submitted and not yet finished (duplicate check)
         self._requests = {}                 # request_id -> Request; engine thread only
         self._arrival_seq = itertools.count()
+        # Seeds for requests that gave none: one PRNG seeded once from the OS, so a submission
+        # costs no syscall. A request's stream is still its own (core/sampling.py).
+        self._seeds = random.Random(int.from_bytes(os.urandom(16), "little"))
+        self._stop_id_sets = {}             # (stop_token_ids, ignore_eos) -> frozenset; requests share them
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._close_on_exit = False         # shutdown() came from the engine thread itself
@@ -129,8 +134,8 @@ class EngineCore:
         caller submitting several requests wakes it once, when done. Raises QueueFull,
         PromptTooLong or InvalidRequest."""
         prompt = self._check_prompt(prompt_token_ids)
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        stop_ids = self._stop_ids(params)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         req = Request(request_id, prompt, params, timeline, seed=seed, priority=priority,
                       arrival_seq=next(self._arrival_seq), max_model_len=self.max_model_len,
                       stop_token_ids=stop_ids, text_stream=self.detokenizer.stream(prompt, params))
@@ -157,6 +162,16 @@ class EngineCore:
                 self._sleeping = False
             if ring:
                 self._doorbell.ring()
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset:
+        """EOS (unless ignore_eos) plus the request's stop ids, one shared set per combination."""
+        key = (params.stop_token_ids, params.ignore_eos)
+        ids = self._stop_id_sets.get(key)
+        if ids is None:
+            ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+            if len(self._stop_id_sets) < 1024:      # bounded: clients choose the keys
+                self._stop_id_sets[key] = ids
+        return ids
 
     def _check_prompt(self, prompt_token_ids) -> list:
         prompt = list(prompt_token_ids)
