@@ -231,29 +231,35 @@ def _drain(sock: socket.socket) -> None:
 
 
 def handoff_stages(s: Setup) -> list:
-    """Engine thread -> event loop: call_soon_threadsafe until the callback runs (the per-step hand-off)."""
+    """Engine thread -> event loop -> engine thread, the way the server hands a step over
+    (net/dispatch.py): the engine rings a doorbell the loop watches (add_reader), the loop
+    takes the step and rings a second doorbell the engine waits on. Both rings release the
+    GIL (core/engine_core.Doorbell)."""
+    from ..core.engine_core import Doorbell
     try:
         import uvloop                                   # the server's loop
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    ran = threading.Event()
+    step_ready, step_taken = Doorbell(), Doorbell()
     stamp = [0]
 
     def on_loop():
+        step_ready.wait()                               # consume the ring, as the dispatcher does
         stamp[0] = time.perf_counter_ns()
-        ran.set()
+        step_taken.ring()
+
+    loop.add_reader(step_ready.fileno(), on_loop)
+    threading.Thread(target=loop.run_forever, daemon=True).start()
 
     def handoff():
-        ran.clear()
         t0 = time.perf_counter_ns()
-        loop.call_soon_threadsafe(on_loop)
-        ran.wait()
+        step_ready.ring()
+        step_taken.wait()
         return stamp[0] - t0
 
-    return [Stage("engine -> loop hand-off (call_soon_threadsafe)", "stream", handoff,
-                  note="until the callback runs on the loop thread; once per step")]
+    return [Stage("engine -> loop hand-off (doorbell)", "stream", handoff,
+                  note="until the loop runs the step; the engine waits for it to be taken; once per step")]
 
 
 # in the order a token meets them: the engine thread detokenizes, then hands the step to the loop
