@@ -562,56 +562,95 @@ INLINE __mmask16 first_lanes(int count) {
     return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
 }
 
-/* Scores of GH heads (from g0) for every visible key: per block and 16-key chunk, the sum
- * over d of q[g][d] * Kt[d][keys] — one FMA per (d, head) for 16 keys, no horizontal sums;
- * two accumulators per head (even / odd d) so a short group still has 8 chains in flight. */
+/* Scores of GH heads (from g0) against NC chunks of 16 keys (kc[c]: chunk c's first key in a
+ * transposed K block, row stride bs; mk[c]: its valid keys; col[c]: its first key's column in
+ * the scores): the sum over d of q[g][d] * Kt[d][keys], one FMA per (d, head, chunk) and no
+ * horizontal sums. Each q value is broadcast once for all NC chunks and each K row loaded once
+ * for all GH heads, so loads stay below the FMAs; GH * NC accumulators in registers (fixed
+ * array sizes: a variable-length array put them on the stack, 3x slower). */
+INLINE void scores_pass(const tw_attn_args *a, int g0, const int GH, const float *const *kc, const __mmask16 *mk,
+                        const int *col, const int NC) {
+    enum { MAXGH = 8, MAXNC = 8 };
+    const int hd = a->head_dim, bs = a->block_size, n = a->hi - a->lo + 1;
+    const float *q = a->q + (size_t)g0 * hd;
+    __m512 acc[MAXGH][MAXNC];
+    for (int g = 0; g < GH; g++)
+        for (int c = 0; c < NC; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        __m512 kv[MAXNC];
+        for (int c = 0; c < NC; c++) kv[c] = _mm512_maskz_loadu_ps(mk[c], kc[c] + (size_t)d * bs);
+        for (int g = 0; g < GH; g++) {
+            const __m512 qv = _mm512_set1_ps(q[(size_t)g * hd + d]);
+            for (int c = 0; c < NC; c++) acc[g][c] = _mm512_fmadd_ps(qv, kv[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < GH; g++)
+        for (int c = 0; c < NC; c++)
+            _mm512_mask_storeu_ps(a->scores + (size_t)(g0 + g) * n + col[c], mk[c],
+                                  _mm512_mul_ps(acc[g][c], _mm512_set1_ps(a->scale)));
+}
+
+/* All visible keys for GH heads: chunks of up to 16 keys within a block, NC per pass (a
+ * short last pass runs with its missing chunks masked off). */
 INLINE void attn_scores(const tw_attn_args *a, int g0, const int GH) {
-    const int hd = a->head_dim, bs = a->block_size, lo = a->lo, hi = a->hi, n = hi - lo + 1;
+    enum { MAXNC = 8 };
+    const int NC = GH >= 5 ? 2 : (GH >= 3 ? 4 : 8);     /* GH * NC <= 16 accumulators, >= 8 chains */
+    const int bs = a->block_size, lo = a->lo, hi = a->hi;
+    const float *kc[MAXNC];
+    __mmask16 mk[MAXNC];
+    int col[MAXNC], count = 0;
     for (int bi = lo / bs; bi <= hi / bs; bi++) {
         const float *kt = a->kt + (size_t)a->table[bi] * a->kt_block;
-        if (bi < hi / bs) tw_prefetch_l2(a->kt + (size_t)a->table[bi + 1] * a->kt_block, (size_t)hd * bs * sizeof(float));
         const int j0 = lo > bi * bs ? lo : bi * bs, j1 = hi + 1 < (bi + 1) * bs ? hi + 1 : (bi + 1) * bs;
         for (int c0 = j0; c0 < j1; c0 += 16) {
-            const __mmask16 mask = first_lanes(j1 - c0);
-            const float *k = kt + (c0 - bi * bs);
-            __m512 acc[GH][2];
-            for (int g = 0; g < GH; g++) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
-            for (int d = 0; d < hd; d++) {
-                const __m512 kv = _mm512_maskz_loadu_ps(mask, k + (size_t)d * bs);
-                for (int g = 0; g < GH; g++)
-                    acc[g][d & 1] = _mm512_fmadd_ps(_mm512_set1_ps(a->q[(size_t)(g0 + g) * hd + d]), kv, acc[g][d & 1]);
+            kc[count] = kt + (c0 - bi * bs);
+            mk[count] = first_lanes(j1 - c0);
+            col[count] = c0 - lo;
+            if (++count == NC) {
+                scores_pass(a, g0, GH, kc, mk, col, NC);
+                count = 0;
             }
-            for (int g = 0; g < GH; g++)
-                _mm512_mask_storeu_ps(a->scores + (size_t)(g0 + g) * n + (c0 - lo), mask,
-                                      _mm512_mul_ps(_mm512_add_ps(acc[g][0], acc[g][1]), _mm512_set1_ps(a->scale)));
         }
+    }
+    if (count) {
+        for (int c = count; c < NC; c++) kc[c] = kc[0], mk[c] = 0, col[c] = 0;
+        scores_pass(a, g0, GH, kc, mk, col, NC);
     }
 }
 
-/* out[g] = sum_j p[g][j] v_j for GH heads from g0, each V row loaded once for all of them. */
+/* out[g] = sum_j p[g][j] v_j for GH heads from g0, each V row loaded once for all of them;
+ * with fewer than 8 accumulators (GH * HD / 16), even and odd keys get their own set so FMA
+ * latency does not bound the loop. The item's rows were asked for in advance
+ * (tw_attention_prefetch). */
+INLINE void values_key(const tw_attn_args *a, const float *p, int n, const float *v, __m512 acc[4][8], const int GH,
+                       const int HD) {
+    for (int c = 0; c < HD / 16; c++) {
+        const __m512 vv = _mm512_loadu_ps(v + 16 * c);
+        for (int g = 0; g < GH; g++) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[(size_t)g * n]), vv, acc[g][c]);
+    }
+}
+
 INLINE void attn_values(const tw_attn_args *a, int g0, const int GH, const int HD) {
-    const int bs = a->block_size, lo = a->lo, hi = a->hi, n = hi - lo + 1;
-    __m512 acc[GH][HD / 16];
-    for (int g = 0; g < GH; g++)
-        for (int c = 0; c < HD / 16; c++) acc[g][c] = _mm512_setzero_ps();
+    const int bs = a->block_size, lo = a->lo, hi = a->hi, n = hi - lo + 1, pairs = GH * HD / 16 < 8;
+    const float *p = a->scores + (size_t)g0 * n - lo;          /* p[g * n + j]: head g0 + g, key j */
+    __m512 acc[2][4][8];                                      /* [key parity][head][16 dims] */
+    for (int u = 0; u < 2; u++)
+        for (int g = 0; g < GH; g++)
+            for (int c = 0; c < HD / 16; c++) acc[u][g][c] = _mm512_setzero_ps();
     for (int bi = lo / bs; bi <= hi / bs; bi++) {
-        const float *vb = a->v + (size_t)a->table[bi] * bs * a->v_row;
-        if (bi < hi / bs) {                              /* the next block's rows of this KV head */
-            const float *next = a->v + (size_t)a->table[bi + 1] * bs * a->v_row;
-            for (int r = 0; r < bs; r++) tw_prefetch_l2(next + (size_t)r * a->v_row, HD * sizeof(float));
-        }
+        const float *vb = a->v + (size_t)a->table[bi] * a->v_block;        /* row j at vb + (j - bi bs) v_row */
         const int j0 = lo > bi * bs ? lo : bi * bs, j1 = hi + 1 < (bi + 1) * bs ? hi + 1 : (bi + 1) * bs;
-        for (int j = j0; j < j1; j++) {
-            const float *v = vb + (size_t)(j - bi * bs) * a->v_row;
-            for (int c = 0; c < HD / 16; c++) {
-                const __m512 vv = _mm512_loadu_ps(v + 16 * c);
-                for (int g = 0; g < GH; g++)
-                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(a->scores[(size_t)(g0 + g) * n + (j - lo)]), vv, acc[g][c]);
+        int j = j0;
+        if (pairs)
+            for (; j + 2 <= j1; j += 2) {
+                values_key(a, p + j, n, vb + (size_t)(j - bi * bs) * a->v_row, acc[0], GH, HD);
+                values_key(a, p + j + 1, n, vb + (size_t)(j + 1 - bi * bs) * a->v_row, acc[1], GH, HD);
             }
-        }
+        for (; j < j1; j++) values_key(a, p + j, n, vb + (size_t)(j - bi * bs) * a->v_row, acc[0], GH, HD);
     }
     for (int g = 0; g < GH; g++)
-        for (int c = 0; c < HD / 16; c++) _mm512_storeu_ps(a->out + (size_t)(g0 + g) * HD + 16 * c, acc[g][c]);
+        for (int c = 0; c < HD / 16; c++)
+            _mm512_storeu_ps(a->out + (size_t)(g0 + g) * HD + 16 * c, pairs ? _mm512_add_ps(acc[0][g][c], acc[1][g][c]) : acc[0][g][c]);
 }
 
 static float exp_sum_avx512(float *x, int n, float sub);
@@ -633,14 +672,19 @@ static void attend_avx512(const tw_attn_args *a) {
         tw_attend_generic(a);
         return;
     }
-    int g = 0;
-    for (; g + 4 <= group; g += 4) attn_scores(a, g, 4);
-    switch (group - g) {
-    case 3: attn_scores(a, g, 3); break;
-    case 2: attn_scores(a, g, 2); break;
-    case 1: attn_scores(a, g, 1); break;
-    default: break;
+    for (int g = 0; g < group; g += 8) {
+        switch (group - g < 8 ? group - g : 8) {
+        case 8: attn_scores(a, g, 8); break;
+        case 7: attn_scores(a, g, 7); break;
+        case 6: attn_scores(a, g, 6); break;
+        case 5: attn_scores(a, g, 5); break;
+        case 4: attn_scores(a, g, 4); break;
+        case 3: attn_scores(a, g, 3); break;
+        case 2: attn_scores(a, g, 2); break;
+        default: attn_scores(a, g, 1); break;
+        }
     }
+    int g;
     for (g = 0; g < group; g++) softmax_row(a->scores + (size_t)g * (a->hi - a->lo + 1), a->hi - a->lo + 1);
     if (hd == 128) {
         for (g = 0; g + 2 <= group; g += 2) attn_values(a, g, 2, 128);

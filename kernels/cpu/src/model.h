@@ -72,7 +72,7 @@ typedef struct {
     /* paged KV cache, float32 */
     int block_size, num_blocks;
     float *k_cache;                 /* [L][num_blocks][Hkv][hd][block_size]  K transposed per block */
-    float *v_cache;                 /* [L][num_blocks][block_size][Hkv][hd] */
+    float *v_cache;                 /* [L][num_blocks][Hkv][block_size][hd] */
     /* scratch, grown on demand between steps */
     int cap_tokens, cap_ctx, cap_threads;
     float *qkv;                     /* [T][q + 2kv]   shared: qkv product, then RoPE'd in place */
@@ -116,6 +116,7 @@ void tw_rope_table(float *cs, int pos, const double *inv_freq, int half);
 void tw_rope_apply(float *x, const float *cs, int num_heads, int head_dim);
 void tw_activation_mul(float *out, const float *gate, const float *up, int n, int activation);
 void tw_weight_row(const tw_weight *w, int row, float *out);      /* one row of W as float32 */
+void tw_attention_prefetch(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head);
 void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
                        float *scores);
 

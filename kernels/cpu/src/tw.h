@@ -115,13 +115,14 @@ typedef void (*tw_prep_kernel)(tw_act *a, const float *x, int ldx, int k, int m0
 /* One query token's heads of one KV head against that head's cached keys (attention).
  * The cache keeps K transposed inside each block ([head_dim][block_size] per block and KV
  * head), so the scores of a block's keys are one vector per head with no horizontal sums,
- * and V as rows ([block_size][num_kv_heads][head_dim]). */
+ * and V as rows ([block_size][head_dim] per block and KV head): either way one KV head's part
+ * of a block is one contiguous 4 KiB-ish run, which the hardware prefetchers follow. */
 typedef struct {
     const float *q;                 /* [group][head_dim] the token's query heads (RoPE'd) */
     float *out;                     /* [group][head_dim] */
     const float *kt;                /* K of this layer and KV head: physical block b at kt + b * kt_block */
-    const float *v;                 /* V of this layer and KV head: slot s (b * block_size + i) at v + s * v_row */
-    size_t kt_block, v_row;
+    const float *v;                 /* V of this layer and KV head: physical block b's row i at v + b * v_block + i * v_row */
+    size_t kt_block, v_block, v_row;
     const int32_t *table;           /* the sequence's block table */
     int block_size, lo, hi;         /* visible keys: positions lo..hi */
     int group, head_dim;
