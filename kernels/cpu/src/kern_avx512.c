@@ -7,7 +7,7 @@
  *
  * Both activation precisions run on that instruction:
  * - exact ("fp32"): activations as 23-bit integers per group (a power-of-two scale, error at
- *   most 2^-24 of the group's largest |x|: float32's resolution) in three signed base-256
+ *   most 2^-22 of the group's largest |x|; float32 itself resolves 2^-24) in three signed base-256
  *   digits, 6 vpdpbusd per 128 weights (tile_x24). Measured on one core with the weights in
  *   L2, a GEMV: 61 G weights/s, where the float FMA formulation (vpermps table + FMA per 16
  *   weights, 23 uops per 128 on two ports) reached 28 — below a core's share of DRAM
@@ -195,11 +195,13 @@ static void int4_q8_avx512(const tw_int4 *w, const tw_act *a, float *y, int ldy,
 
 /* The fp32-precision path on AVX-512, as integer dot products: prep_x24_avx512 writes each
  * activation as a 23-bit integer x_int = round(x * 2^s) (one power-of-two scale per group,
- * max|x| * 2^s < 2^22, so the rounding is at most 2^-24 of the group's largest |x| — the
- * resolution of float32 itself) split into three signed base-256 digits, x_int = 65536 d2 +
- * 256 d1 + d0. Each digit plane is a vpdpbusd against the nibbles, exact in int32, and the
- * three are combined in float once per group. Per 16 rows x 8 k: 6 vpdpbusd where the FMA
- * path needs 7 shifts, 8 permutes and 8 FMAs, which makes a decode step memory bound again.
+ * max|x| * 2^s < 2^22 and max|x| >= 2^21 / 2^s, so the rounding (half a unit) is at most
+ * 2^-22 of the group's largest |x|; float32 itself resolves 2^-24) split into three signed
+ * base-256 digits, x_int = 65536 d2 + 256 d1 + d0. Each digit plane is a vpdpbusd against
+ * the nibbles, exact in int32, and the three are combined in float once per group. Per 16
+ * rows x 8 k: 6 vpdpbusd where the FMA path needs 7 shifts, 8 permutes and 8 FMAs, which
+ * makes a decode step memory bound again. Three digits are the minimum for 23 bits with
+ * vpdpbusd's 8-bit activation operand: a batch of 16 needs 3x the int8 path's multiply rate.
  * Layout of xq: 24 bytes per (global chunk c, row m) at (c * rows + m) * 24: the d0 bytes of
  * the even k, of the odd k, then d1's and d2's. */
 INLINE void tile_x24(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t, int m0, const int MB, const int GS) {
