@@ -27,6 +27,9 @@ class Limits:
             raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
 
 
+BUSY_POLL_US = 500.0        # default busy-poll window (dispatch.py): a client's turn-around at concurrency 1
+
+
 class Request(NamedTuple):
     """A complete request: headers and the whole body."""
     stream_id: int

@@ -26,7 +26,7 @@ import time
 from collections import deque
 
 from .app import App
-from .events import Limits
+from .events import BUSY_POLL_US, Limits
 from .metrics import Metrics
 from .protocol import ServerProtocol
 from .trace import TraceWriter
@@ -84,6 +84,9 @@ class Server:
     freeze_gc: `gc.freeze()` once the model is loaded, so full collections skip everything
         loaded at startup (tail latency); process-wide, hence off for in-process use and on
         for `tokenwire serve`.
+    busy_poll_us: after the last request in flight ends, poll the sockets without blocking
+        this long before the loop sleeps (dispatch.py: a request in that window skips the
+        idle core's wake-up); 0: never.
     """
 
     def __init__(self, model: str | None = None, *, backend: str = "cpu", host: str = "127.0.0.1",
@@ -91,13 +94,15 @@ class Server:
                  api_key: str | None = None, limits: Limits | None = None, served_model_name: str | None = None,
                  chat_template: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 256,
                  mock_step_us: float = 0.0, trace: str | None = None, engine=None, model_info=None,
-                 reuse_port: bool = False, freeze_gc: bool = False):
+                 reuse_port: bool = False, freeze_gc: bool = False, busy_poll_us: float = BUSY_POLL_US):
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both a certificate (--tls-cert) and a key (--tls-key)")
         if (engine is None) != (model_info is None):
             raise ValueError("pass engine and model_info together")
+        if not busy_poll_us >= 0:
+            raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.model = model
         self.backend = backend
         self.host = host
@@ -113,6 +118,7 @@ class Server:
         self.reuse_port = reuse_port
         self.freeze_gc = freeze_gc
         self.app = App(metrics=Metrics(), api_key=api_key, trace=TraceWriter(trace) if trace else None)
+        self.app.dispatcher.busy_poll_ns = int(busy_poll_us * 1000)
         self.engine = None
         self.loop = None
         self._servers = []
