@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .app import ModelInfo
 from .chat_template import CHATML, ChatTemplate
+from .prompt_encoder import piece_encoder
 
 BACKENDS = ("cpu", "reference", "mock", "cuda")
 log = logging.getLogger("tokenwire.net")
@@ -54,8 +55,10 @@ def _load_mock(step_times, name, template_source, max_model_len, step_us, engine
     _time_steps(engine, step_times)
     tokenizer = engine.executor.inner.tokenizer
     template = ChatTemplate(template_source or CHATML, {"bos_token": BOS, "eos_token": EOS})
+    fast = piece_encoder(tokenizer)
     info = ModelInfo(name=name or "mock", tokenizer=tokenizer,
-                     encode=lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                     encode=fast.encode if fast is not None else
+                     lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
                      chat_template=template, max_model_len=max_model_len, created=int(time.time()),
                      description=f"mock engine: a fixed story, {step_us:g} us per step", supports_logprobs=False)
     return engine, info
@@ -73,10 +76,27 @@ def _load_engine(spec, backend, step_times, name, template_source, max_model_len
     _time_steps(engine, step_times)
     source = template_source or engine_dir.chat_template
     template = ChatTemplate(source, _special_tokens(engine_dir)) if source else None
-    info = ModelInfo(name=name or engine_dir.name, tokenizer=engine_dir.tokenizer, encode=engine_dir.encode_prompt,
+    info = ModelInfo(name=name or engine_dir.name, tokenizer=engine_dir.tokenizer, encode=_prompt_encoder(engine_dir),
                      chat_template=template, max_model_len=max_model_len, created=int(time.time()),
                      description=engine_dir.description)
     return engine, info
+
+
+def _prompt_encoder(engine_dir):
+    """engine_dir.encode_prompt, through prompt_encoder.PieceEncoder when the tokenizer allows:
+    the engine's BOS rule in front of the fast ids, checked against encode_prompt once here."""
+    fast = piece_encoder(engine_dir.tokenizer)
+    if fast is None:
+        return engine_dir.encode_prompt
+    bos = [engine_dir.bos_token_id] if engine_dir.add_bos and engine_dir.bos_token_id is not None else []
+
+    def encode(text: str) -> list:
+        return bos + fast.encode(text)
+    probe = "Hello, world: 12 tokens' worth of text\n"
+    if encode(probe) != engine_dir.encode_prompt(probe):
+        log.warning("fast prompt encoding disagrees with the engine's encode_prompt; not used")
+        return engine_dir.encode_prompt
+    return encode
 
 
 def _engine_core(engine_dir, backend, max_model_len, engine_kwargs):
