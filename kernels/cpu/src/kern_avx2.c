@@ -57,7 +57,6 @@ INLINE void tile_f32(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t
             x[i] = a->x + (size_t)(m0 + i) * kp + (size_t)g * gs;
             for (int u = 0; u < NACC; u++) A[i][0][u] = A[i][1][u] = _mm256_setzero_ps();
         }
-        _mm_prefetch((const char *)block + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);   /* see kern_avx512.c's tile_q8 */
         for (int c = 0; c < chunks; c++) {
             _mm_prefetch((const char *)(q + 2 * c) + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
             const __m256i w0 = _mm256_load_si256(q + 2 * c), w1 = _mm256_load_si256(q + 2 * c + 1);
@@ -108,7 +107,6 @@ INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t,
             x[i] = (const int32_t *)(a->xq + (size_t)(m0 + i) * kp + (size_t)g * gs);
             A[i][0] = A[i][1] = _mm256_setzero_si256();
         }
-        _mm_prefetch((const char *)block + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);   /* see kern_avx512.c's tile_q8 */
         for (int c = 0; c < chunks; c++) {
             _mm_prefetch((const char *)(q + 2 * c) + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
             for (int h = 0; h < 2; h++) {

@@ -79,11 +79,6 @@ INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t,
         __m512i A[MAXMB][4];
         for (int i = 0; i < MB; i++)
             for (int u = 0; u < NACC; u++) A[i][u] = _mm512_setzero_si512();
-        /* The block's first line (scales and zeros), TW_PREFETCH_BYTES ahead; the chunks' lines
-         * are asked for one per chunk below. A block is 1 + chunks lines, so without this one
-         * line in every 1 + chunks of the stream was never prefetched (the 8 KiB ahead land on
-         * a later block's second chunk) and every group missed on it. */
-        _mm_prefetch((const char *)block + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
         for (int c = 0; c < chunks; c++, x += row8) {
             _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
             const __m512i wv = _mm512_load_si512(q + c);
@@ -224,8 +219,6 @@ INLINE void tile_x24(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t
         __m512i A[MAXMB][2][3];
         for (int i = 0; i < MB; i++)
             for (int u = 0; u < NACC; u++) A[i][u][0] = A[i][u][1] = A[i][u][2] = _mm512_setzero_si512();
-        /* the block's first line: see tile_q8 */
-        _mm_prefetch((const char *)block + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
         for (int c = 0; c < chunks; c++, x += row24) {
             _mm_prefetch((const char *)(q + c) + TW_PREFETCH_BYTES, TW_PREFETCH_HINT);
             const __m512i wv = _mm512_load_si512(q + c);
