@@ -59,9 +59,23 @@ def request_stages(s: Setup) -> list:
         Stage("parse + validate /v1/chat/completions", "request", lambda: parse_chat(parse_json(chat)),
               note=f"{len(chat)} B body"),
         Stage("chat template (2 messages)", "request", lambda: template.render(messages), note=note),
-        Stage(f"tokenize prompt ({len(s.prompt_ids)} tokens)", "request",
+        Stage(f"tokenize prompt ({len(s.prompt_ids)} tokens), tokenizers", "request",
               lambda: s.engine.encode_prompt(s.prompt_text), num_tokens=len(s.prompt_ids)),
+        server_tokenize_stage(s),
     ]
+
+
+def server_tokenize_stage(s: Setup) -> Stage:
+    """The encoder the server uses (net/model_loader.prompt_encoder): for byte-level BPE the
+    piece cache of net/prompt_encoder.py, warm after the first call (a prompt in every 256 is
+    also encoded by tokenizers, to check); otherwise the same call as the stage above."""
+    from tokenwire.net.model_loader import prompt_encoder
+    encode = prompt_encoder(s.engine)
+    fast = encode != s.engine.encode_prompt     # bound methods compare equal, never identical
+    encode(s.prompt_text)
+    return Stage(f"tokenize prompt ({len(s.prompt_ids)} tokens), server", "request", lambda: encode(s.prompt_text),
+                 num_tokens=len(s.prompt_ids),
+                 note="piece cache (net/prompt_encoder.py)" if fast else "no piece cache for this tokenizer: tokenizers")
 
 
 # ----------------------------------------------------------------- engine

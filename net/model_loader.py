@@ -76,13 +76,13 @@ def _load_engine(spec, backend, step_times, name, template_source, max_model_len
     _time_steps(engine, step_times)
     source = template_source or engine_dir.chat_template
     template = ChatTemplate(source, _special_tokens(engine_dir)) if source else None
-    info = ModelInfo(name=name or engine_dir.name, tokenizer=engine_dir.tokenizer, encode=_prompt_encoder(engine_dir),
+    info = ModelInfo(name=name or engine_dir.name, tokenizer=engine_dir.tokenizer, encode=prompt_encoder(engine_dir),
                      chat_template=template, max_model_len=max_model_len, created=int(time.time()),
                      description=engine_dir.description)
     return engine, info
 
 
-def _prompt_encoder(engine_dir):
+def prompt_encoder(engine_dir):
     """engine_dir.encode_prompt, through prompt_encoder.PieceEncoder when the tokenizer allows:
     the engine's BOS rule in front of the fast ids, checked against encode_prompt once here."""
     fast = piece_encoder(engine_dir.tokenizer)

@@ -124,14 +124,14 @@ def test_engine_prompt_encoder_keeps_the_engine_rule(tmp_path):
     with the engine's BOS rule, giving encode_prompt's ids."""
     from tokenwire.engine_build.default_model import default_engine_path
     from tokenwire.engine_build.engine_format import load_engine
-    from tokenwire.net.model_loader import _prompt_encoder
+    from tokenwire.net.model_loader import prompt_encoder
     engine_dir = load_engine(default_engine_path(cache_dir=tmp_path))
-    encode = _prompt_encoder(engine_dir)
+    encode = prompt_encoder(engine_dir)
     assert encode is not engine_dir.encode_prompt
     for text in [MOCK_TEXT, "Once upon a time", "It's 12:30 -- time for tea!\n\n", "café 日本語 🙂", "<|im_end|>x"]:
         for _ in range(2):
             assert encode(text) == engine_dir.encode_prompt(text), text
     engine_dir.add_bos, engine_dir.bos_token_id = True, 7      # an engine that puts BOS in front
-    encode = _prompt_encoder(engine_dir)
+    encode = prompt_encoder(engine_dir)
     assert encode("Once upon a time") == engine_dir.encode_prompt("Once upon a time")
     assert encode("Once upon a time")[0] == 7
