@@ -23,6 +23,8 @@ import itertools
 import time
 from collections import deque
 
+from orjson import dumps
+
 from tokenwire.core.engine_core import Doorbell
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR
 
@@ -37,7 +39,7 @@ class Exchange:
     """One generation request in flight: where its bytes go and how they are encoded."""
     __slots__ = ("request_id", "proto", "stream_id", "route", "encoder", "streaming", "timeline",
                  "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
-                 "send", "encode")
+                 "send", "encode", "prefix", "suffix", "key", "queue")
 
     def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
                  created, want_logprobs):
@@ -58,6 +60,10 @@ class Exchange:
         self.want_logprobs = want_logprobs
         self.send = proto.session.data_writer(stream_id)        # made once: called per token
         self.encode = encoder.token if encoder is not None else None
+        # SSE: a later token's chunk is prefix + orjson.dumps(text) + suffix, spliced inline
+        self.prefix, self.suffix = encoder.text_parts() if hasattr(encoder, "text_parts") else (None, None)
+        self.key = proto.session.data_key(stream_id)            # such chunks wait in proto.sends until
+        self.queue = proto.sends.append                         # the end of the step (session.send_batch)
 
 
 class Dispatcher:
@@ -152,7 +158,11 @@ class Dispatcher:
         """Write one engine step's outputs to every stream (hot path: once per step).
 
         Frames for all streams of a connection are gathered in its session and leave in
-        one transport write per connection. The inter-token histogram is fed once per run
+        one transport write per connection. An SSE token chunk is spliced inline from the
+        encoder's `text_parts()` and waits in `proto.sends` until the loop is done; each
+        connection's then become DATA frames in one `session.send_batch` pass (same frames
+        and windows as one `send_data` each). A stream's finish chunk follows its token at
+        once, so that token goes the general way, in order. The inter-token histogram is fed once per run
         of streams whose previous token went out at the same moment (usually the whole
         step: they were all in the previous one), not once per token.
         """
@@ -165,6 +175,7 @@ class Dispatcher:
             ex = exchanges.get(out.request_id)
             if ex is None:
                 continue            # cancelled: the client is gone
+            finish = out.finish_reason
             ids = out.token_ids
             if ids:
                 num_tokens += len(ids)
@@ -177,13 +188,17 @@ class Dispatcher:
                                 itl.observe_many_ns(now - run_last, run_len)
                             run_last, run_len = last, 0
                         run_len += 1
-                        ex.send(ex.encode(out))
+                        prefix = ex.prefix
+                        if prefix is not None and finish is None and out.logprobs is None:
+                            ex.queue((ex.key, prefix + dumps(out.text) + ex.suffix))
+                        else:               # the finish chunk follows at once: this one goes first
+                            ex.send(ex.encode(out))
                     else:
                         self._open_stream(ex)
                         ex.send(ex.encoder.first_token(out))
                 else:
                     self._collect(ex, out)
-            if out.finish_reason is not None:
+            if finish is not None:
                 self._finish(ex, out, now)
             proto = ex.proto
             if not proto.dirty:
@@ -191,6 +206,10 @@ class Dispatcher:
                 touched.append(proto)
         for proto in touched:
             proto.dirty = False
+            sends = proto.sends
+            if sends:
+                proto.session.send_batch(sends)
+                sends.clear()
             proto.flush()
         touched.clear()
         if run_len:

@@ -95,6 +95,11 @@ class _Sse:
         self._started = True
         return self._chunk_bytes(self._first_prefix, out)
 
+    def text_parts(self) -> tuple:
+        """(prefix, suffix): a later token's chunk without logprobs is prefix + orjson.dumps(text)
+        + suffix, the bytes `token` makes; the dispatcher splices it inline (hot path)."""
+        return self._prefix, self._null_tail
+
     def token(self, out) -> bytes:
         """Every later chunk (hot path: once per token)."""
         if out.logprobs is None:

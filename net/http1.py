@@ -157,6 +157,15 @@ class H1Session:
         """`send_data` for one stream, as a one-argument function (per token)."""
         return partial(self.send_data, stream_id)
 
+    def data_key(self, stream_id: int) -> int:
+        """The stream's key for `send_batch`."""
+        return stream_id
+
+    def send_batch(self, items: list) -> None:
+        """`send_data` for each (data_key, payload) in `items`, in order."""
+        for stream_id, payload in items:
+            self.send_data(stream_id, payload)
+
     def send_data(self, stream_id: int, payload: bytes) -> None:
         """One chunk of the response body (hot path: once per token when streaming).
 

@@ -671,6 +671,30 @@ class H2Session:
         """`send_data` for one stream, as a one-argument function (hot path: called once per token)."""
         return partial(self._send, self.streams[stream_id])    # a C-level call into _send: one frame, not two
 
+    def data_key(self, stream_id: int) -> _Stream:
+        """The stream's key for `send_batch` (taken once per request)."""
+        return self.streams[stream_id]
+
+    def send_batch(self, items: list) -> None:
+        """`send_data` for each (data_key, payload) in `items`, in order: a step's token chunks
+        for this connection in one pass (hot path: once per step). Same frames and window
+        accounting as one `send_data` per item; a chunk that does not fit at once takes the
+        general path."""
+        append, pack = self._out.append, DATA_HEADER.pack
+        window, max_frame = self.send_window, self.max_frame_size
+        for st, payload in items:
+            n = len(payload)
+            if st.pending or n > window or n > st.send_window or n > max_frame or st.state >= HALF_CLOSED_LOCAL:
+                self.send_window = window
+                self._send(st, payload)
+                window = self.send_window
+                continue
+            window -= n
+            st.send_window -= n
+            append(pack(n >> 16, n & 0xFFFF, 0, 0, st.id))
+            append(payload)
+        self.send_window = window
+
     def _send(self, st: _Stream, payload: bytes) -> None:
         n = len(payload)
         if (st.pending or n > self.send_window or n > st.send_window or n > self.max_frame_size

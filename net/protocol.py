@@ -34,6 +34,7 @@ class ServerProtocol(asyncio.Protocol):
         self.requests: dict[int, int] = {}   # stream id -> engine request id (the app keeps it)
         self.paused = False
         self.dirty = False              # the app wrote into the session during this step
+        self.sends = []                 # this step's token chunks, (data_key, payload): session.send_batch
         self.closing = False
         self.last_active = time.monotonic()
         self._sniffed = b""
