@@ -7,7 +7,9 @@ Contract (net/ builds on it):
   touched by the engine thread alone (or by whoever drives `step()` directly: tests, benchmarks).
 - `step()` runs one synchronous step: take the inbox and the cancellations, schedule,
   `executor.step(seqs)`, append tokens, detokenize, check stops, free finished requests.
-  It returns one `RequestOutput` per request that produced a token or ended.
+  It returns one `RequestOutput` per request that produced a token or ended; with
+  `step_columns` set (the server sets it), a `StepTokens` instead: the same outputs, the
+  common ones (one token, the request goes on) as columns (core/outputs.py).
 - `start()` runs `step()` on a daemon thread while work exists and sleeps on a `Doorbell`
   otherwise; after each step with outputs it calls `on_step(outputs)` once — the single
   hand-off to the event loop per step (the server's rings a Doorbell the loop watches).
@@ -31,7 +33,7 @@ from .block_manager import BlockManager
 from .detokenizer import Detokenizer
 from .errors import InvalidRequest, PromptTooLong, QueueFull
 from .executor import Executor
-from .outputs import EngineStats, Timeline
+from .outputs import EngineStats, StepTokens, Timeline
 from .request import Request
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -105,6 +107,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.on_step = on_step
+        self.step_columns = False           # step() -> StepTokens instead of list[RequestOutput]
         self._lock = threading.Lock()       # inbox, cancellations, live ids, the sleeping flag
         self._doorbell = Doorbell()         # rung to wake the engine thread when it sleeps
         self._inbox = []                    # list[Request], appended on the loop thread
@@ -205,8 +208,9 @@ class EngineCore:
 
     # ------------------------------------------------------------------ engine side
 
-    def step(self) -> list:
-        """One scheduler + executor step (hot path). -> list[RequestOutput]"""
+    def step(self) -> list | StepTokens:
+        """One scheduler + executor step (hot path). -> list[RequestOutput], or StepTokens
+        when `step_columns` is set"""
         now_ns = time.monotonic_ns()
         with self._lock:
             inbox, self._inbox = self._inbox, []
@@ -215,14 +219,15 @@ class EngineCore:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
         outputs = self._apply_cancels(cancels, now_ns) if cancels else []
+        columns = StepTokens(outputs) if self.step_columns else None
         scheduled, seqs = self.scheduler.schedule(now_ns)
         self.num_scheduled = len(seqs)
         if seqs:
-            outputs += self._run_executor(scheduled, seqs)
+            outputs += self._run_executor(scheduled, seqs, columns)
         self.num_steps += 1
         if self.scheduler.finished_ids:
             self._forget_finished()
-        return outputs
+        return outputs if columns is None else columns
 
     def _apply_cancels(self, request_ids: list, now_ns: int) -> list:
         outputs = []
@@ -233,7 +238,7 @@ class EngineCore:
                 self.num_cancellations += 1
         return outputs
 
-    def _run_executor(self, scheduled: list, seqs: list) -> list:
+    def _run_executor(self, scheduled: list, seqs: list, columns: StepTokens | None) -> list:
         try:
             result = self.executor.step(seqs)
             if len(result.token_ids) != self.scheduler.num_samples:
@@ -242,8 +247,8 @@ class EngineCore:
         except Exception as e:
             log.exception("engine step failed; failing the %d running requests", self.scheduler.num_running)
             return self.scheduler.fail_running(f"engine step failed: {type(e).__name__}: {e}", time.monotonic_ns())
-        outputs = self.scheduler.update(scheduled, result.token_ids, result.logprobs, time.monotonic_ns())
-        self.num_tokens_generated += len(outputs)
+        outputs = self.scheduler.update(scheduled, result.token_ids, result.logprobs, time.monotonic_ns(), columns)
+        self.num_tokens_generated += len(outputs) + (len(columns.request_ids) if columns is not None else 0)
         return outputs
 
     def _forget_finished(self) -> None:

@@ -1,8 +1,8 @@
 """Records that cross from the engine thread to the event loop, once per step.
 
 The engine thread ends every step by handing the loop one list of `RequestOutput`s (one
-per request that produced something or finished); the server dispatches each to its
-stream. `Timeline` is the request's clock: the route stamps arrival and tokenization, the
+per request that produced something or finished), or, for the server, one `StepTokens`
+(the same outputs, the common ones as columns); the server dispatches each to its stream. `Timeline` is the request's clock: the route stamps arrival and tokenization, the
 scheduler the rest, net/ the moment the first token reached the transport.
 """
 
@@ -42,6 +42,25 @@ class RequestOutput(NamedTuple):
     step_done_ns: int                   # when the step that produced this finished
     error: Optional[str] = None         # set with FINISH_ERROR
 
+
+class StepTokens:
+    """One step's outputs in columns: what `EngineCore.step()` returns instead of a list when
+    `EngineCore.step_columns` is set (the server sets it). Building one RequestOutput per
+    token is most of a step's per-token cost (a tuple subclass: ~180 ns against ~25 ns for
+    three list appends), so the common output, one token for a request that goes on, is
+    three columns, and every other output (a finish, logprobs, a cancel, an error) is still
+    a RequestOutput in `rows`. A request is in one or the other, never both."""
+    __slots__ = ("request_ids", "token_ids", "texts", "rows", "step_done_ns")
+
+    def __init__(self, rows: list, step_done_ns: int = 0):
+        self.request_ids = []           # list[int] [n]
+        self.token_ids = []             # list[int] [n]: each request's one new token
+        self.texts = []                 # list[str] [n]: its new text (incomplete UTF-8 held back)
+        self.rows = rows                # list[RequestOutput]: every other output
+        self.step_done_ns = step_done_ns    # when the step's tokens were appended (0: none were)
+
+    def __len__(self) -> int:
+        return len(self.request_ids) + len(self.rows)
 
 class EngineStats(NamedTuple):
     """A consistent snapshot for /metrics and /health."""

@@ -27,7 +27,7 @@ from typing import Optional
 
 from .block_manager import BlockManager
 from .executor import SeqStep
-from .outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput
+from .outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput, StepTokens
 from .request import Request, RequestState
 
 WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
@@ -204,15 +204,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
 
-    def update(self, scheduled: list, sampled_ids, logprobs, now_ns: int) -> list:
+    def update(self, scheduled: list, sampled_ids, logprobs, now_ns: int, columns: StepTokens | None = None) -> list:
         """Apply one step's results (hot path: once per step). `scheduled` starts with the
         `num_decodes` decodes, one sampled id each; then come prefill chunks, and
-        `sampled_ids[k]` belongs to the k-th chunk that reached its last token. -> list[RequestOutput]"""
+        `sampled_ids[k]` belongs to the k-th chunk that reached its last token. -> list[RequestOutput]
+        `columns`: a token for a request that goes on goes there instead of into a RequestOutput
+        (not when the step has logprobs: those are matched to the outputs by position)."""
         outputs = []
+        if logprobs is not None:
+            columns = None
         num_decodes = self.num_decodes
         if num_decodes:
             decodes = scheduled if len(scheduled) == num_decodes else scheduled[:num_decodes]
-            self._append_tokens(decodes, sampled_ids, now_ns, outputs)
+            self._append_tokens(decodes, sampled_ids, now_ns, outputs, columns)
         k = num_decodes
         for req in scheduled[num_decodes:]:
             computed = req.num_computed_tokens + req.num_scheduled_tokens
@@ -222,7 +226,7 @@ class Scheduler:
                 continue                    # a prefill chunk short of the end: nothing sampled
             req.num_computed_tokens = computed - 1      # _append_tokens counts the last token, as for a decode
             req.transition(DECODING)
-            self._append_tokens((req,), sampled_ids[k:k + 1], now_ns, outputs)
+            self._append_tokens((req,), sampled_ids[k:k + 1], now_ns, outputs, columns)
             k += 1
         if logprobs is not None:
             self._attach_logprobs(outputs, logprobs)
@@ -231,11 +235,14 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
-    def _append_tokens(self, reqs, sampled_ids, now_ns: int, outputs: list) -> None:
+    def _append_tokens(self, reqs, sampled_ids, now_ns: int, outputs: list, columns: StepTokens | None) -> None:
         """Append one token to each request (its last fed token is now cached), stop or go on,
-        and make its RequestOutput. The loop body runs once per generated token: hence the
-        local names and the inline checks."""
+        and make its RequestOutput (or its entry in `columns`). The loop body runs once per
+        generated token: hence the local names and the inline checks."""
         append = outputs.append
+        if columns is not None:
+            columns.step_done_ns = now_ns
+            add_id, add_token, add_text = columns.request_ids.append, columns.token_ids.append, columns.texts.append
         for req, token_id in zip(reqs, sampled_ids):
             req.num_computed_tokens += 1
             output_ids = req.output_token_ids
@@ -254,6 +261,11 @@ class Scheduler:
                 text += req.text_stream.finish()
                 self._finish(req, RequestState.FINISHED, finish, now_ns)
                 self.finished_now += 1
+            elif columns is not None:
+                add_id(req.request_id)
+                add_token(token_id)
+                add_text(text)
+                continue
             append(_new_tuple(RequestOutput, (req.request_id, token_ids, text, None, finish, req.num_prompt_tokens,
                                               num_output, now_ns, None)))
 

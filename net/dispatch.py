@@ -26,7 +26,7 @@ from collections import deque
 from orjson import dumps
 
 from tokenwire.core.engine_core import Doorbell
-from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR
+from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
 
 from . import encoders
 from .errors import ApiError
@@ -95,13 +95,15 @@ class Dispatcher:
         ex.proto.requests[ex.stream_id] = ex.request_id
 
     def attach(self, engine, model, loop) -> None:
-        """Serve `engine`'s steps on `loop` (call on the loop's thread)."""
+        """Serve `engine`'s steps on `loop` (call on the loop's thread); its steps come as
+        StepTokens from now on (`engine.step_columns`)."""
         self.engine, self.model, self.loop = engine, model, loop
         self._step_ready, self._step_taken = Doorbell(), Doorbell()
         loop.add_reader(self._step_ready.fileno(), self._on_steps)
+        engine.step_columns = True
         engine.on_step = self.on_step_threadsafe
 
-    def on_step_threadsafe(self, outputs: list) -> None:
+    def on_step_threadsafe(self, outputs) -> None:
         """Engine thread, once per step: hand the step to the loop, then wait until the loop
         has written it.
 
@@ -154,7 +156,7 @@ class Dispatcher:
             self._engine_waits = False
             self._step_taken.ring()
 
-    def _dispatch_step(self, outputs: list) -> None:
+    def _dispatch_step(self, step) -> None:
         """Write one engine step's outputs to every stream (hot path: once per step).
 
         Frames for all streams of a connection are gathered in its session and leave in
@@ -165,12 +167,23 @@ class Dispatcher:
         once, so that token goes the general way, in order. The inter-token histogram is fed once per run
         of streams whose previous token went out at the same moment (usually the whole
         step: they were all in the previous one), not once per token.
+
+        `step`: a list of RequestOutputs, or the engine's StepTokens (core/outputs.py): its
+        columns are the hot path, a later token of an SSE stream; their other entries (a
+        stream's first token, other encoders, whole responses) join its rows as RequestOutputs.
         """
         now = time.monotonic_ns()
         exchanges = self.exchanges
         touched = self._touched
         itl = self.metrics.itl
         run_last = run_len = num_tokens = 0
+        if type(step) is StepTokens:
+            outputs, step_done_ns = step.rows, step.step_done_ns
+            if step.request_ids:
+                run_last, run_len, num_tokens = self._dispatch_columns(step, now, outputs)
+        else:
+            outputs = step
+            step_done_ns = outputs[0].step_done_ns if outputs else 0
         for out in outputs:
             ex = exchanges.get(out.request_id)
             if ex is None:
@@ -216,12 +229,45 @@ class Dispatcher:
             itl.observe_many_ns(now - run_last, run_len)
         if num_tokens:
             wire_ns = time.monotonic_ns()
-            self.metrics.engine_to_wire.observe_many_ns(wire_ns - outputs[0].step_done_ns, num_tokens)
+            self.metrics.engine_to_wire.observe_many_ns(wire_ns - step_done_ns, num_tokens)
             self.metrics.streamed_tokens += num_tokens
             if self._firsts:
                 self._stamp_first_tokens(wire_ns)
         if self.step_times_ns:
             self.drain_step_times()
+
+    def _dispatch_columns(self, step: StepTokens, now: int, rows: list) -> tuple:
+        """The columns of a StepTokens: one token each for requests that go on (hot path:
+        once per token). A later token of an SSE stream is spliced and queued here; any
+        other entry is appended to `rows` as a RequestOutput for the general loop (its
+        token counts are never read: it does not finish). -> (run_last, run_len, num_tokens)
+        of the inter-token bookkeeping in `_dispatch_step`."""
+        get = self.exchanges.get
+        touched = self._touched
+        itl = self.metrics.itl
+        run_last = run_len = num_tokens = 0
+        for request_id, token_id, text in zip(step.request_ids, step.token_ids, step.texts):
+            ex = get(request_id)
+            if ex is None:
+                continue            # cancelled: the client is gone
+            last = ex.last_ns
+            prefix = ex.prefix
+            if not last or prefix is None:
+                rows.append(RequestOutput(request_id, (token_id,), text, None, None, 0, 0, step.step_done_ns))
+                continue
+            num_tokens += 1
+            ex.last_ns = now
+            if last != run_last:
+                if run_len:
+                    itl.observe_many_ns(now - run_last, run_len)
+                run_last, run_len = last, 0
+            run_len += 1
+            ex.queue((ex.key, prefix + dumps(text) + ex.suffix))
+            proto = ex.proto
+            if not proto.dirty:
+                proto.dirty = True
+                touched.append(proto)
+        return run_last, run_len, num_tokens
 
     def _open_stream(self, ex: Exchange) -> None:
         """Response HEADERS go out with the first token: one write, and TTFT is the first token's.

@@ -1,0 +1,96 @@
+"""EngineCore.step_columns: the same outputs as list[RequestOutput], the common ones as columns.
+
+Two engines get the same requests; one returns lists, the other StepTokens. Every request
+must end with the same token ids, text, finish reason and usage, and every output that is
+not a plain "one token, goes on" entry must still be a RequestOutput.
+"""
+
+from tokenwire.core.executor import StepOutput, TopLogprobs
+from tokenwire.core.mock_executor import MockExecutor, build_mock_engine_core
+from tokenwire.core.engine_core import EngineCore
+from tokenwire.core.outputs import FINISH_CANCELLED, StepTokens, Timeline
+from tokenwire.core.sampling_params import SamplingParams
+
+REQUESTS = [  # (max_tokens, stop strings, stop token ids)
+    (5, (), ()), (17, (), ()), (40, ("the",), ()), (3, (), ()), (25, (), (1,)), (60, (".",), ()),
+]
+
+
+def submit(engine):
+    ids = engine.tokenizer.encode("Once upon a time", add_special_tokens=False).ids
+    for i, (n, stop, stop_ids) in enumerate(REQUESTS):
+        engine.add_request(i, ids, SamplingParams(max_tokens=n, stop=stop, stop_token_ids=stop_ids, seed=i),
+                           Timeline())
+
+
+def collect(engine, cancel_at=None):
+    """Drive to completion. -> {request_id: [token ids, text, finish, usage]}, plain entries seen"""
+    got, plain, step = {}, 0, 0
+    while engine.has_unfinished():
+        out = engine.step()
+        step += 1
+        if step == cancel_at:
+            engine.cancel(1)
+        if isinstance(out, StepTokens):
+            assert engine.step_columns
+            assert len(out) == len(out.request_ids) + len(out.rows)
+            for rid, tid, text in zip(out.request_ids, out.token_ids, out.texts):
+                assert rid not in (r.request_id for r in out.rows)
+                g = got.setdefault(rid, [[], "", None, None])
+                g[0].append(tid)
+                g[1] += text
+                plain += 1
+            rows = out.rows
+        else:
+            assert not engine.step_columns
+            rows = out
+        for r in rows:
+            g = got.setdefault(r.request_id, [[], "", None, None])
+            g[0].extend(r.token_ids)
+            g[1] += r.text
+            if r.finish_reason is not None:
+                g[2], g[3] = r.finish_reason, (r.num_prompt_tokens, r.num_output_tokens)
+    return got, plain
+
+
+def test_columns_carry_the_same_outputs_as_lists():
+    rows_engine, cols_engine = build_mock_engine_core(), build_mock_engine_core()
+    cols_engine.step_columns = True
+    submit(rows_engine)
+    submit(cols_engine)
+    want, none = collect(rows_engine)
+    got, plain = collect(cols_engine)
+    assert got == want and none == 0
+    assert all(g[2] is not None for g in got.values())
+    assert plain > 50            # the common case took the columns
+    assert cols_engine.num_tokens_generated == rows_engine.num_tokens_generated == sum(len(g[0]) for g in got.values())
+
+
+def test_a_cancelled_request_ends_in_rows_with_columns_on():
+    engine = build_mock_engine_core()
+    engine.step_columns = True
+    submit(engine)
+    got, _ = collect(engine, cancel_at=2)
+    assert got[1][2] == FINISH_CANCELLED
+
+
+class LogprobExecutor(MockExecutor):
+    """The mock stream, with logprobs for request 0's tokens."""
+
+    def step(self, seqs):
+        ids = super().step(seqs).token_ids
+        sampled = [s for s in seqs if s.sample]
+        return StepOutput(ids, [TopLogprobs(-0.5, (t,), (-0.5,)) if s.request_id == 0 else None
+                                for s, t in zip(sampled, ids)])
+
+
+def test_a_step_with_logprobs_is_all_rows():
+    ex = LogprobExecutor()
+    engine = EngineCore(ex, ex.tokenizer, eos_token_ids=(1,), max_model_len=512)
+    engine.step_columns = True
+    submit(engine)
+    while engine.has_unfinished():
+        out = engine.step()
+        assert out.request_ids == []
+        for r in out.rows:
+            assert (r.logprobs is not None) == (r.request_id == 0 and bool(r.token_ids))
