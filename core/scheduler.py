@@ -56,7 +56,7 @@ class Scheduler:
         self.num_samples = 0                # SeqSteps with sample=True in the last schedule()
         self.num_decodes = 0                # of which the first ones, one token each
         self.finished_ids = []              # request ids that ended since the owner last cleared this
-        self.finished_now = 0               # requests finished by the current update()
+        self.finished_now = []              # requests finished by the current update()
 
     @property
     def num_waiting(self) -> int:
@@ -230,9 +230,10 @@ class Scheduler:
             k += 1
         if logprobs is not None:
             self._attach_logprobs(outputs, logprobs)
-        if self.finished_now:
-            self.finished_now = 0
-            self.running = [r for r in self.running if not r.is_finished]
+        if self.finished_now:               # a few per step: list.remove scans in C, no property per request
+            for req in self.finished_now:
+                self.running.remove(req)
+            self.finished_now.clear()
         return outputs
 
     def _append_tokens(self, reqs, sampled_ids, now_ns: int, outputs: list, columns: StepTokens | None) -> None:
@@ -260,7 +261,7 @@ class Scheduler:
             if finish is not None:
                 text += req.text_stream.finish()
                 self._finish(req, RequestState.FINISHED, finish, now_ns)
-                self.finished_now += 1
+                self.finished_now.append(req)
             elif columns is not None:
                 add_id(req.request_id)
                 add_token(token_id)
