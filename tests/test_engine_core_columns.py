@@ -1,4 +1,5 @@
-"""EngineCore.step_columns: the same outputs as list[RequestOutput], the common ones as columns.
+"""EngineCore.step_columns: the same outputs as list[RequestOutput], the common ones as columns
+(from COLUMNS_MIN_RUNNING running requests on; smaller steps stay lists).
 
 Two engines get the same requests; one returns lists, the other StepTokens. Every request
 must end with the same token ids, text, finish reason and usage, and every output that is
@@ -7,12 +8,13 @@ not a plain "one token, goes on" entry must still be a RequestOutput.
 
 from tokenwire.core.executor import StepOutput, TopLogprobs
 from tokenwire.core.mock_executor import MockExecutor, build_mock_engine_core
-from tokenwire.core.engine_core import EngineCore
+from tokenwire.core.engine_core import COLUMNS_MIN_RUNNING, EngineCore
 from tokenwire.core.outputs import FINISH_CANCELLED, StepTokens, Timeline
 from tokenwire.core.sampling_params import SamplingParams
 
 REQUESTS = [  # (max_tokens, stop strings, stop token ids)
     (5, (), ()), (17, (), ()), (40, ("the",), ()), (3, (), ()), (25, (), (1,)), (60, (".",), ()),
+    (9, (), ()), (30, (), ()), (12, ("a",), ()), (33, (), ()), (20, (), ()), (45, (), ()),
 ]
 
 
@@ -27,12 +29,13 @@ def collect(engine, cancel_at=None):
     """Drive to completion. -> {request_id: [token ids, text, finish, usage]}, plain entries seen"""
     got, plain, step = {}, 0, 0
     while engine.has_unfinished():
+        running = engine.scheduler.num_running
         out = engine.step()
         step += 1
         if step == cancel_at:
             engine.cancel(1)
         if isinstance(out, StepTokens):
-            assert engine.step_columns
+            assert engine.step_columns and running >= COLUMNS_MIN_RUNNING
             assert len(out) == len(out.request_ids) + len(out.rows)
             for rid, tid, text in zip(out.request_ids, out.token_ids, out.texts):
                 assert rid not in (r.request_id for r in out.rows)
@@ -42,7 +45,7 @@ def collect(engine, cancel_at=None):
                 plain += 1
             rows = out.rows
         else:
-            assert not engine.step_columns
+            assert not engine.step_columns or running < COLUMNS_MIN_RUNNING
             rows = out
         for r in rows:
             g = got.setdefault(r.request_id, [[], "", None, None])
@@ -91,6 +94,18 @@ def test_a_step_with_logprobs_is_all_rows():
     submit(engine)
     while engine.has_unfinished():
         out = engine.step()
-        assert out.request_ids == []
-        for r in out.rows:
+        if isinstance(out, StepTokens):
+            assert out.request_ids == []
+            out = out.rows
+        for r in out:
             assert (r.logprobs is not None) == (r.request_id == 0 and bool(r.token_ids))
+
+
+def test_small_batches_stay_lists():
+    engine = build_mock_engine_core()
+    engine.step_columns = True
+    ids = engine.tokenizer.encode("Once", add_special_tokens=False).ids
+    for i in range(COLUMNS_MIN_RUNNING - 1):
+        engine.add_request(i, ids, SamplingParams(max_tokens=4), Timeline())
+    while engine.has_unfinished():
+        assert type(engine.step()) is list
