@@ -250,27 +250,11 @@ def test_stories260k_int4_greedy_is_identical_to_the_reference(stories, options)
 def test_stories260k_batched_staggered_sequences_each_reproduce_run_c(stories):
     """Three copies of the prompt join at different steps, prefill in chunks of 2 beside the
     others' decode tokens, over shuffled blocks of 4 positions; each must emit run.c's ids."""
+    from test_golden_stories import staggered_greedy
     src, reference = stories
     want = reference["runs"][0]["generated_token_ids"]
-    prompt = reference["prompt_token_ids"]
-    block_size, total = 4, len(prompt) + len(want)
     tensors = quantize_model(src.config, src.tensors, QuantOptions(method="none"))[0]
-    model = cpu.create_model(src.config, tensors, block_size=block_size, num_blocks=64)
-    free = list(np.random.default_rng(0).permutation(64))
-    tables = [[int(free.pop()) for _ in range(-(-total // block_size))] for _ in range(3)]
-    tokens, fed, joins = [list(prompt) for _ in range(3)], [0, 0, 0], [0, 3, 7]
-    for step_no in range(200):
-        steps = []
-        for i in range(3):
-            if step_no < joins[i] or len(tokens[i]) - len(prompt) == len(want):
-                continue
-            n = min(2, len(tokens[i]) - fed[i])
-            steps.append(seq_step(tokens[i][fed[i]:fed[i] + n], fed[i], tables[i], fed[i] + n == len(tokens[i]), i))
-            fed[i] += n
-        if not steps:
-            break
-        logits = model.forward(build_forward_batch(steps, block_size))
-        for s, row in zip([s for s in steps if s.sample], logits):
-            tokens[s.seq_id].append(int(np.argmax(row)))
-    for i in range(3):
-        assert tokens[i][len(prompt):] == want, f"sequence {i} diverged"
+    got = staggered_greedy(lambda bs, nb: cpu.create_model(src.config, tensors, block_size=bs, num_blocks=nb),
+                           reference["prompt_token_ids"], len(want))
+    for i, ids in enumerate(got):
+        assert ids == want, f"sequence {i} diverged"

@@ -49,23 +49,23 @@ def test_unquantized_greedy_reproduces_run_c_exactly(stories, run):
     assert tok.decode(prompt[1:] + got, skip_special_tokens=False) + "\n" == want["stdout"]
 
 
-def test_batched_staggered_sequences_each_reproduce_the_golden_run(stories):
-    """Three copies of the prompt join at different steps, prefill in chunks of 2 beside the
-    others' decode tokens, over shuffled blocks of 4 positions; each must emit run.c's ids."""
-    src, _, reference, fp = stories
-    want = reference["runs"][0]["generated_token_ids"]
-    prompt = reference["prompt_token_ids"]
-    block_size, total = 4, len(prompt) + len(want)
-    model = ReferenceModel(src.config, fp, block_size=block_size, num_blocks=64)
-    free = list(np.random.default_rng(0).permutation(64))
-    tables = [[int(free.pop()) for _ in range(-(-total // block_size))] for _ in range(3)]
-    tokens, fed, joins = [list(prompt) for _ in range(3)], [0, 0, 0], [0, 3, 7]
-    for step_no in range(200):
+def staggered_greedy(make_model, prompt, num_new, copies=3, joins=(0, 3, 7), chunk=2, block_size=4):
+    """Greedy continuations of `copies` copies of `prompt` that join at steps `joins`, prefill
+    in chunks of `chunk` beside the others' decode tokens, over shuffled blocks of
+    `block_size` positions. `make_model(block_size, num_blocks)` -> a model with `forward`.
+    -> each copy's new token ids (also used by test_cpu_kernels_model.py)."""
+    num_blocks = 64
+    model = make_model(block_size, num_blocks)
+    total = len(prompt) + num_new
+    free = list(np.random.default_rng(0).permutation(num_blocks))
+    tables = [[int(free.pop()) for _ in range(-(-total // block_size))] for _ in range(copies)]
+    tokens, fed = [list(prompt) for _ in range(copies)], [0] * copies
+    for step_no in range(4 * total):
         steps = []
-        for i in range(3):
-            if step_no < joins[i] or len(tokens[i]) - len(prompt) == len(want):
+        for i in range(copies):
+            if step_no < joins[i] or len(tokens[i]) == total:
                 continue
-            n = min(2, len(tokens[i]) - fed[i])
+            n = min(chunk, len(tokens[i]) - fed[i])
             steps.append(SeqStep(i, tokens[i][fed[i]:fed[i] + n], fed[i], tables[i], fed[i] + n == len(tokens[i]),
                                  SamplingParams(temperature=0.0), 0, [], []))
             fed[i] += n
@@ -74,8 +74,18 @@ def test_batched_staggered_sequences_each_reproduce_the_golden_run(stories):
         logits = model.forward(build_forward_batch(steps, block_size))
         for s, row in zip([s for s in steps if s.sample], logits):
             tokens[s.seq_id].append(int(np.argmax(row)))
-    for i in range(3):
-        assert tokens[i][len(prompt):] == want, f"sequence {i} diverged"
+    return [t[len(prompt):] for t in tokens]
+
+
+def test_batched_staggered_sequences_each_reproduce_the_golden_run(stories):
+    """Three copies of the prompt join at different steps, prefill in chunks of 2 beside the
+    others' decode tokens, over shuffled blocks of 4 positions; each must emit run.c's ids."""
+    src, _, reference, fp = stories
+    want = reference["runs"][0]["generated_token_ids"]
+    got = staggered_greedy(lambda bs, nb: ReferenceModel(src.config, fp, block_size=bs, num_blocks=nb),
+                           reference["prompt_token_ids"], len(want))
+    for i, ids in enumerate(got):
+        assert ids == want, f"sequence {i} diverged"
 
 
 @pytest.fixture(scope="module")
