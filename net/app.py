@@ -105,13 +105,14 @@ class App:
         new requests are in its inbox, so its next step takes them, and woken once, after
         the last one."""
         try:
+            for ev in events:       # the session has closed these streams already: no token may go to them
+                if type(ev) is StreamReset:
+                    self.dispatcher.cancel(proto, ev.stream_id)
             self.dispatcher.dispatch_pending()
             for ev in events:
                 kind = type(ev)
                 if kind is Request:
                     self._handle(proto, ev)
-                elif kind is StreamReset:
-                    self.dispatcher.cancel(proto, ev.stream_id)
                 elif kind is BodyTooLarge:
                     self._respond_error(proto, ev.stream_id, ApiError(
                         413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",

@@ -463,8 +463,7 @@ class H2Session:
         held = sid in self.streams
         self._close(st, CLOSED_BY_RESET_RECV)
         if held:
-            events.append(StreamReset(sid))
-            self._maybe_goaway()
+            self._report_reset(sid, events)
 
     def _on_window_update(self, flags, sid, data, pos, stop, events):
         if stop - pos != 13:
@@ -574,8 +573,20 @@ class H2Session:
         held = sid in self.streams
         self._reset(sid, code)
         if held:
+            self._report_reset(sid, events)
+
+    def _report_reset(self, sid: int, events: list) -> None:
+        """A stream the app may hold is gone: StreamReset, or, when its Request is among this
+        read's events (the app has not seen it yet), the Request is withdrawn instead, so the
+        app never receives a request whose stream is already closed."""
+        for i in range(len(events) - 1, -1, -1):
+            ev = events[i]
+            if type(ev) is Request and ev.stream_id == sid:
+                del events[i]
+                break
+        else:
             events.append(StreamReset(sid))
-            self._maybe_goaway()
+        self._maybe_goaway()
 
     def _reset(self, sid: int, code: ErrorCodes) -> None:
         st = self._open.get(sid)

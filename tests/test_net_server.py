@@ -396,6 +396,35 @@ def test_client_going_away_frees_kv_blocks_within_a_step(slow_server, how):
         c.close()
 
 
+def test_resets_racing_the_stream_never_break_the_connection(server):
+    """A request reset in the same write that sends it, and streams reset while a step for them
+    is already waiting to be written: the reset streams get nothing more, every other stream on
+    the connection completes, and the connection keeps serving (either race used to end the
+    connection with a KeyError from the session)."""
+    c = RawH2("127.0.0.1", server.port)
+    try:
+        for _ in range(20):
+            sid = c.conn.get_next_available_stream_id()
+            c.conn.send_headers(sid, [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"),
+                                      (":authority", c.host), ("content-type", "application/json")])
+            c.conn.send_data(sid, b'{"prompt": "hi", "max_tokens": 50, "stream": true}', end_stream=True)
+            c.conn.reset_stream(sid)
+            c.flush()
+        for _ in range(5):
+            sids = [c.post("/v1/completions", {"prompt": "hello", "max_tokens": 2000, "stream": True})
+                    for _ in range(16)]
+            c.read_until(lambda: all(c.data.get(x, b"").count(b"data:") >= 2 for x in sids))
+            for x in sids[::2]:
+                c.reset(x)
+            c.read_until(lambda: all(x in c.ended for x in sids[1::2]))
+            assert all(c.data[x].endswith(b"data: [DONE]\n\n") for x in sids[1::2])
+        sid = c.get("/health")
+        c.read_until(lambda: sid in c.ended)
+        assert c.data[sid] == b'{"status":"ok"}'
+    finally:
+        c.close()
+
+
 # --------------------------------------------------------- connection life
 
 def test_idle_connection_is_closed(loop_kind):

@@ -283,6 +283,25 @@ def test_rst_stream_reports_reset_and_drops_queue():
     assert data_by_stream(c.receive_data(s.data_to_send())) == {}
 
 
+def test_a_request_reset_in_the_same_read_never_reaches_the_app():
+    """HEADERS, DATA (END_STREAM) and RST_STREAM in one read: the stream is closed before the
+    app sees its Request, so the Request is withdrawn (no StreamReset either); the other
+    request of the read and the connection go on."""
+    s, c = H2Session(Limits()), client()
+    s.receive_data(c.data_to_send())
+    for sid in (1, 3):
+        c.send_headers(sid, REQUEST_HEADERS)
+        c.send_data(sid, b"{}", end_stream=True)
+    c.reset_stream(1, ErrorCodes.CANCEL)
+    events = s.receive_data(c.data_to_send())
+    assert [type(e) for e in events] == [Request] and events[0].stream_id == 3
+    assert 1 not in s.streams and 3 in s.streams
+    s.start_response(3, 200, [])
+    s.send_data(3, b"served")
+    s.end_response(3)
+    assert data_by_stream(c.receive_data(s.data_to_send())) == {3: b"served"}
+
+
 def test_graceful_shutdown_finishes_inflight_refuses_new_then_goaway():
     s, c = H2Session(Limits()), client()
     handshake(c, s, streams=(1,))
