@@ -48,7 +48,8 @@ def test_bench_prints_and_writes_rows_against_the_roofline(toy_shape, tmp_path, 
         assert r["shape"] == "toy" and r["backend"] == "cpu" and r["threads"] == 2
         assert r["weight_bytes_per_step"] == model.weight_bytes_per_token
         assert r["weight_bytes_per_token"] == pytest.approx(r["weight_bytes_per_step"] / r["batch"])
-        assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["read_bandwidth_bytes_per_s"] > 1e8
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0
+        assert r["read_bandwidth_bytes_per_s"] > 1e6        # any working probe (60 MB/s seen with both cores busy)
         # the fraction is exactly the roofline step time over the measured one
         roofline_s = r["weight_bytes_per_step"] / r["read_bandwidth_bytes_per_s"]
         assert r["roofline_fraction"] == pytest.approx(roofline_s / (r["decode_step_ms"] / 1e3))

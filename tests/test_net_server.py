@@ -410,14 +410,20 @@ def test_resets_racing_the_stream_never_break_the_connection(server):
             c.conn.send_data(sid, b'{"prompt": "hi", "max_tokens": 50, "stream": true}', end_stream=True)
             c.conn.reset_stream(sid)
             c.flush()
+        num_reset = 0
         for _ in range(5):
             sids = [c.post("/v1/completions", {"prompt": "hello", "max_tokens": 2000, "stream": True})
                     for _ in range(16)]
             c.read_until(lambda: all(c.data.get(x, b"").count(b"data:") >= 2 for x in sids))
-            for x in sids[::2]:
+            # half of them, those still streaming (the KV cache may have let some finish first)
+            reset = [x for x in sids[::2] if x not in c.ended]
+            num_reset += len(reset)
+            for x in reset:
                 c.reset(x)
-            c.read_until(lambda: all(x in c.ended for x in sids[1::2]))
-            assert all(c.data[x].endswith(b"data: [DONE]\n\n") for x in sids[1::2])
+            rest = [x for x in sids if x not in reset]
+            c.read_until(lambda: all(x in c.ended for x in rest))
+            assert all(c.data[x].endswith(b"data: [DONE]\n\n") for x in rest)
+        assert num_reset >= 8
         sid = c.get("/health")
         c.read_until(lambda: sid in c.ended)
         assert c.data[sid] == b'{"status":"ok"}'
