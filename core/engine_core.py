@@ -223,6 +223,7 @@ class EngineCore:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
         outputs = self._apply_cancels(cancels, now_ns) if cancels else []
+        # columns.rows is `outputs` itself: the executor's RequestOutputs join it in place (+=)
         columns = StepTokens(outputs) if self.step_columns and self.scheduler.num_running >= COLUMNS_MIN_RUNNING else None
         scheduled, seqs = self.scheduler.schedule(now_ns)
         self.num_scheduled = len(seqs)

@@ -2,7 +2,8 @@
 
 The engine thread ends every step by handing the loop one list of `RequestOutput`s (one
 per request that produced something or finished), or, for the server, one `StepTokens`
-(the same outputs, the common ones as columns); the server dispatches each to its stream. `Timeline` is the request's clock: the route stamps arrival and tokenization, the
+(the same outputs, the common ones as columns); the server dispatches each to its stream.
+`Timeline` is the request's clock: the route stamps arrival and tokenization, the
 scheduler the rest, net/ the moment the first token reached the transport.
 """
 
@@ -45,8 +46,8 @@ class RequestOutput(NamedTuple):
 
 class StepTokens:
     """One step's outputs in columns: what `EngineCore.step()` returns instead of a list when
-    `EngineCore.step_columns` is set (the server sets it) and enough requests run. Building one RequestOutput per
-    token is most of a step's per-token cost (a tuple subclass: ~180 ns against ~25 ns for
+    `EngineCore.step_columns` is set (the server sets it) and enough requests run. Building
+    one RequestOutput per token is most of a step's per-token cost (a tuple subclass: ~180 ns against ~25 ns for
     three list appends), so the common output, one token for a request that goes on, is
     three columns, and every other output (a finish, logprobs, a cancel, an error) is still
     a RequestOutput in `rows`. A request is in one or the other, never both."""
@@ -61,6 +62,7 @@ class StepTokens:
 
     def __len__(self) -> int:
         return len(self.request_ids) + len(self.rows)
+
 
 class EngineStats(NamedTuple):
     """A consistent snapshot for /metrics and /health."""
