@@ -115,7 +115,7 @@ def shape_config(shape: str):
 
 def random_engine(config, group_size: int, embedding: str, seed: int = 0) -> dict:
     """Engine tensors of `config` with random codes: every matrix INT4, embed/lm_head per `embedding`."""
-    from ..core.model import linear_shapes, vector_shapes
+    from ..kernels.engine_format import linear_shapes, vector_shapes
     rng = np.random.default_rng(seed)
     tensors = {}
     for name, (n, k) in linear_shapes(config).items():
@@ -156,7 +156,7 @@ def steps_for(batch: int, prompt: list, start: int, tables: list):
 
 def time_batch(model, config, batch: int, prompt_len: int, num_steps: int, profile: bool = False) -> dict:
     """Prefill B prompts in one step, then decode; -> prefill tokens/s, decode step times (s)."""
-    from ..core.forward_batch import build_forward_batch
+    from ..kernels.forward_batch import build_forward_batch
     total = prompt_len + num_steps + 1
     blocks_per_seq = -(-total // BLOCK_SIZE)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]

@@ -79,10 +79,10 @@ class TimedExecutor:
 
 
 def make_engine(batch: int, max_tokens: int):
-    from tokenwire.core.engine_core import EngineCore
-    from tokenwire.core.mock_executor import MockExecutor
-    from tokenwire.core.outputs import Timeline
-    from tokenwire.core.sampling_params import SamplingParams
+    from ..core.engine_core import EngineCore
+    from ..kernels.mock import MockExecutor
+    from ..core.outputs import Timeline
+    from ..core.sampling_params import SamplingParams
     executor = TimedExecutor(MockExecutor(step_us=0, num_blocks=batch * (max_tokens // 16 + 4) + 64,
                                           max_model_len=max_tokens + 64))
     engine = EngineCore(executor, executor.inner.tokenizer, eos_token_ids=(1,), max_model_len=max_tokens + 64,
@@ -111,9 +111,9 @@ def time_steps(batch: int, num_steps: int) -> list:
 
 def record_floor_us(batch: int, repeats: int = 200) -> float:
     """Median µs to update `batch` DecodeSteps and build `batch` RequestOutputs in a bare loop."""
-    from tokenwire.core.executor import DecodeStep
-    from tokenwire.core.outputs import RequestOutput
-    from tokenwire.core.sampling_params import SamplingParams
+    from ..core.executor import DecodeStep
+    from ..core.outputs import RequestOutput
+    from ..core.sampling_params import SamplingParams
     new, params, ids = tuple.__new__, SamplingParams(), [1, 2, 3]
     steps = [DecodeStep(i, (3,), 2, ids, True, params, 7, ids, ids) for i in range(batch)]
     times = []
@@ -131,8 +131,8 @@ def record_floor_us(batch: int, repeats: int = 200) -> float:
 
 def detok_us_per_token(num_tokens: int = 20000) -> dict:
     """Detokenization alone: both decoders over the mock story, µs per token."""
-    from tokenwire.core.detokenizer import Detokenizer, IncrementalDecoder
-    from tokenwire.core.mock_executor import build_mock_tokenizer, MOCK_TEXT
+    from ..core.detokenizer import Detokenizer, IncrementalDecoder
+    from ..kernels.mock import build_mock_tokenizer, MOCK_TEXT
     tokenizer = build_mock_tokenizer()
     story = tokenizer.encode(MOCK_TEXT, add_special_tokens=False).ids
     ids = (story * (num_tokens // len(story) + 1))[:num_tokens]
@@ -176,9 +176,9 @@ def sampling_rows(vocab_sizes: list, batches: list) -> list:
     """sample() against sample_reference() on the same float32 logits (standard normal x 2.5)
     and seeds; each cell checks that both pick the same tokens."""
     import numpy as np
-    from tokenwire.core.executor import SeqStep
-    from tokenwire.core.sampling import sample, sample_reference
-    from tokenwire.core.sampling_params import SamplingParams
+    from ..core.executor import SeqStep
+    from ..kernels.sampling import sample, sample_reference
+    from ..core.sampling_params import SamplingParams
     rows = []
     for vocab_size in vocab_sizes:
         for batch in batches:
@@ -215,8 +215,8 @@ def forward_batch_steps(batches: list) -> dict:
     """name -> SeqSteps: decode steps (contexts 200..1000, tables of 16-token blocks), a
     512-token prefill, and 60 decodes beside a 1500-token prefill chunk."""
     import numpy as np
-    from tokenwire.core.executor import DecodeStep, SeqStep
-    from tokenwire.core.sampling_params import SamplingParams
+    from ..core.executor import DecodeStep, SeqStep
+    from ..core.sampling_params import SamplingParams
     rng, params, first_free = np.random.default_rng(0), SamplingParams(), [0]
 
     def table(num_tokens: int) -> list:
@@ -238,7 +238,7 @@ def forward_batch_steps(batches: list) -> dict:
 
 
 def run_forward_batch(args) -> int:
-    from tokenwire.core.forward_batch import BlockTables, build_forward_batch, build_forward_batch_reference
+    from ..kernels.forward_batch import BlockTables, build_forward_batch, build_forward_batch_reference
     print("tokenwire bench scheduler --forward-batch: build_forward_batch per step, block size 16")
     print("reference, same run: build_forward_batch_reference (sequence by sequence); 'fresh' builds every "
           "array anew, 'kept tables' reuses the executor's BlockTables (steady state: no table changed)\n")

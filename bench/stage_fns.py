@@ -16,9 +16,9 @@ from typing import Callable, NamedTuple, Optional
 import numpy as np
 import orjson
 
-from tokenwire.core.executor import SeqStep
-from tokenwire.core.outputs import RequestOutput, Timeline
-from tokenwire.core.sampling_params import SamplingParams
+from ..core.executor import SeqStep
+from ..core.outputs import RequestOutput, Timeline
+from ..core.sampling_params import SamplingParams
 
 
 class Stage(NamedTuple):
@@ -43,8 +43,8 @@ class Setup(NamedTuple):
 # ---------------------------------------------------------------- request
 
 def request_stages(s: Setup) -> list:
-    from tokenwire.net.chat_template import CHATML, ChatTemplate
-    from tokenwire.net.openai_api import parse_chat, parse_completions, parse_json
+    from ..net.chat_template import CHATML, ChatTemplate
+    from ..net.openai_api import parse_chat, parse_completions, parse_json
     completions = orjson.dumps({"model": "m", "prompt": s.prompt_text, "max_tokens": 128, "temperature": 0.7,
                                 "top_p": 0.9, "stream": True, "stream_options": {"include_usage": True}})
     messages = [{"role": "system", "content": "You are a helpful assistant."},
@@ -69,7 +69,7 @@ def server_tokenize_stage(s: Setup) -> Stage:
     """The encoder the server uses (net/model_loader.prompt_encoder): for byte-level BPE the
     piece cache of net/prompt_encoder.py, warm after the first call (a prompt in every 256 is
     also encoded by tokenizers, to check); otherwise the same call as the stage above."""
-    from tokenwire.net.model_loader import prompt_encoder
+    from ..net.model_loader import prompt_encoder
     encode = prompt_encoder(s.engine)
     fast = encode != s.engine.encode_prompt     # bound methods compare equal, never identical
     encode(s.prompt_text)
@@ -82,7 +82,7 @@ def server_tokenize_stage(s: Setup) -> Stage:
 
 def scheduler_stages(s: Setup) -> list:
     """EngineCore.step over the mock executor (zero-cost step): scheduler + bookkeeping + detokenizer."""
-    from tokenwire.core.mock_executor import build_mock_engine_core
+    from ..kernels.mock import build_mock_engine_core
     out = []
     for batch in s.batch_sizes:
         core = build_mock_engine_core(0.0, max_model_len=1 << 16, num_blocks=batch * 4200, max_num_seqs=batch)
@@ -136,7 +136,7 @@ def _decode_batch(executor, prompt: list, batch: int, params: SamplingParams):
 
 
 def sampling_stages(s: Setup) -> list:
-    from tokenwire.core.sampling import sample
+    from ..kernels.sampling import sample
     vocab = s.engine.config.vocab_size
     rng = np.random.default_rng(0)
     out = []
@@ -153,7 +153,7 @@ def sampling_stages(s: Setup) -> list:
 # ----------------------------------------------------------------- stream
 
 def detokenize_stages(s: Setup) -> list:
-    from tokenwire.core.detokenizer import Detokenizer
+    from ..core.detokenizer import Detokenizer
     detok = Detokenizer(s.engine.tokenizer)
     ids = s.prompt_ids or [1]
     state = {"stream": detok.stream(ids[:1], SamplingParams()), "i": 0}
@@ -169,7 +169,7 @@ def detokenize_stages(s: Setup) -> list:
 
 
 def encode_stages(s: Setup) -> list:
-    from tokenwire.net import encoders
+    from ..net import encoders
     out = RequestOutput(7, [1234], " the", None, None, 16, 3, 0)
     text = lambda token_id: " the"  # noqa: E731 (only the logprobs path calls it)
     sse = encoders.CompletionSse("cmpl-7", 1700000000, "model", False, text)
@@ -205,8 +205,8 @@ def _open_h2_session(num_streams: int):
     import h2.config
     import h2.connection
     import h2.settings
-    from tokenwire.net.events import Limits
-    from tokenwire.net.http2 import H2Session
+    from ..net.events import Limits
+    from ..net.http2 import H2Session
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})

@@ -115,14 +115,14 @@ def build_setup(model, backends, prompt_len: int, batch: tuple, engine_batch: tu
 
 
 def load_engine_for(model):
-    from tokenwire.engine_build.engine_format import load_engine
-    from tokenwire.engine_build.errors import BuildError
+    from ..kernels.engine_format import load_engine
+    from ..core.errors import BuildError
     try:
         if model is None:
-            from tokenwire.engine_build.default_model import default_engine_path
+            from ..engine_build.default_model import default_engine_path
             path = default_engine_path(log=lambda line: print(line, file=sys.stderr))
         else:
-            from tokenwire.engine_build.resolve import resolve_model
+            from ..engine_build.resolve import resolve_model
             path = resolve_model(model, log=lambda line: print(line, file=sys.stderr))
         return load_engine(path)
     except BuildError as exc:
@@ -147,15 +147,15 @@ def make_executor(engine, backend: str, context: int, max_batch: int):
     """One backend's Executor over `engine`, built the way `tokenwire serve` builds it
     (net/model_loader.py), with KV room for `max_batch` contexts of `context` tokens."""
     if backend == "cuda":
-        from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
+        from ..kernels.cuda.executor import CudaExecutor, CudaOptions
         return CudaExecutor(engine.config, engine.tensors, CudaOptions(max_model_len=context, max_batch=max_batch))
     if backend not in ("reference", "cpu"):
         raise ValueError(f"unknown backend {backend!r}; choose from reference, cpu, cuda")
-    from tokenwire.core.model_runner import build_engine_core
+    from ..kernels.model_runner import build_engine_core
     if backend == "cpu":                # the C forward (numpy with a warning when it is not built)
-        from tokenwire.kernels.cpu import create_model as factory
+        from ..kernels.cpu import create_model as factory
     else:
-        from tokenwire.core.model import ReferenceModel as factory
+        from ..kernels.model import ReferenceModel as factory
     core = build_engine_core(engine, max_model_len=context, max_num_seqs=max_batch, model_factory=factory)
     return core.executor
 
@@ -167,8 +167,8 @@ def forward_name(executor) -> str:
 
 
 def _sse_payload() -> bytes:
-    from tokenwire.core.outputs import RequestOutput
-    from tokenwire.net.encoders import CompletionSse
+    from ..core.outputs import RequestOutput
+    from ..net.encoders import CompletionSse
     out = RequestOutput(7, [1234], " the", None, None, 16, 3, 0)
     return CompletionSse("cmpl-7", 1700000000, "model", False, lambda i: " the").token(out)
 

@@ -7,7 +7,14 @@
 - `IllegalTransition`: a request lifecycle transition that is not in the table
   (core/request.py). Always a bug in core, never the client's fault.
 - `BlockAccountingError`: a KV block freed twice or unknown (core/block_manager.py). Also a bug.
+- `BuildError`: a checkpoint, tokenizer or engine directory that cannot be used (engine_build/
+  and the engine reader in kernels/). Every message names the file (or hub name) and the
+  problem, so the CLI prints one line and exits 2 instead of a traceback from deep inside
+  numpy or json.
 """
+
+from pathlib import Path
+from typing import Union
 
 
 class QueueFull(RuntimeError):
@@ -35,3 +42,12 @@ class IllegalTransition(RuntimeError):
 
 class BlockAccountingError(RuntimeError):
     pass
+
+
+class BuildError(Exception):
+    """A checkpoint, tokenizer or engine directory that cannot be used, and why."""
+
+    def __init__(self, source: Union[str, Path, None], problem: str):
+        self.source = None if source is None else str(source)
+        self.problem = problem
+        super().__init__(problem if source is None else f"{source}: {problem}")

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from .errors import BuildError
+from ..core.errors import BuildError
 from .quantize import QuantOptions
 from .source import SourceModel, file_stamp, sha256_files
 
@@ -72,7 +72,7 @@ def _check_checkpoint_file(path: Path) -> None:
 def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOptions(), progress: bool = False,
                  log: Callable[[str], None] = lambda line: None, exists: str = "error") -> Path:
     """Quantize `source` and write the engine directory `out_dir` (`exists`: see write_engine). -> out_dir"""
-    from .engine_format import write_engine
+    from .engine_writer import write_engine
     from .quantize import quantize_model
     config = source.config
     calibration = calibration_sequences(source, options) if _needs_calibration(options) else None

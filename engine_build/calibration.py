@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..core.config import ModelConfig
-from ..core.model import ReferenceModel, sequence_logits
-from .errors import BuildError
+from ..kernels.model import ReferenceModel, sequence_logits
+from ..core.errors import BuildError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MAX_ROWS = 4096                 # activation rows kept per projection (evenly subsampled beyond)

@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .errors import BuildError
+    from ..core.errors import BuildError
     try:
         return _build(args)
     except BuildError as exc:
@@ -47,7 +47,7 @@ def _build(args) -> int:
     from pathlib import Path
 
     from .build import BuildOptions, build_engine, format_report, open_source
-    from .errors import BuildError
+    from ..core.errors import BuildError
     from .quantize import QuantOptions
 
     out = Path(args.output)
@@ -63,7 +63,7 @@ def _build(args) -> int:
     say(f"source: {source.kind} {source.path}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, "
         f"vocab {c.vocab_size}")
     build_engine(source, out, options, progress=not args.quiet, log=say, exists="replace" if args.force else "error")
-    from .engine_format import read_manifest
+    from ..kernels.engine_format import read_manifest
     manifest = read_manifest(out)
     say(format_report(manifest["report"]))
     say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")

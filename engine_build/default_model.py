@@ -26,7 +26,8 @@ from typing import Callable
 import numpy as np
 
 from ..core.config import ModelConfig
-from .source import LazyTensors, SourceModel, canonical_shapes, make_tokenizer_files
+from .source import LazyTensors, SourceModel, make_tokenizer_files
+from ..kernels.engine_format import canonical_shapes
 
 NAME = "tokenwire-default-random"
 SEED = 0
@@ -44,7 +45,7 @@ LAYER_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_
 
 def default_engine_path(cache_dir=None, progress: bool = False, log: Callable[[str], None] = lambda line: None) -> Path:
     """-> the default engine directory, built first if it is not in the cache yet (idempotent)."""
-    from .engine_format import MANIFEST
+    from ..kernels.engine_format import MANIFEST
     from .resolve import engines_dir
     target = engines_dir(cache_dir) / f"default-{recipe_hash()[:12]}"
     if (target / MANIFEST).is_file():

@@ -23,9 +23,10 @@ from typing import Optional
 import numpy as np
 
 from ..core.config import ModelConfig, RopeScaling
-from .errors import BuildError
-from .safetensors_io import SafetensorsFile
-from .source import LazyTensors, SourceModel, canonical_shapes, make_tokenizer_files
+from ..core.errors import BuildError
+from ..kernels.safetensors_io import SafetensorsFile
+from .source import LazyTensors, SourceModel, make_tokenizer_files
+from ..kernels.engine_format import canonical_shapes
 
 # architecture -> family; the family decides the few defaults configs leave out
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",

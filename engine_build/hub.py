@@ -9,7 +9,7 @@ Any failure — no network, unknown repository, gated model — is one BuildErro
 import re
 from pathlib import Path
 
-from .errors import BuildError
+from ..core.errors import BuildError
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",

@@ -8,7 +8,7 @@ steps take, or (GPTQ) round column by column against the scales these steps choo
 import numpy as np
 
 from ..kernels.reference import dequantize_int4, dequantize_int8
-from .errors import BuildError
+from ..core.errors import BuildError
 
 
 def pad_k(w: np.ndarray, group_size: int) -> np.ndarray:

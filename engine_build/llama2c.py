@@ -27,8 +27,9 @@ from typing import Optional
 import numpy as np
 
 from ..core.config import ModelConfig
-from .errors import BuildError
-from .source import LazyTensors, SourceModel, canonical_shapes, make_tokenizer_files
+from ..core.errors import BuildError
+from .source import LazyTensors, SourceModel, make_tokenizer_files
+from ..kernels.engine_format import canonical_shapes
 from .tokenizer_convert import read_any_vocab, tokenizer_config, vocab_to_tokenizer
 
 HEADER = struct.Struct("<7i")

@@ -33,8 +33,8 @@ GROUP_SIZE = 64
 def random_int4_engine(out_dir: Path, config: ModelConfig = QWEN25_05B, seed: int = 0) -> Path:
     """Write a random-code INT4 engine of `config` (the encodings of docs/ENGINE_FORMAT.md)."""
     from .default_model import default_tokenizer_files
-    from .engine_format import write_engine
-    from .source import canonical_shapes
+    from .engine_writer import write_engine
+    from ..kernels.engine_format import canonical_shapes
     rng = np.random.default_rng(seed)
     tensors, meta = {}, {}
     for name, shape in canonical_shapes(config).items():
@@ -81,7 +81,7 @@ def touch_all(engine) -> int:
 def main(argv=None) -> int:
     from safetensors.numpy import load_file
 
-    from .engine_format import load_engine
+    from ..kernels.engine_format import load_engine
     parser = argparse.ArgumentParser(description="engine load time vs a copying safetensors reader")
     parser.add_argument("--dir", help="where to write the engine (default: a temporary directory)")
     parser.add_argument("--repeat", type=int, default=5)

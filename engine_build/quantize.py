@@ -35,9 +35,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from ..core.config import ModelConfig
-from ..core.model import linear_shapes, vector_shapes
+from ..kernels.engine_format import linear_shapes, vector_shapes
 from .calibration import capture_activations, fold_awq_layer
-from .errors import BuildError
+from ..core.errors import BuildError
 from .int4 import dequantize, quantize_int4, quantize_int8
 from .quant_search import awq_input_scales, gptq_int4, group_gram, search_clip
 

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..core.config import ModelConfig
-from ..core.model import ReferenceModel, greedy_generate, sequence_logits
+from ..kernels.model import ReferenceModel, greedy_generate, sequence_logits
 
 
 @dataclass

@@ -37,7 +37,7 @@ def engines_dir(cache_dir=None) -> Path:
 def resolve_model(spec=None, cache_dir=None, options=None, progress: bool = False,
                   log: Callable[[str], None] = lambda line: None) -> Path:
     """-> path of a loadable engine directory for `spec` (see the module docstring)."""
-    from .engine_format import MANIFEST, read_manifest
+    from ..kernels.engine_format import MANIFEST, read_manifest
     if spec is None:
         from .default_model import default_engine_path
         return default_engine_path(cache_dir, progress=progress, log=log)
@@ -57,7 +57,7 @@ def resolve_model(spec=None, cache_dir=None, options=None, progress: bool = Fals
 
 
 def cache_key(source, options) -> str:
-    from .engine_format import FORMAT_VERSION
+    from ..kernels.engine_format import FORMAT_VERSION
     identity = {"kind": source.kind, "path": _identity_path(source), "options": options.cache_key(),
                 "format_version": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]

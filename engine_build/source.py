@@ -21,13 +21,8 @@ from typing import Callable, Iterator, Mapping, Optional
 import numpy as np
 
 from ..core.config import ModelConfig
-from ..core.model import linear_shapes, vector_shapes
-from .errors import BuildError
-
-
-def canonical_shapes(config: ModelConfig) -> dict:
-    """{canonical name: logical shape} of every tensor an engine of `config` holds (matrices, then vectors)."""
-    return {**linear_shapes(config), **vector_shapes(config)}
+from ..kernels.engine_format import linear_shapes, vector_shapes
+from ..core.errors import BuildError
 
 
 class LazyTensors(Mapping):

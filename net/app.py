@@ -21,8 +21,8 @@ from typing import Callable, NamedTuple
 
 import orjson
 
-from tokenwire.core.errors import InvalidRequest, PromptTooLong, QueueFull
-from tokenwire.core.outputs import Timeline
+from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
+from ..core.outputs import Timeline
 
 from . import encoders
 from .chat_template import ChatTemplate

@@ -25,8 +25,8 @@ from collections import deque
 
 from orjson import dumps
 
-from tokenwire.core.engine_core import Doorbell
-from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
+from ..core.engine_core import Doorbell
+from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
 
 from . import encoders
 from .errors import ApiError

@@ -24,7 +24,7 @@ from typing import Callable
 
 import orjson
 
-from tokenwire.core.outputs import Timeline
+from ..core.outputs import Timeline
 
 SSE_DONE = b"data: [DONE]\n\n"
 END_MARKER = struct.pack("<i", -1)

@@ -1,7 +1,7 @@
 """Build what the server serves: an `EngineCore` and the routes' `ModelInfo`, from a model
 spec and a backend name. Runs off the event loop (it may build the default model first).
 
-Backends: "mock" (core/mock_executor.py: a fixed story at a fixed step time), "cpu" (C
+Backends: "mock" (kernels/mock.py: a fixed story at a fixed step time), "cpu" (C
 kernels when built, else the numpy reference), "reference" (numpy), "cuda". The executor
 factory for the real backends lives in core/model_runner.py; engine directories come from
 engine_build (`resolve_model` for a path or hub name, the embedded default when no model
@@ -49,7 +49,7 @@ def _read_template(path: str) -> str:
 
 
 def _load_mock(step_times, name, template_source, max_model_len, step_us, engine_kwargs):
-    from tokenwire.core.mock_executor import BOS, EOS, build_mock_engine_core
+    from ..kernels.mock import BOS, EOS, build_mock_engine_core
     max_model_len = max_model_len or 4096
     engine = build_mock_engine_core(step_us, max_model_len=max_model_len, **engine_kwargs)
     _time_steps(engine, step_times)
@@ -65,8 +65,8 @@ def _load_mock(step_times, name, template_source, max_model_len, step_us, engine
 
 
 def _load_engine(spec, backend, step_times, name, template_source, max_model_len, engine_kwargs):
-    from tokenwire.engine_build.engine_format import load_engine
-    from tokenwire.engine_build.resolve import resolve_model
+    from ..kernels.engine_format import load_engine
+    from ..engine_build.resolve import resolve_model
     engine_dir = load_engine(resolve_model(spec, log=lambda line: log.info("%s", line)))
     limit = engine_dir.config.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
@@ -103,19 +103,19 @@ def _engine_core(engine_dir, backend, max_model_len, engine_kwargs):
     """EngineCore over the backend's executor."""
     if backend == "cuda":
         return _cuda_engine_core(engine_dir, max_model_len, engine_kwargs)
-    from tokenwire.core.model_runner import build_engine_core
+    from ..kernels.model_runner import build_engine_core
     if backend == "cpu":                # the C forward, or the numpy one with a one-line warning
-        from tokenwire.kernels.cpu import create_model
+        from ..kernels.cpu import create_model
         return build_engine_core(engine_dir, max_model_len=max_model_len, model_factory=create_model,
                                  **engine_kwargs)
     return build_engine_core(engine_dir, max_model_len=max_model_len, **engine_kwargs)
 
 
 def _cuda_engine_core(engine_dir, max_model_len, engine_kwargs):
-    from tokenwire.core.engine_core import EngineCore
+    from ..core.engine_core import EngineCore
     try:
-        from tokenwire.kernels.cuda.driver import CudaError
-        from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
+        from ..kernels.cuda.driver import CudaError
+        from ..kernels.cuda.executor import CudaExecutor, CudaOptions
         executor = CudaExecutor(engine_dir.config, engine_dir.tensors,
                                 CudaOptions(max_model_len=max_model_len, max_batch=engine_kwargs["max_num_seqs"]))
     except ImportError as exc:

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import orjson
 
-from tokenwire.core.sampling_params import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
+from ..core.sampling_params import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
 
 from .errors import ApiError, bad_param, unsupported
 

@@ -11,7 +11,7 @@ monotonic clock.
 
 import orjson
 
-from tokenwire.core.outputs import Timeline
+from ..core.outputs import Timeline
 
 
 class TraceWriter:

@@ -323,7 +323,7 @@ def test_max_concurrent_streams_over_the_limit_are_refused_one_by_one(loop_kind)
 def _failing_server(loop_kind, fail_from_step: int):
     """The mock engine, made to raise from its `fail_from_step`-th step on (a device lost mid-stream)."""
     from tokenwire.core.engine_core import EngineCore
-    from tokenwire.core.mock_executor import MockExecutor
+    from tokenwire.kernels.mock import MockExecutor
     from tokenwire.net.app import ModelInfo
 
     class FailingExecutor(MockExecutor):

@@ -10,7 +10,8 @@ import pytest
 from tokenwire.bench import engine as bench
 from tokenwire.cli import main
 from tokenwire.core.config import ModelConfig
-from tokenwire.core.model import ReferenceModel, linear_shapes
+from tokenwire.kernels.model import ReferenceModel
+from tokenwire.kernels.engine_format import linear_shapes
 from tokenwire.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason=f"C kernels not built: {cpu.IMPORT_ERROR}")

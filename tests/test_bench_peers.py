@@ -16,7 +16,7 @@ from tokenwire.bench.peers.mock_source import MockTokens, token_sequence
 from tokenwire.bench.peers.runner import HOST, ServerProcess, free_port, peer_specs, wait_until_streaming
 from tokenwire.bench.load import make_target
 from tokenwire.bench.loadgen import run_level, wait_with_progress
-from tokenwire.core.mock_executor import MOCK_TEXT
+from tokenwire.kernels.mock import MOCK_TEXT
 
 MAX_TOKENS = 12
 

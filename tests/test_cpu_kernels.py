@@ -180,7 +180,7 @@ def test_dense_and_int8_rows(isa, dtype):
 
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
 def test_gated_activations_match_the_reference_within_a_few_ulp(isa, gelu):
-    from tokenwire.core.model import gelu_tanh, silu
+    from tokenwire.kernels.model import gelu_tanh, silu
     rng = np.random.default_rng(10)
     gate = np.concatenate([rng.standard_normal(997) * 4, np.linspace(-120, 120, 101), [0.0, -0.0, 1e-30, -88.7, 89.0]])
     gate = gate.astype(np.float32)
@@ -278,7 +278,7 @@ from tokenwire.core.config import ModelConfig
 assert not cpu.AVAILABLE
 cfg = ModelConfig("LlamaForCausalLM", 11, 8, 16, 1, 2, 1, 4, 32, 1e-5, 10000.0)
 rng = np.random.default_rng(0)
-from tokenwire.core.model import linear_shapes, vector_shapes
+from tokenwire.kernels.engine_format import linear_shapes, vector_shapes
 t = {f"{n}.weight": rng.standard_normal(s).astype(np.float32) for n, s in linear_shapes(cfg).items()}
 t.update({n: np.ones(s, np.float32) for n, s in vector_shapes(cfg).items()})
 m1 = cpu.create_model(cfg, t, 4, 8)

@@ -17,8 +17,9 @@ import pytest
 
 from tokenwire.core.config import ModelConfig, RopeScaling
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.forward_batch import build_forward_batch
-from tokenwire.core.model import ReferenceModel, greedy_generate, linear_shapes, vector_shapes
+from tokenwire.kernels.forward_batch import build_forward_batch
+from tokenwire.kernels.model import ReferenceModel, greedy_generate
+from tokenwire.kernels.engine_format import linear_shapes, vector_shapes
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.quantize import QuantOptions, quantize_model
 from tokenwire.kernels import cpu

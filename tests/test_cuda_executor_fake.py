@@ -14,8 +14,9 @@ import pytest
 
 from tokenwire.core.config import ModelConfig
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.model import ReferenceModel, greedy_generate, linear_shapes, vector_shapes
-from tokenwire.core.model_runner import ModelRunner
+from tokenwire.kernels.model import ReferenceModel, greedy_generate
+from tokenwire.kernels.engine_format import linear_shapes, vector_shapes
+from tokenwire.kernels.model_runner import ModelRunner
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.quantize import quantize_int4, quantize_int8
 from tokenwire.kernels.cuda import create_executor

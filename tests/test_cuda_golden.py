@@ -15,8 +15,8 @@ import threading
 import numpy as np
 import pytest
 
-from tokenwire.core.model import ReferenceModel, greedy_generate
-from tokenwire.core.model_runner import ModelRunner
+from tokenwire.kernels.model import ReferenceModel, greedy_generate
+from tokenwire.kernels.model_runner import ModelRunner
 from tokenwire.core.sampling_params import SamplingParams
 
 from test_cuda_executor_fake import GREEDY, Seq, run_batch, run_greedy, tiny_config, tiny_engine

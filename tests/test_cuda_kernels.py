@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tokenwire.core import sampling as ref_sampling
+from tokenwire.kernels import sampling as ref_sampling
 from tokenwire.core.config import ModelConfig
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.model import gelu_tanh, paged_attention, rms_norm, silu
-from tokenwire.core.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from tokenwire.kernels.model import gelu_tanh, paged_attention, rms_norm, silu
+from tokenwire.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.quantize import quantize_int4, quantize_int8
 from tokenwire.kernels.cuda.device import attention_smem_bytes, sample_smem_bytes

@@ -9,7 +9,7 @@ from tokenizers import Tokenizer, decoders, models
 
 from tokenwire.core.detokenizer import (ByteTableDecoder, Detokenizer, IncrementalDecoder, StartOfTextDecoder,
                                         StopStringMatcher, TextStream, decoder_kind)
-from tokenwire.core.mock_executor import build_mock_tokenizer
+from tokenwire.kernels.mock import build_mock_tokenizer
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.tokenizer_convert import read_llama2c_vocab, vocab_to_tokenizer
 

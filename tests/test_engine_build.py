@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from tokenwire.cli import main
-from tokenwire.engine_build.engine_format import FORMAT_NAME, FORMAT_VERSION, EngineFormatError, load_engine
-from tokenwire.engine_build.errors import BuildError
+from tokenwire.kernels.engine_format import FORMAT_NAME, FORMAT_VERSION, EngineFormatError, load_engine
+from tokenwire.core.errors import BuildError
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

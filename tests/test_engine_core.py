@@ -8,7 +8,7 @@ import pytest
 from tokenwire.core.engine_core import EngineCore
 from tokenwire.core.errors import InvalidRequest, PromptTooLong, QueueFull
 from tokenwire.core.executor import StepOutput
-from tokenwire.core.mock_executor import MOCK_TEXT, MockExecutor, build_mock_engine_core
+from tokenwire.kernels.mock import MOCK_TEXT, MockExecutor, build_mock_engine_core
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Timeline
 from tokenwire.core.sampling_params import SamplingParams
 

@@ -7,7 +7,7 @@ not a plain "one token, goes on" entry must still be a RequestOutput.
 """
 
 from tokenwire.core.executor import StepOutput, TopLogprobs
-from tokenwire.core.mock_executor import MockExecutor, build_mock_engine_core
+from tokenwire.kernels.mock import MockExecutor, build_mock_engine_core
 from tokenwire.core.engine_core import COLUMNS_MIN_RUNNING, EngineCore
 from tokenwire.core.outputs import FINISH_CANCELLED, StepTokens, Timeline
 from tokenwire.core.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tokenwire.core.executor import DecodeStep, SeqStep
-from tokenwire.core.forward_batch import (SMALL_DECODE, BlockTables, build_forward_batch,
+from tokenwire.kernels.forward_batch import (SMALL_DECODE, BlockTables, build_forward_batch,
                                           build_forward_batch_reference)
 from tokenwire.core.sampling_params import SamplingParams
 

@@ -16,11 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tokenwire.core.executor import SeqStep                      # noqa: E402
-from tokenwire.core.forward_batch import build_forward_batch      # noqa: E402
-from tokenwire.core.model import ReferenceModel                   # noqa: E402
-from tokenwire.core.sampling_params import SamplingParams         # noqa: E402
-from tokenwire.engine_build.hf import import_hf                   # noqa: E402
+from tokenwire.core.executor import SeqStep  # noqa: E402
+from tokenwire.kernels.forward_batch import build_forward_batch  # noqa: E402
+from tokenwire.kernels.model import ReferenceModel  # noqa: E402
+from tokenwire.core.sampling_params import SamplingParams  # noqa: E402
+from tokenwire.engine_build.hf import import_hf  # noqa: E402
 from tokenwire.engine_build.quantize import QuantOptions, quantize_model  # noqa: E402
 
 VOCAB = 256

@@ -9,10 +9,10 @@ import pytest
 
 from tokenwire.core.config import ModelConfig, RopeScaling
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.forward_batch import build_forward_batch
-from tokenwire.core.model import (ReferenceModel, attention_mask, linear_shapes, paged_attention,
-                                  sequence_logits, vector_shapes)
-from tokenwire.core.rope import apply_rope, rope_cos_sin, rope_inv_freq
+from tokenwire.kernels.forward_batch import build_forward_batch
+from tokenwire.kernels.engine_format import linear_shapes, vector_shapes
+from tokenwire.kernels.model import ReferenceModel, attention_mask, paged_attention, sequence_logits
+from tokenwire.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.kernels.reference import dequantize_int4
 

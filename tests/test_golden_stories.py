@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.forward_batch import build_forward_batch
-from tokenwire.core.model import ReferenceModel, greedy_generate
+from tokenwire.kernels.forward_batch import build_forward_batch
+from tokenwire.kernels.model import ReferenceModel, greedy_generate
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.calibration import (capture_activations, default_calibration_text, default_eval_text,
                                                 split_sequences)

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tokenwire.engine_build.errors import BuildError  # noqa: E402
+from tokenwire.core.errors import BuildError  # noqa: E402
 from tokenwire.engine_build.hf import import_hf  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -239,7 +239,7 @@ def test_missing_tensor(broken):
     edit_config(broken, tie_word_embeddings=False)
     cfg = json.loads((broken / "config.json").read_text())
     assert not cfg["tie_word_embeddings"]
-    from tokenwire.engine_build.safetensors_io import SafetensorsFile, write_safetensors
+    from tokenwire.kernels.safetensors_io import SafetensorsFile, write_safetensors
     st = SafetensorsFile(broken / "model.safetensors")
     kept = {k: np.array(st.read_raw(k)) for k in st.keys() if k != "lm_head.weight"}
     del st

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from tokenwire.engine_build.errors import BuildError
+from tokenwire.core.errors import BuildError
 from tokenwire.engine_build.llama2c import import_llama2c
 
 HEADER = struct.Struct("<7i")

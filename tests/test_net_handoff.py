@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from tokenwire.core.engine_core import Doorbell
-from tokenwire.core.mock_executor import build_mock_engine_core
+from tokenwire.kernels.mock import build_mock_engine_core
 from tokenwire.core.outputs import RequestOutput, Timeline
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.net import encoders

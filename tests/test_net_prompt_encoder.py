@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from tokenwire.core.mock_executor import MOCK_TEXT, build_mock_tokenizer
+from tokenwire.kernels.mock import MOCK_TEXT, build_mock_tokenizer
 from tokenwire.net.prompt_encoder import GPT2_PATTERN, PieceEncoder, _ascii_pattern, piece_encoder
 
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -123,7 +123,7 @@ def test_engine_prompt_encoder_keeps_the_engine_rule(tmp_path):
     """The embedded default model (byte-level BPE) serves completion prompts through the fast path,
     with the engine's BOS rule, giving encode_prompt's ids."""
     from tokenwire.engine_build.default_model import default_engine_path
-    from tokenwire.engine_build.engine_format import load_engine
+    from tokenwire.kernels.engine_format import load_engine
     from tokenwire.net.model_loader import prompt_encoder
     engine_dir = load_engine(default_engine_path(cache_dir=tmp_path))
     encode = prompt_encoder(engine_dir)

@@ -3,7 +3,7 @@ ALPN h2, HTTP/1.1), nghttp, h2load, Node's http2 module, the OpenAI Python SDK (
 HTTP/1.1 client and an httpx HTTP/2 client), plus a raw h2 client for resets and windows.
 
 The whole module runs twice: once on asyncio's event loop and once on uvloop. The engine is
-the mock (core/mock_executor.py), so the tests measure the network layer, not a model.
+the mock (kernels/mock.py), so the tests measure the network layer, not a model.
 """
 
 import datetime

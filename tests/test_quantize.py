@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from tokenwire.core.config import ModelConfig
-from tokenwire.core.model import ReferenceModel, linear_shapes, sequence_logits, vector_shapes
+from tokenwire.kernels.model import ReferenceModel, sequence_logits
+from tokenwire.kernels.engine_format import linear_shapes, vector_shapes
 from tokenwire.engine_build.calibration import capture_activations, fold_awq_layer, split_sequences
-from tokenwire.engine_build.errors import BuildError
+from tokenwire.core.errors import BuildError
 from tokenwire.engine_build.int4 import get_group_qparams, pack, pad_k, quantize, quantize_int4, quantize_int8
 from tokenwire.engine_build.quant_search import awq_input_scales, gptq_int4, group_gram, search_clip
 from tokenwire.engine_build.quantize import QuantOptions, dense_engine_tensors, quantize_model

@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 
 from test_forward_hf import FAMILIES, VOCAB, make_hf_model       # noqa: E402
 from tokenwire.engine_build.calibration import capture_activations  # noqa: E402
-from tokenwire.engine_build.hf import import_hf                   # noqa: E402
+from tokenwire.engine_build.hf import import_hf  # noqa: E402
 from tokenwire.engine_build.quantize import QuantOptions, dense_engine_tensors, encode_model  # noqa: E402
-from tokenwire.engine_build.report import evaluate_model         # noqa: E402
+from tokenwire.engine_build.report import evaluate_model  # noqa: E402
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.sampling import apply_penalties, request_uniform, sample
+from tokenwire.kernels.sampling import apply_penalties, request_uniform, sample
 from tokenwire.core.sampling_params import SamplingParams
 
 M64 = (1 << 64) - 1

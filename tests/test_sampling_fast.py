@@ -7,9 +7,9 @@ temperature row whose CDF crossing is too close to call from block sums."""
 import numpy as np
 import pytest
 
-from tokenwire.core import sampling
+from tokenwire.kernels import sampling
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.sampling import penalize_row, request_uniform, request_uniforms, sample, sample_reference
+from tokenwire.kernels.sampling import penalize_row, request_uniform, request_uniforms, sample, sample_reference
 from tokenwire.core.sampling_params import SamplingParams
 
 

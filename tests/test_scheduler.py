@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from tokenwire.core.detokenizer import byte_level_alphabet
 from tokenwire.core.engine_core import EngineCore
 from tokenwire.core.executor import StepOutput
-from tokenwire.core.mock_executor import build_mock_tokenizer, mock_config
+from tokenwire.kernels.mock import build_mock_tokenizer, mock_config
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Timeline
 from tokenwire.core.request import RequestState
-from tokenwire.core.sampling import sample
+from tokenwire.kernels.sampling import sample
 from tokenwire.core.sampling_params import SamplingParams
 
 VOCAB = 64

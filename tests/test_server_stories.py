@@ -83,7 +83,7 @@ def test_chat_uses_the_template_and_streams(client, server):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     whole = client.chat.completions.create(model="stories260K", messages=messages, max_tokens=12, temperature=0)
     assert whole.choices[0].message.content == text and len(text) > 5
-    from tokenwire.engine_build.engine_format import load_engine
+    from tokenwire.kernels.engine_format import load_engine
     engine = load_engine(server.model)
     rendered = f"{engine.manifest['tokenizer']['bos_token']}User: Tell me about a cat.\nStory:"
     expected = engine.tokenizer.encode(rendered, add_special_tokens=False).ids

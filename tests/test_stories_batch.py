@@ -9,11 +9,11 @@ import threading
 
 import pytest
 
-from tokenwire.core.model_runner import build_engine_core, kv_cache_num_blocks
+from tokenwire.kernels.model_runner import build_engine_core, kv_cache_num_blocks
 from tokenwire.core.outputs import FINISH_LENGTH, Timeline
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.build import BuildOptions, build_engine, open_source
-from tokenwire.engine_build.engine_format import load_engine
+from tokenwire.kernels.engine_format import load_engine
 from tokenwire.engine_build.quantize import QuantOptions
 
 FORWARDS = ["reference", "c"]
@@ -35,7 +35,7 @@ def engines(stories260k_dir, tmp_path_factory):
 def build(request):
     """build_engine_core with one of the CPU forwards."""
     if request.param == "reference":
-        from tokenwire.core.model import ReferenceModel as factory
+        from tokenwire.kernels.model import ReferenceModel as factory
     else:
         from tokenwire.kernels import cpu
         if not cpu.AVAILABLE:
@@ -139,7 +139,7 @@ def test_engine_thread_streams_a_story(engines):
 
 
 def test_kv_cache_sizing():
-    from tokenwire.core.mock_executor import mock_config
+    from tokenwire.kernels.mock import mock_config
     c = mock_config(512, 512)                                     # 1 layer, 1 kv head of 8: 64 B/token
     assert kv_cache_num_blocks(c, 16, 512, 4) == 4 * 32           # 4 full contexts fit the default budget
     assert kv_cache_num_blocks(c, 16, 512, 4, kv_cache_bytes=64 * 16 * 40) == 40

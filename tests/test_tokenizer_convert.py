@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from tokenwire.engine_build.errors import BuildError
+from tokenwire.core.errors import BuildError
 from tokenwire.engine_build.tokenizer_convert import (BYTE, CONTROL, NORMAL, UNKNOWN, read_any_vocab,
                                                      read_llama2c_vocab, read_sentencepiece_model,
                                                      sentencepiece_model_to_tokenizer_json, vocab_to_tokenizer)

@@ -11,6 +11,6 @@ __all__ = ["Server", "__version__"]
 
 def __getattr__(name):
     if name == "Server":
-        from tokenwire.net.server import Server
+        from .net.server import Server
         return Server
     raise AttributeError(f"module 'tokenwire' has no attribute {name!r}")

@@ -1,6 +1,6 @@
-"""The mock engine as the peer servers see it: core/mock_executor.py's token sequence at its step time.
+"""The mock engine as the peer servers see it: kernels/mock.py's token sequence at its step time.
 
-tokenwire runs the mock executor (core/mock_executor.py) behind its scheduler; a peer has no
+tokenwire runs the mock executor (kernels/mock.py) behind its scheduler; a peer has no
 scheduler, so each request iterates this source directly: token i is ready at `start + (i + 1) * step` (an
 absolute deadline, so timer granularity adds jitter but no drift), and with a zero-cost
 step every token is ready at once. The sequence comes from the mock executor itself and
@@ -39,9 +39,9 @@ class MockTokens:
 def token_sequence() -> tuple:
     """(token ids, their texts): one cycle of the mock executor's sequence, each token's text
     as tokenwire's own detokenizer streams it ("" while a UTF-8 character is incomplete)."""
-    from tokenwire.core.detokenizer import Detokenizer
-    from tokenwire.core.mock_executor import MockExecutor
-    from tokenwire.core.sampling_params import SamplingParams
+    from ...core.detokenizer import Detokenizer
+    from ...kernels.mock import MockExecutor
+    from ...core.sampling_params import SamplingParams
     executor = MockExecutor(step_us=0)
     ids = list(executor.text_token_ids)
     stream = Detokenizer(executor.tokenizer).stream([], SamplingParams())

@@ -181,5 +181,5 @@ def create_model(config, tensors, block_size: int = 16, num_blocks: Optional[int
         from .model import CpuModel
         return CpuModel(config, tensors, block_size, num_blocks, activations=activations)
     warn_fallback()
-    from ...core.model import ReferenceModel
+    from ..model import ReferenceModel
     return ReferenceModel(config, tensors, block_size, num_blocks)

@@ -20,9 +20,9 @@ from typing import Mapping, Optional
 import numpy as np
 
 from ...core.config import ModelConfig
-from ...core.forward_batch import ForwardBatch
-from ...core.model import linear_shapes, vector_shapes
-from ...core.rope import rope_inv_freq
+from ..forward_batch import ForwardBatch
+from ..engine_format import linear_shapes, vector_shapes
+from ..rope import rope_inv_freq
 from . import PRECISIONS, _cpu, _require
 
 LAYER_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -30,7 +30,7 @@ def create_executor(engine, *, block_size: int = 16, num_blocks: Optional[int] =
     from .build import kernel_image
     from .executor import CudaExecutor, CudaOptions
     if not hasattr(engine, "tensors"):
-        from ...engine_build.engine_format import load_engine
+        from ..engine_format import load_engine
         engine = load_engine(engine)
     opts = CudaOptions(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
                        max_batch=max_num_seqs, max_num_tokens=max_num_batched_tokens, **options)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from ...core import sampling as ref_sampling
+from .. import sampling as ref_sampling
 from ..reference import dequantize_int4
 from .kernels import MAX_TOP_LOGPROBS, MM_KERNELS
 from .layout import TcShape, dequantize_tc, pack_tc, round_up

@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ...core.executor import SeqStep
-from ...core.sampling import distinct_counts
+from ..sampling import distinct_counts
 
 META_ALIGN = 16
 

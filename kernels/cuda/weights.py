@@ -18,8 +18,8 @@ from typing import Mapping, NamedTuple, Optional
 import numpy as np
 
 from ...core.config import ModelConfig
-from ...core.model import linear_shapes, vector_shapes
-from ...core.rope import rope_cos_sin, rope_inv_freq
+from ..engine_format import linear_shapes, vector_shapes
+from ..rope import rope_cos_sin, rope_inv_freq
 from .layout import round_up, tc_shape
 
 ALIGN = 256

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .config import ModelConfig, RopeScaling
+from ..core.config import ModelConfig, RopeScaling
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

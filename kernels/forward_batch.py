@@ -17,7 +17,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .executor import SeqStep
+from ..core.executor import SeqStep
 
 
 SMALL_DECODE = 128              # pure-decode steps up to this many sequences take the one-pass path (measured cross-over)

@@ -1,21 +1,20 @@
-"""The engine directory of docs/ENGINE_FORMAT.md: `write_engine` and `load_engine`.
+"""Reading the engine directory of docs/ENGINE_FORMAT.md: `load_engine`, and the tensor
+names and shapes an engine of a given config holds.
 
     engine = load_engine("out/stories260K")
     engine.config                   # ModelConfig
     engine.tensors["layers.0.qkv_proj.qweight"]   # read-only view into the mmap'd weights file
     engine.encode_prompt("Once upon a time")      # ids, BOS added by the engine's rule
 
-Writing goes to a temporary sibling directory that is renamed into place at the end, so a
-reader never sees half an engine. Loading memory-maps weights.safetensors and hands out
-numpy views into the mapping (no copy, no read until a page is touched); it rejects an
-unknown `format` or `version` naming the file and both versions, and checks that the tensor
-table, the stored tensors and the config agree before anything runs.
+The one reader, shared by the server (through tokenwire/runtime.py) and the builder
+(engine_build/, which writes engines with engine_writer.py and reads them back here).
+Loading memory-maps weights.safetensors and hands out numpy views into the mapping (no
+copy, no read until a page is touched); it rejects an unknown `format` or `version` naming
+the file and both versions, and checks that the tensor table, the stored tensors and the
+config agree before anything runs.
 """
 
 import json
-import os
-import shutil
-import tempfile
 from functools import cached_property
 from pathlib import Path
 from typing import Mapping, Optional
@@ -23,9 +22,8 @@ from typing import Mapping, Optional
 import numpy as np
 
 from ..core.config import ModelConfig
-from .errors import BuildError
-from .safetensors_io import SafetensorsFile, write_safetensors
-from .source import TokenizerFiles
+from ..core.errors import BuildError
+from .safetensors_io import SafetensorsFile
 
 FORMAT_NAME = "tokenwire-engine"
 FORMAT_VERSION = 1
@@ -36,74 +34,39 @@ WEIGHTS = "weights.safetensors"
 PARTS = {"dense": ("weight",), "int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}
 
 
+def linear_shapes(config: ModelConfig) -> dict:
+    """Logical [N, K] (out x in) of every matrix weight an engine holds, by tensor name."""
+    c = config
+    shapes = {"embed": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        shapes[f"layers.{i}.qkv_proj"] = (c.q_size + 2 * c.kv_size, c.hidden_size)
+        shapes[f"layers.{i}.o_proj"] = (c.hidden_size, c.q_size)
+        shapes[f"layers.{i}.gate_up_proj"] = (2 * c.intermediate_size, c.hidden_size)
+        shapes[f"layers.{i}.down_proj"] = (c.hidden_size, c.intermediate_size)
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+def vector_shapes(config: ModelConfig) -> dict:
+    """Shape of every float32 vector (norm weights, biases) an engine holds, by tensor name."""
+    c = config
+    shapes = {"norm": (c.hidden_size,)}
+    for i in range(c.num_layers):
+        shapes[f"layers.{i}.attn_norm"] = (c.hidden_size,)
+        shapes[f"layers.{i}.mlp_norm"] = (c.hidden_size,)
+        if c.qkv_bias:
+            shapes[f"layers.{i}.qkv_bias"] = (c.q_size + 2 * c.kv_size,)
+    return shapes
+
+
+def canonical_shapes(config: ModelConfig) -> dict:
+    """{canonical name: logical shape} of every tensor an engine of `config` holds (matrices, then vectors)."""
+    return {**linear_shapes(config), **vector_shapes(config)}
+
+
 class EngineFormatError(BuildError):
     """An engine directory that cannot be loaded (wrong format, unknown version, inconsistent)."""
-
-
-def write_engine(out_dir, *, name: str, description: str, config: ModelConfig, quantization: dict,
-                 tokenizer: TokenizerFiles, source: dict, tensors: Mapping[str, np.ndarray],
-                 tensor_meta: Mapping[str, dict], report: Optional[dict] = None, exists: str = "error") -> Path:
-    """Write a complete engine directory at `out_dir`. -> out_dir
-
-    `exists` says what to do when `out_dir` is already there (checked before and after writing):
-    "error"; "replace" (only an engine directory or an empty one; the new engine is complete
-    before the old one moves away); "keep" (another process built the same engine first:
-    keep theirs, drop ours)."""
-    out_dir = Path(out_dir)
-    manifest = {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": name, "description": description,
-        "model": config.to_dict(), "quantization": dict(quantization),
-        "tokenizer": {"file": "tokenizer.json", "chat_template": tokenizer.chat_template,
-                      "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token, "add_bos": tokenizer.add_bos},
-        "source": dict(source), "weights": WEIGHTS, "tensors": {k: dict(v) for k, v in tensor_meta.items()},
-        "report": report or {},
-    }
-    _check_tensors(out_dir, manifest["tensors"], {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()},
-                   quantization.get("group_size"), config)
-    _check_replaceable(out_dir, exists)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    os.chmod(tmp, 0o755)                # mkdtemp makes it private; an engine is ordinary shared data
-    try:
-        write_safetensors(tmp / WEIGHTS, tensors, {"format": FORMAT_NAME, "version": str(FORMAT_VERSION)})
-        for file_name, data in tokenizer.files.items():
-            (tmp / file_name).write_bytes(data)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        move_into_place(tmp, out_dir, exists)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def _check_replaceable(out_dir: Path, exists: str) -> None:
-    assert exists in ("error", "replace", "keep"), exists
-    if not out_dir.exists() or exists == "keep":
-        return
-    if exists == "error":
-        raise BuildError(out_dir, "already exists")
-    if not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file()):
-        raise BuildError(out_dir, "exists and is not an engine directory; refusing to replace it")
-
-
-def move_into_place(tmp: Path, out_dir: Path, exists: str) -> None:
-    """rename(tmp, out_dir), atomic. "replace" moves the old directory aside first, then deletes it;
-    "keep" drops `tmp` when `out_dir` appeared meanwhile (rename onto a non-empty directory fails)."""
-    old = None
-    if exists == "replace" and out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.old")
-        os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except OSError:
-        if old is not None:
-            os.rename(old, out_dir)
-        if exists == "keep" and (out_dir / MANIFEST).is_file():
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 class Engine:
@@ -160,7 +123,7 @@ def load_engine(path) -> Engine:
         raise EngineFormatError(path / MANIFEST, f"bad \"model\" section: {exc}") from None
     weights = SafetensorsFile(path / manifest.get("weights", WEIGHTS))
     tensors = {name: weights.read_raw(name) for name in weights.keys()}
-    _check_tensors(path / MANIFEST, manifest["tensors"], {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()},
+    check_tensors(path / MANIFEST, manifest["tensors"], {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()},
                    manifest["quantization"].get("group_size"), config)
     return Engine(path, manifest, config, tensors)
 
@@ -188,7 +151,7 @@ def read_manifest(path) -> dict:
     return manifest
 
 
-def _check_tensors(where, table: Mapping[str, dict], stored: Mapping[str, tuple], group_size,
+def check_tensors(where, table: Mapping[str, dict], stored: Mapping[str, tuple], group_size,
                    config: ModelConfig = None) -> None:
     """Every table entry has exactly its parts, with the shapes and dtypes its kind implies; nothing left over."""
     expected = {}
@@ -227,7 +190,6 @@ def _part_shapes(where, name: str, kind: str, shape: tuple, group_size) -> dict:
 
 
 def _check_against_config(where, table: Mapping[str, dict], config: ModelConfig) -> None:
-    from .source import canonical_shapes
     want = canonical_shapes(config)
     got = {name: tuple(meta["shape"]) for name, meta in table.items()}
     if got != want:

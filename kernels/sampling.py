@@ -56,7 +56,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .executor import SeqStep, StepOutput, TopLogprobs
+from ..core.executor import SeqStep, StepOutput, TopLogprobs
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX_1 = np.uint64(0xBF58476D1CE4E5B9)

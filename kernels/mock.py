@@ -15,9 +15,9 @@ HTTP/2 framing) can be measured without one. Contract:
 import time
 from typing import Sequence
 
-from .config import ModelConfig
-from .detokenizer import byte_level_alphabet
-from .executor import SeqStep, StepOutput
+from ..core.config import ModelConfig
+from ..core.detokenizer import byte_level_alphabet
+from ..core.executor import SeqStep, StepOutput
 
 MOCK_TEXT = ("Once upon a time, there was a little robot named Tok. Tok loved to stream words, one token "
              "at a time, as fast as the wire allowed. Every morning Tok said \"bonjour\" to the café "
@@ -89,7 +89,7 @@ def build_mock_engine_core(step_us: float = 0.0, *, max_model_len: int = 4096, n
                            block_size: int = 16, **engine_kwargs):
     """An EngineCore over the mock executor and its tokenizer (`tokenwire serve --backend mock`).
     `engine_kwargs` go to EngineCore (max_num_seqs, max_num_batched_tokens, on_step, ...)."""
-    from .engine_core import EngineCore
+    from ..core.engine_core import EngineCore
     executor = MockExecutor(step_us=step_us, num_blocks=num_blocks, block_size=block_size,
                             max_model_len=max_model_len)
     return EngineCore(executor, executor.tokenizer, eos_token_ids=executor.config.eos_token_ids,

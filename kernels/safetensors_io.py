@@ -20,7 +20,7 @@ from typing import Mapping
 
 import numpy as np
 
-from .errors import BuildError
+from ..core.errors import BuildError
 
 # safetensors dtype tag -> numpy dtype (BF16 is read as its raw uint16 bits)
 DTYPES = {

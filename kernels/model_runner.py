@@ -13,8 +13,8 @@ Contract:
 import logging
 from typing import Callable, Optional, Sequence
 
-from .config import ModelConfig
-from .executor import SeqStep, StepOutput
+from ..core.config import ModelConfig
+from ..core.executor import SeqStep, StepOutput
 from .forward_batch import BlockTables, build_forward_batch
 from .sampling import sample
 
@@ -75,9 +75,9 @@ def build_engine_core(engine, *, kv_cache_bytes: Optional[int] = None, block_siz
     `model_factory(config, tensors, block_size, num_blocks)` builds the forward object
     (default: core/model.ReferenceModel). `engine_kwargs` go to EngineCore
     (max_num_batched_tokens, max_queued_requests, on_step)."""
-    from .engine_core import EngineCore
+    from ..core.engine_core import EngineCore
     if not hasattr(engine, "tensors"):
-        from ..engine_build.engine_format import load_engine
+        from .engine_format import load_engine
         engine = load_engine(engine)
     if model_factory is None:
         from .model import ReferenceModel as model_factory

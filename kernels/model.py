@@ -23,38 +23,13 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from ..kernels.reference import dequantize_int4, dequantize_int8
-from .config import ModelConfig
-from .executor import SeqStep
+from ..core.config import ModelConfig
+from ..core.executor import SeqStep
+from ..core.sampling_params import SamplingParams
+from .engine_format import linear_shapes, vector_shapes
 from .forward_batch import ForwardBatch, build_forward_batch
+from .reference import dequantize_int4, dequantize_int8
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
-from .sampling_params import SamplingParams
-
-
-def linear_shapes(config: ModelConfig) -> dict:
-    """Logical [N, K] (out x in) of every matrix weight an engine holds, by tensor name."""
-    c = config
-    shapes = {"embed": (c.vocab_size, c.hidden_size)}
-    for i in range(c.num_layers):
-        shapes[f"layers.{i}.qkv_proj"] = (c.q_size + 2 * c.kv_size, c.hidden_size)
-        shapes[f"layers.{i}.o_proj"] = (c.hidden_size, c.q_size)
-        shapes[f"layers.{i}.gate_up_proj"] = (2 * c.intermediate_size, c.hidden_size)
-        shapes[f"layers.{i}.down_proj"] = (c.hidden_size, c.intermediate_size)
-    if not c.tie_word_embeddings:
-        shapes["lm_head"] = (c.vocab_size, c.hidden_size)
-    return shapes
-
-
-def vector_shapes(config: ModelConfig) -> dict:
-    """Shape of every float32 vector (norm weights, biases) an engine holds, by tensor name."""
-    c = config
-    shapes = {"norm": (c.hidden_size,)}
-    for i in range(c.num_layers):
-        shapes[f"layers.{i}.attn_norm"] = (c.hidden_size,)
-        shapes[f"layers.{i}.mlp_norm"] = (c.hidden_size,)
-        if c.qkv_bias:
-            shapes[f"layers.{i}.qkv_bias"] = (c.q_size + 2 * c.kv_size,)
-    return shapes
 
 
 def decode_weight(tensors: Mapping[str, np.ndarray], name: str, shape: tuple) -> np.ndarray:
