@@ -37,25 +37,20 @@ from pathlib import Path
 
 import numpy as np
 
-SHAPES = {  # the published configs, in ModelConfig fields
-    "qwen2.5-0.5b": dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768,
-                         rms_norm_eps=1e-6, rope_theta=1000000.0, qkv_bias=True, tie_word_embeddings=True),
-    "tinyllama-1.1b": dict(architecture="LlamaForCausalLM", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                           num_layers=22, num_heads=32, num_kv_heads=4, head_dim=64, max_position_embeddings=2048,
-                           rms_norm_eps=1e-5, rope_theta=10000.0),
-    "llama-3.2-1b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072,
-                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
-                         rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                           original_max_position_embeddings=8192)),
-}
+from ..core.executor import SeqStep
+from ..core.sampling_params import SamplingParams
+from ..kernels import cpu
+from ..kernels.cpu.model import CpuModel
+from ..kernels.forward_batch import build_forward_batch
+from . import engine_cuda
+from .engine_cuda import add_cuda_arguments
+from .shapes import all_shapes, random_engine, shape_config
+
 LARGE_PROBE_BYTES = 1 << 30
 BLOCK_SIZE = 16
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .engine_cuda import add_cuda_arguments, all_shapes
     parser.add_argument("--shape", action="append", choices=sorted(all_shapes()),
                         help="architecture shape; repeat for several (default: qwen2.5-0.5b on cpu, "
                              "llama-3.2-1b and llama-3.1-8b on cuda)")
@@ -83,7 +78,6 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, threads):
-        from ..kernels import cpu
         if not cpu.AVAILABLE:
             raise SystemExit(f"tokenwire bench engine: the C kernels are not built ({cpu.IMPORT_ERROR})")
         if threads is not None:
@@ -95,7 +89,6 @@ class CpuBackend:
         return f"backend cpu, {self.cpu.isa()} kernels, {self.threads} threads ({self.cpu.physical_cores()} physical cores)"
 
     def build(self, config, tensors, block_size, num_blocks, activations):
-        from ..kernels.cpu.model import CpuModel
         return CpuModel(config, tensors, block_size, num_blocks, activations=activations)
 
     def read_bandwidth(self, nbytes: int, reps: int) -> list:
@@ -103,40 +96,6 @@ class CpuBackend:
 
 
 BACKENDS = {"cpu": CpuBackend}
-
-
-# ------------------------------------------------------------------ the random engine
-
-def shape_config(shape: str):
-    from ..core.config import ModelConfig
-    from .engine_cuda import all_shapes
-    return ModelConfig.from_dict(all_shapes()[shape])
-
-
-def random_engine(config, group_size: int, embedding: str, seed: int = 0) -> dict:
-    """Engine tensors of `config` with random codes: every matrix INT4, embed/lm_head per `embedding`."""
-    from ..kernels.engine_format import linear_shapes, vector_shapes
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for name, (n, k) in linear_shapes(config).items():
-        encoding = embedding if name in ("embed", "lm_head") else "int4"
-        tensors.update({f"{name}.{part}": a for part, a in random_matrix(rng, n, k, group_size, encoding).items()})
-    for name, shape in vector_shapes(config).items():
-        tensors[name] = (1.0 + 0.01 * rng.standard_normal(shape)).astype(np.float32)
-    return tensors
-
-
-def random_matrix(rng, n: int, k: int, group_size: int, encoding: str) -> dict:
-    if encoding == "fp16":
-        return {"weight": (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(np.float16)}
-    if encoding == "int8":
-        return {"qweight": rng.integers(-127, 128, (n, k), dtype=np.int8),
-                "scales": np.full(n, 0.02 / 64, dtype=np.float16)}
-    kp = -(-k // group_size) * group_size
-    codes = np.frombuffer(rng.bytes(n * kp // 2), dtype=np.uint8).reshape(n, kp // 2)
-    scales = (rng.random((n, kp // group_size), dtype=np.float32) * 0.01 + 0.005).astype(np.float16)
-    zeros = rng.integers(6, 11, (n, kp // group_size)).astype(np.float16)
-    return {"qweight": codes, "scales": scales, "zeros": zeros}
 
 
 # ------------------------------------------------------------------ measuring
@@ -147,8 +106,6 @@ def bandwidth_samples(backend, nbytes: int, reps: int) -> list:
 
 
 def steps_for(batch: int, prompt: list, start: int, tables: list):
-    from ..core.executor import SeqStep
-    from ..core.sampling_params import SamplingParams
     greedy = SamplingParams(temperature=0.0)
     return [SeqStep(i, prompt if start == 0 else [prompt[0]], start, tables[i], True, greedy, 0, [], [])
             for i in range(batch)]
@@ -156,7 +113,6 @@ def steps_for(batch: int, prompt: list, start: int, tables: list):
 
 def time_batch(model, config, batch: int, prompt_len: int, num_steps: int, profile: bool = False) -> dict:
     """Prefill B prompts in one step, then decode; -> prefill tokens/s, decode step times (s)."""
-    from ..kernels.forward_batch import build_forward_batch
     total = prompt_len + num_steps + 1
     blocks_per_seq = -(-total // BLOCK_SIZE)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
@@ -297,7 +253,6 @@ def _fill_defaults(args, **defaults) -> None:
 
 def run(args) -> int:
     if args.backend == "cuda":
-        from . import engine_cuda
         _fill_defaults(args, batch="1,8,32,128", prompt_len=512, steps=50)
         return engine_cuda.run(args)
     _fill_defaults(args, batch="1,4,16", prompt_len=64, steps=10)

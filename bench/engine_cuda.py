@@ -6,7 +6,7 @@ roofline measured in the same run.
     python -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,8,32,128 [--json FILE]
 
 Per shape:
-1. A random-weight INT4 engine of that exact shape (bench/engine.py's `random_engine`: random
+1. A random-weight INT4 engine of that exact shape (bench/shapes.py's `random_engine`: random
    codes, scales and zero points; group 64; embedding and lm_head int4), loaded once into a
    CudaExecutor. Speed does not depend on the values; nothing is downloaded.
 2. The roofline: a device-to-device copy of a large buffer (read + write bytes per second),
@@ -32,20 +32,15 @@ from pathlib import Path
 
 import numpy as np
 
-SHAPES_CUDA = {
-    "llama-3.1-8b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
-                         rms_norm_eps=1e-5, rope_theta=500000.0,
-                         rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                           original_max_position_embeddings=8192)),
-}
+from ..core.config import ModelConfig
+from ..core.executor import SeqStep
+from ..core.sampling_params import SamplingParams
+from ..kernels.cuda.driver import CudaDriver, CudaUnavailable
+from ..kernels.cuda.executor import CudaExecutor, CudaOptions
+from ..kernels.cuda.weights import linear_bytes
+from .shapes import all_shapes, random_engine
+
 BLOCK_SIZE = 16
-
-
-def all_shapes() -> dict:
-    from .engine import SHAPES
-    return {**SHAPES, **SHAPES_CUDA}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The standalone command: the options bench/engine.py shares, then the CUDA-only ones."""
@@ -101,7 +96,6 @@ def copy_bandwidth(drv, nbytes: int, reps: int = 10) -> float:
 
 
 def weight_bytes_per_step(executor) -> int:
-    from ..kernels.cuda.weights import linear_bytes
     w = executor.weights
     return sum(linear_bytes(lin) for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)) \
         + linear_bytes(w.lm_head)
@@ -117,8 +111,6 @@ def blocks_per_seq(context: int, num_steps: int) -> int:
 def decode_steps(batch: int, context: int, step: int, vocab_size: int, per_seq: int):
     """B one-token sequences at position context + step, each with its own `per_seq` blocks.
     The cache holds whatever it holds: speed does not depend on the values."""
-    from ..core.executor import SeqStep
-    from ..core.sampling_params import SamplingParams
     greedy = SamplingParams(temperature=0.0)
     blocks = -(-(context + step + 1) // BLOCK_SIZE)
     return [SeqStep(i, [(7 * i + step) % vocab_size], context + step, list(range(i * per_seq, i * per_seq + blocks)),
@@ -156,8 +148,6 @@ def time_decode(executor, batch: int, context: int, num_steps: int) -> dict:
 
 
 def time_prefill(executor, prompt_len: int, total_tokens: int, reps: int = 3) -> float:
-    from ..core.executor import SeqStep
-    from ..core.sampling_params import SamplingParams
     greedy = SamplingParams(temperature=0.0)
     n = max(1, total_tokens // prompt_len)
     per_seq = -(-prompt_len // BLOCK_SIZE)
@@ -207,7 +197,6 @@ def profile_decode(executor, context: int) -> list:
 
 
 def _weight_sizes(executor) -> dict:
-    from ..kernels.cuda.weights import linear_bytes
     w, sizes = executor.weights, {}
     for layer in w.layers:
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
@@ -235,16 +224,13 @@ def print_profile(rows: list) -> None:
 # ------------------------------------------------------------------ one shape
 
 def build_executor(shape: str, args, driver=None, image_fn=None):
-    from ..core.config import ModelConfig
-    from ..kernels.cuda.executor import CudaExecutor, CudaOptions
-    from .engine import random_engine
     config = ModelConfig.from_dict(all_shapes()[shape])
     tensors = random_engine(config, args.group_size, args.embedding)
     batches = parse_batches(args.batch)
     per_seq = blocks_per_seq(args.context, args.steps)
     num_blocks = max(max(batches) * per_seq, -(-args.max_model_len // BLOCK_SIZE), args.prefill_tokens // BLOCK_SIZE + 64)
-    options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_batch=max(batches),
-                          max_num_tokens=args.prefill_tokens, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
+    options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=max(batches),
+                          max_num_batched_tokens=args.prefill_tokens, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
                           pdl=args.pdl, matmul=args.matmul, activations=args.int4_activations, timing_events=True,
                           graph_batch_sizes=tuple(batches))
     kwargs = {"driver": driver} if driver is not None else {}
@@ -304,7 +290,6 @@ def parse_batches(text: str) -> list:
 
 def run(args, driver=None, image_fn=None) -> int:
     """Entry point (also the hook bench/engine.py calls for --backend cuda)."""
-    from ..kernels.cuda.driver import CudaDriver, CudaUnavailable
     for name in ("context", "steps", "prompt_len", "prefill_tokens", "max_model_len"):
         if getattr(args, name) < 1:
             raise SystemExit(f"tokenwire bench engine: --{name.replace('_', '-')} must be >= 1")

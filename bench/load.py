@@ -11,7 +11,18 @@ the h2 library spends ~10 µs per frame and would be the bottleneck it is meant 
 """
 
 import argparse
+import asyncio
 import sys
+
+import orjson
+
+from .h2load import run_h2load
+from .loadgen import Target, parse_url, run_level
+from .peers.grpc_proto import SERVICE_PATH, request_body
+from .peers.report import server_stages_table
+from .plot import plot_levels
+from .proc import listening_pid, pin_to_core
+from .stats import fmt_us, table
 
 DEFAULT_CONCURRENCY = "1,8,64,256"
 
@@ -47,8 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .loadgen import parse_url
-    from .proc import listening_pid, pin_to_core
     try:
         host, port, path = parse_url(args.url)
         levels = parse_levels(args)
@@ -76,7 +85,6 @@ def run(args) -> int:
     print(format_table(rows))
     if args.h2load:
         print(h2load_table(rows))
-    from .peers.report import server_stages_table
     stages = server_stages_table(rows)
     if stages:
         print(stages)
@@ -119,11 +127,8 @@ def default_framing(protocol: str, path: str) -> str:
 
 def make_target(host, port, path, protocol, framing, prompt_len, max_tokens, model=None, ignore_eos=True):
     """The request every stream of a run sends."""
-    import orjson
-    from .loadgen import Target
     prompt = " ".join(["a"] * prompt_len)
     if protocol == "grpc":
-        from .peers.grpc_proto import SERVICE_PATH, request_body
         body = request_body(prompt, max_tokens, model or "mock", ignore_eos)
         return Target(host, port, protocol, framing, path if path != "/" else SERVICE_PATH, body, "application/grpc")
     if framing == "grpc":
@@ -142,7 +147,6 @@ def make_target(host, port, path, protocol, framing, prompt_len, max_tokens, mod
 
 
 async def measure(target, levels, args, server_pid) -> list:
-    from .loadgen import run_level
     rows = []
     for concurrency, rate, num_requests, num_warmup in levels:
         row = await run_level(target, concurrency, num_requests, num_warmup=num_warmup,
@@ -157,7 +161,6 @@ async def measure(target, levels, args, server_pid) -> list:
 
 def compare_h2load(url: str, target, num_requests: int, concurrency: int, row: dict) -> dict:
     """h2load's requests/s for the same level (it runs in a child process, pinned like this one)."""
-    from .h2load import run_h2load
     headers = (("content-type", target.content_type), *target.headers)
     result = run_h2load(url, target.body, headers, num_requests, concurrency, row["num_connections"])
     if result is None:
@@ -168,7 +171,6 @@ def compare_h2load(url: str, target, num_requests: int, concurrency: int, row: d
 
 
 def h2load_table(rows: list) -> str:
-    from .stats import table
     body = []
     for r in rows:
         theirs = r.get("h2load_requests_per_s")
@@ -184,12 +186,10 @@ def run_event_loop(coro):
         import uvloop
         return uvloop.run(coro)
     except ImportError:
-        import asyncio
         return asyncio.run(coro)
 
 
 def format_table(rows: list, with_server: bool = False) -> str:
-    from .stats import fmt_us, table
     headers = (["server"] if with_server else []) + [
         "conc", "rate", "reqs", "err", "ttft p50", "ttft p90", "ttft p99", "itl p50", "itl p99",
         "e2e p50", "e2e p99", "tokens/s", "srv µs/tok", "cli µs/tok", "cli util"]
@@ -222,13 +222,11 @@ def print_notes(rows: list, server_pid) -> None:
 
 
 def write_outputs(args, rows: list, config: dict) -> None:
-    import orjson
     if args.json:
         with open(args.json, "wb") as f:
             f.write(orjson.dumps({"command": "load", "config": config, "levels": rows},
                                  option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
         print(f"wrote {args.json}")
     if args.plot:
-        from .plot import plot_levels
         plot_levels(rows, args.plot, f"tokenwire bench load: {args.url}")
         print(f"wrote {args.plot}")

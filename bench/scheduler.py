@@ -27,6 +27,23 @@ import gc
 import json
 import statistics
 import time
+from collections import deque
+
+import numpy as np
+
+from ..core.detokenizer import Detokenizer, IncrementalDecoder
+from ..core.executor import DecodeStep, SeqStep
+from ..core.options import EngineOptions
+from ..core.outputs import RequestOutput, Timeline
+from ..core.sampling_params import SamplingParams
+from ..kernels.forward_batch import (
+    BlockTables,
+    build_forward_batch,
+    build_forward_batch_reference,
+)
+from ..kernels.mock import MOCK_TEXT, build_mock_tokenizer
+from ..kernels.sampling import sample, sample_reference
+from ..runtime import build_engine
 
 TARGET_US_AT_64 = 50.0
 
@@ -60,60 +77,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: core/forward_batch.py's build_forward_batch per step, against its reference")
 
 
-class TimedExecutor:
-    """Wraps an executor and accumulates the nanoseconds spent inside its step()."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.config, self.block_size, self.num_blocks = inner.config, inner.block_size, inner.num_blocks
-        self.elapsed_ns = 0
-
-    def step(self, seqs):
-        t0 = time.perf_counter_ns()
-        out = self.inner.step(seqs)
-        self.elapsed_ns += time.perf_counter_ns() - t0
-        return out
-
-    def close(self):
-        self.inner.close()
-
-
 def make_engine(batch: int, max_tokens: int):
-    from ..core.engine_core import EngineCore
-    from ..kernels.mock import MockExecutor
-    from ..core.outputs import Timeline
-    from ..core.sampling_params import SamplingParams
-    executor = TimedExecutor(MockExecutor(step_us=0, num_blocks=batch * (max_tokens // 16 + 4) + 64,
-                                          max_model_len=max_tokens + 64))
-    engine = EngineCore(executor, executor.inner.tokenizer, eos_token_ids=(1,), max_model_len=max_tokens + 64,
-                        max_num_seqs=max(batch, 1), max_num_batched_tokens=max(2048, batch))
-    prompt = executor.inner.text_token_ids[:16]
+    """An EngineCore over the zero-cost mock with `batch` requests of `max_tokens` each; its
+    executor's step times are recorded (EngineCore.step_times_ns) so they can be subtracted."""
+    options = EngineOptions(backend="mock", max_model_len=max_tokens + 64, max_num_seqs=max(batch, 1),
+                            max_num_batched_tokens=max(2048, batch),
+                            num_kv_blocks=batch * (max_tokens // 16 + 4) + 64)
+    engine = build_engine(options).core
+    engine.step_times_ns = deque()
+    prompt = engine.executor.text_token_ids[:16]
     for i in range(batch):
         engine.add_request(i, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), Timeline())
-    return engine, executor
+    return engine
 
 
 def time_steps(batch: int, num_steps: int) -> list:
     """Per-step overhead in µs (step() minus executor) for one fresh engine."""
     warmup = 20
-    engine, executor = make_engine(batch, num_steps + warmup + 8)
+    engine = make_engine(batch, num_steps + warmup + 8)
     for _ in range(warmup):
         engine.step()
     samples = []
+    executor_ns = engine.step_times_ns
     for _ in range(num_steps):
-        executor.elapsed_ns = 0
+        executor_ns.clear()
         t0 = time.perf_counter_ns()
         outputs = engine.step()
-        samples.append((time.perf_counter_ns() - t0 - executor.elapsed_ns) / 1e3)
+        samples.append((time.perf_counter_ns() - t0 - sum(executor_ns)) / 1e3)
         assert len(outputs) == batch, "every request must produce a token each step"
     return samples
 
 
 def record_floor_us(batch: int, repeats: int = 200) -> float:
     """Median µs to update `batch` DecodeSteps and build `batch` RequestOutputs in a bare loop."""
-    from ..core.executor import DecodeStep
-    from ..core.outputs import RequestOutput
-    from ..core.sampling_params import SamplingParams
     new, params, ids = tuple.__new__, SamplingParams(), [1, 2, 3]
     steps = [DecodeStep(i, (3,), 2, ids, True, params, 7, ids, ids) for i in range(batch)]
     times = []
@@ -131,8 +127,6 @@ def record_floor_us(batch: int, repeats: int = 200) -> float:
 
 def detok_us_per_token(num_tokens: int = 20000) -> dict:
     """Detokenization alone: both decoders over the mock story, µs per token."""
-    from ..core.detokenizer import Detokenizer, IncrementalDecoder
-    from ..kernels.mock import build_mock_tokenizer, MOCK_TEXT
     tokenizer = build_mock_tokenizer()
     story = tokenizer.encode(MOCK_TEXT, add_special_tokens=False).ids
     ids = (story * (num_tokens // len(story) + 1))[:num_tokens]
@@ -175,10 +169,6 @@ def time_call_us(fn, min_repeats: int, budget_s: float) -> tuple:
 def sampling_rows(vocab_sizes: list, batches: list) -> list:
     """sample() against sample_reference() on the same float32 logits (standard normal x 2.5)
     and seeds; each cell checks that both pick the same tokens."""
-    import numpy as np
-    from ..core.executor import SeqStep
-    from ..kernels.sampling import sample, sample_reference
-    from ..core.sampling_params import SamplingParams
     rows = []
     for vocab_size in vocab_sizes:
         for batch in batches:
@@ -214,9 +204,6 @@ def run_sampling(args) -> int:
 def forward_batch_steps(batches: list) -> dict:
     """name -> SeqSteps: decode steps (contexts 200..1000, tables of 16-token blocks), a
     512-token prefill, and 60 decodes beside a 1500-token prefill chunk."""
-    import numpy as np
-    from ..core.executor import DecodeStep, SeqStep
-    from ..core.sampling_params import SamplingParams
     rng, params, first_free = np.random.default_rng(0), SamplingParams(), [0]
 
     def table(num_tokens: int) -> list:
@@ -238,7 +225,6 @@ def forward_batch_steps(batches: list) -> dict:
 
 
 def run_forward_batch(args) -> int:
-    from ..kernels.forward_batch import BlockTables, build_forward_batch, build_forward_batch_reference
     print("tokenwire bench scheduler --forward-batch: build_forward_batch per step, block size 16")
     print("reference, same run: build_forward_batch_reference (sequence by sequence); 'fresh' builds every "
           "array anew, 'kept tables' reuses the executor's BlockTables (steady state: no table changed)\n")

@@ -13,12 +13,27 @@ import threading
 import time
 from typing import Callable, NamedTuple, Optional
 
+import h2.config
+import h2.connection
+import h2.settings
 import numpy as np
 import orjson
 
+from ..core.detokenizer import Detokenizer
+from ..core.doorbell import Doorbell
 from ..core.executor import SeqStep
+from ..core.options import EngineOptions
 from ..core.outputs import RequestOutput, Timeline
 from ..core.sampling_params import SamplingParams
+from ..kernels.mock import CHAT_TEMPLATE
+from ..kernels.sampling import sample
+from ..net import encoders
+from ..net.chat_template import ChatTemplate
+from ..net.events import Limits
+from ..net.http2 import H2Session
+from ..net.model_info import prompt_encoder
+from ..net.openai_api import parse_chat, parse_completions, parse_json
+from ..runtime import build_engine
 
 
 class Stage(NamedTuple):
@@ -43,14 +58,12 @@ class Setup(NamedTuple):
 # ---------------------------------------------------------------- request
 
 def request_stages(s: Setup) -> list:
-    from ..net.chat_template import CHATML, ChatTemplate
-    from ..net.openai_api import parse_chat, parse_completions, parse_json
     completions = orjson.dumps({"model": "m", "prompt": s.prompt_text, "max_tokens": 128, "temperature": 0.7,
                                 "top_p": 0.9, "stream": True, "stream_options": {"include_usage": True}})
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": s.prompt_text}]
     chat = orjson.dumps({"model": "m", "messages": messages, "max_tokens": 128, "stream": True})
-    source = s.engine.chat_template or CHATML
+    source = s.engine.chat_template or CHAT_TEMPLATE
     template = ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"})
     note = "" if s.engine.chat_template else "the engine has no chat template: ChatML"
     return [
@@ -66,10 +79,9 @@ def request_stages(s: Setup) -> list:
 
 
 def server_tokenize_stage(s: Setup) -> Stage:
-    """The encoder the server uses (net/model_loader.prompt_encoder): for byte-level BPE the
+    """The encoder the server uses (net/model_info.prompt_encoder): for byte-level BPE the
     piece cache of net/prompt_encoder.py, warm after the first call (a prompt in every 256 is
     also encoded by tokenizers, to check); otherwise the same call as the stage above."""
-    from ..net.model_loader import prompt_encoder
     encode = prompt_encoder(s.engine)
     fast = encode != s.engine.encode_prompt     # bound methods compare equal, never identical
     encode(s.prompt_text)
@@ -82,10 +94,10 @@ def server_tokenize_stage(s: Setup) -> Stage:
 
 def scheduler_stages(s: Setup) -> list:
     """EngineCore.step over the mock executor (zero-cost step): scheduler + bookkeeping + detokenizer."""
-    from ..kernels.mock import build_mock_engine_core
     out = []
     for batch in s.batch_sizes:
-        core = build_mock_engine_core(0.0, max_model_len=1 << 16, num_blocks=batch * 4200, max_num_seqs=batch)
+        core = build_engine(EngineOptions(backend="mock", max_model_len=1 << 16, num_kv_blocks=batch * 4200,
+                                          max_num_seqs=batch)).core
         prompt = core.tokenizer.encode(s.prompt_text, add_special_tokens=False).ids[:16]
         for i in range(batch):
             core.add_request(i, prompt, SamplingParams(ignore_eos=True), Timeline())
@@ -136,7 +148,6 @@ def _decode_batch(executor, prompt: list, batch: int, params: SamplingParams):
 
 
 def sampling_stages(s: Setup) -> list:
-    from ..kernels.sampling import sample
     vocab = s.engine.config.vocab_size
     rng = np.random.default_rng(0)
     out = []
@@ -153,7 +164,6 @@ def sampling_stages(s: Setup) -> list:
 # ----------------------------------------------------------------- stream
 
 def detokenize_stages(s: Setup) -> list:
-    from ..core.detokenizer import Detokenizer
     detok = Detokenizer(s.engine.tokenizer)
     ids = s.prompt_ids or [1]
     state = {"stream": detok.stream(ids[:1], SamplingParams()), "i": 0}
@@ -169,7 +179,6 @@ def detokenize_stages(s: Setup) -> list:
 
 
 def encode_stages(s: Setup) -> list:
-    from ..net import encoders
     out = RequestOutput(7, [1234], " the", None, None, 16, 3, 0)
     text = lambda token_id: " the"  # noqa: E731 (only the logprobs path calls it)
     sse = encoders.CompletionSse("cmpl-7", 1700000000, "model", False, text)
@@ -202,11 +211,6 @@ def session_stages(s: Setup) -> list:
 def _open_h2_session(num_streams: int):
     """A server H2Session with `num_streams` requests open and responding, fed by h2's client side
     with windows of 2**31 - 1 so flow control never queues the timed writes."""
-    import h2.config
-    import h2.connection
-    import h2.settings
-    from ..net.events import Limits
-    from ..net.http2 import H2Session
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
     client.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
@@ -249,9 +253,8 @@ def handoff_stages(s: Setup) -> list:
     (net/dispatch.py): the engine rings a doorbell the loop watches (add_reader), the loop
     takes the step and rings a second doorbell the engine waits on. Both rings release the
     GIL (core/engine_core.Doorbell)."""
-    from ..core.engine_core import Doorbell
     try:
-        import uvloop                                   # the server's loop
+        import uvloop  # the server's loop
         loop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()

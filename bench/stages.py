@@ -17,6 +17,17 @@ import sys
 import time
 from typing import NamedTuple
 
+import orjson
+
+from ..core.errors import BuildError
+from ..core.options import EngineOptions
+from ..core.outputs import RequestOutput
+from ..net.encoders import CompletionSse
+from ..runtime import build_engine, load_model
+from .proc import pin_to_core
+from .stage_fns import BUILDERS, Setup
+from .stats import fmt_us, percentile, table
+
 MIN_SAMPLE_NS = 20_000
 MIN_SAMPLES = 3
 DEFAULT_BATCH = "1,64"
@@ -62,11 +73,9 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"tokenwire bench stages: {exc}", file=sys.stderr)
         return 2
-    from .proc import pin_to_core
     if args.core is not None and not pin_to_core(args.core):
         print(f"tokenwire bench stages: cannot pin to core {args.core}", file=sys.stderr)
         return 2
-    from .stage_fns import BUILDERS
     results = []
     for builder in BUILDERS:
         for stage in builder(setup):
@@ -94,7 +103,6 @@ def _ints(text: str, flag: str) -> tuple:
 
 def build_setup(model, backends, prompt_len: int, batch: tuple, engine_batch: tuple):
     """Load the engine, build one executor per available backend, make the prompt. -> (Setup, skipped)"""
-    from .stage_fns import Setup
     engine = load_engine_for(model)
     prompt_ids, prompt_text = make_prompt(engine, prompt_len)
     executors, skipped = {}, {}
@@ -115,16 +123,9 @@ def build_setup(model, backends, prompt_len: int, batch: tuple, engine_batch: tu
 
 
 def load_engine_for(model):
-    from ..kernels.engine_format import load_engine
-    from ..core.errors import BuildError
+    """The engine directory the server would load for `model` (None: the embedded default)."""
     try:
-        if model is None:
-            from ..engine_build.default_model import default_engine_path
-            path = default_engine_path(log=lambda line: print(line, file=sys.stderr))
-        else:
-            from ..engine_build.resolve import resolve_model
-            path = resolve_model(model, log=lambda line: print(line, file=sys.stderr))
-        return load_engine(path)
+        return load_model(model)
     except BuildError as exc:
         raise ValueError(str(exc)) from None
 
@@ -145,19 +146,9 @@ def make_prompt(engine, prompt_len: int) -> tuple:
 
 def make_executor(engine, backend: str, context: int, max_batch: int):
     """One backend's Executor over `engine`, built the way `tokenwire serve` builds it
-    (net/model_loader.py), with KV room for `max_batch` contexts of `context` tokens."""
-    if backend == "cuda":
-        from ..kernels.cuda.executor import CudaExecutor, CudaOptions
-        return CudaExecutor(engine.config, engine.tensors, CudaOptions(max_model_len=context, max_batch=max_batch))
-    if backend not in ("reference", "cpu"):
-        raise ValueError(f"unknown backend {backend!r}; choose from reference, cpu, cuda")
-    from ..kernels.model_runner import build_engine_core
-    if backend == "cpu":                # the C forward (numpy with a warning when it is not built)
-        from ..kernels.cpu import create_model as factory
-    else:
-        from ..kernels.model import ReferenceModel as factory
-    core = build_engine_core(engine, max_model_len=context, max_num_seqs=max_batch, model_factory=factory)
-    return core.executor
+    (tokenwire/runtime.py), with KV room for `max_batch` contexts of `context` tokens."""
+    options = EngineOptions(backend=backend, max_model_len=context, max_num_seqs=max_batch)
+    return build_engine(options, model=engine).core.executor
 
 
 def forward_name(executor) -> str:
@@ -167,8 +158,6 @@ def forward_name(executor) -> str:
 
 
 def _sse_payload() -> bytes:
-    from ..core.outputs import RequestOutput
-    from ..net.encoders import CompletionSse
     out = RequestOutput(7, [1234], " the", None, None, 16, 3, 0)
     return CompletionSse("cmpl-7", 1700000000, "model", False, lambda i: " the").token(out)
 
@@ -177,7 +166,6 @@ def _sse_payload() -> bytes:
 
 def time_stage(stage, num_samples: int, max_seconds: float) -> StageResult:
     """Median/p99 of one stage's calls; see the module docstring for how calls are batched."""
-    from .stats import percentile
     if stage.fn is None:
         return StageResult(stage.name, stage.group, 0, 0, float("nan"), float("nan"), float("nan"),
                            float("nan"), stage.num_tokens, stage.note)
@@ -222,12 +210,10 @@ def _calibrate(fn) -> int:
 # ------------------------------------------------------------------ report
 
 def _fmt(us: float) -> str:
-    from .stats import fmt_us
     return fmt_us(us)
 
 
 def format_table(results: list) -> str:
-    from .stats import table
     rows = [[r.group, r.name, _fmt(r.median_us), _fmt(r.p99_us), _fmt(r.per_token_us),
              r.calls_per_sample or "-", r.note] for r in results]
     return table(["group", "stage", "median µs", "p99 µs", "per token µs", "calls/sample", "note"], rows,
@@ -235,7 +221,6 @@ def format_table(results: list) -> str:
 
 
 def write_json(args, setup, results: list, skipped: dict) -> None:
-    import orjson
     doc = {"command": "stages", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "model": {"name": setup.engine.name, "path": str(setup.engine.path),
                      "architecture": setup.engine.config.architecture},

@@ -4,7 +4,8 @@ Contract:
 - `Detokenizer(tokenizer)` is built once per HF `tokenizers.Tokenizer`; `stream(prompt_ids,
   params)` gives each request a text stream whose `push(token_id) -> str` returns the new
   text (possibly ""), whose `finish() -> str` returns what was held back, and whose
-  `stopped` says a stop string was reached.
+  `stopped` says a stop string was reached. `token_text(id)` is one token's text as it
+  continues a text (what logprobs show), the server's one other use of the tokenizer's decoder.
 - Text is held back while it ends in an incomplete UTF-8 sequence, and while its tail could
   be the start of a stop string; a stop string is never emitted, nor anything after it, and
   is found even when it spans several tokens (`TextStream.stopped` tells the scheduler).
@@ -370,9 +371,27 @@ class Detokenizer:
         # skip_special_tokens -> (bytes per id, str per id) or None (generic decoder)
         self._tables = {True: None, False: None} if tables is None else \
             {skip: (table, text_table(table)) for skip, table in zip((True, False), tables)}
+        self._token_texts = {}                          # token id -> token_text(id)
+        self._anchor_id = None                          # the id token_text continues ("a")
 
     def byte_table(self, skip_special_tokens: bool) -> Optional[tuple]:
         return self._tables[skip_special_tokens]
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it continues a text (logprobs), e.g. " there", not the
+        start-of-text form "there" a lone decode gives for SentencePiece pieces. Cached:
+        logprobs ask for the same few thousand ids again and again (the dict is only added
+        to, so the loop thread may call this while the engine thread streams)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            tokenizer = self.tokenizer
+            if self._anchor_id is None:
+                self._anchor_id = tokenizer.encode("a", add_special_tokens=False).ids[-1]
+            base = tokenizer.decode([self._anchor_id], skip_special_tokens=False)
+            both = tokenizer.decode([self._anchor_id, token_id], skip_special_tokens=False)
+            text = both[len(base):] if both.startswith(base) else tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
 
     def decoder(self, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
         tables = self.byte_table(skip_special_tokens)

@@ -8,9 +8,11 @@ Contract (net/ builds on it):
 - `step()` runs one synchronous step: take the inbox and the cancellations, schedule,
   `executor.step(seqs)`, append tokens, detokenize, check stops, free finished requests.
   It returns one `RequestOutput` per request that produced a token or ended; with
-  `step_columns` set (the server sets it) and at least COLUMNS_MIN_RUNNING requests
-  running, a `StepTokens` instead: the same outputs, the common ones (one token, the
-  request goes on) as columns (core/outputs.py).
+  `step_columns` set (the server sets it), a `StepTokens` instead: the same outputs, and
+  from COLUMNS_MIN_RUNNING running requests on the common ones (one token, the request goes
+  on) as columns (core/outputs.py). So the loop receives one step type.
+- Step timing: with `step_times_ns` set to a deque, each executor step's duration (ns) is
+  appended to it on the engine thread (the server's step-time histogram drains it).
 - `start()` runs `step()` on a daemon thread while work exists and sleeps on a `Doorbell`
   otherwise; after each step with outputs it calls `on_step(outputs)` once — the single
   hand-off to the event loop per step (the server's rings a Doorbell the loop watches).
@@ -25,15 +27,16 @@ import itertools
 import logging
 import os
 import random
-import select
 import threading
 import time
 from typing import Callable, Optional, Sequence
 
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
+from .doorbell import Doorbell
 from .errors import InvalidRequest, PromptTooLong, QueueFull
 from .executor import Executor
+from .options import DEFAULTS
 from .outputs import EngineStats, StepTokens, Timeline
 from .request import Request
 from .sampling_params import SamplingParams
@@ -41,60 +44,16 @@ from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 OnStep = Callable[[list], None]
-_RING = (1).to_bytes(8, "little")      # an eventfd takes 8-byte counts
 # step_columns applies from this many running requests: below it a step's few tokens save
 # less than the columns' fixed cost (bench peers at concurrency 1 had +6-15 us TTFT with them)
 COLUMNS_MIN_RUNNING = 8
 
 
-class Doorbell:
-    """A wake-up from one thread to another that releases the GIL on both sides.
-
-    `ring()` and `wait()` are a write to and a blocking read from an eventfd (a pipe where
-    there is none); CPython releases the GIL around both syscalls. That is the point: waking
-    a thread with a `threading.Lock` or `Condition` keeps the GIL, so on a busy core the woken
-    thread preempts the waker only to block on the GIL and switch back (three context
-    switches per hand-off instead of one; ~9 -> ~4 µs per engine step in a two-thread
-    ping-pong on one core). A ring before the wait is not lost; several rings may end one
-    wait, and a wait may end with no new work: waiters re-check. `fileno()` can be watched
-    by an event loop (add_reader), which then calls `wait()` to consume the ring."""
-
-    def __init__(self):
-        if hasattr(os, "eventfd"):
-            self._r = self._w = os.eventfd(0, os.EFD_CLOEXEC)
-        else:
-            self._r, self._w = os.pipe()
-        self.closed = False
-
-    def fileno(self) -> int:
-        return self._r
-
-    def ring(self) -> None:
-        if not self.closed:             # closed: nobody is left to wake (and the descriptor may be reused)
-            os.write(self._w, _RING)
-
-    def wait(self, timeout: Optional[float] = None) -> None:
-        """Block until rung (or `timeout` seconds), consuming the ring."""
-        if timeout is not None and not select.select([self._r], [], [], timeout)[0]:
-            return
-        os.read(self._r, 8)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            os.close(self._r)
-            if self._w != self._r:
-                os.close(self._w)
-
-    def __del__(self):          # an engine never started or shut down still gives its descriptor back
-        if not getattr(self, "closed", True):
-            self.close()
-
-
 class EngineCore:
     def __init__(self, executor: Executor, tokenizer, *, eos_token_ids: Sequence[int], max_model_len: int,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_queued_requests: int = 1024,
-                 on_step: Optional[OnStep] = None):
+                 max_num_seqs: int = DEFAULTS.max_num_seqs,
+                 max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
+                 max_queued_requests: int = DEFAULTS.max_queued_requests, on_step: Optional[OnStep] = None):
         config = executor.config
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -112,6 +71,7 @@ class EngineCore:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.on_step = on_step
         self.step_columns = False           # step() -> StepTokens instead of list[RequestOutput]
+        self.step_times_ns = None           # a deque: each executor step's duration is appended (engine thread)
         self._lock = threading.Lock()       # inbox, cancellations, live ids, the sleeping flag
         self._doorbell = Doorbell()         # rung to wake the engine thread when it sleeps
         self._inbox = []                    # list[Request], appended on the loop thread
@@ -214,7 +174,7 @@ class EngineCore:
 
     def step(self) -> list | StepTokens:
         """One scheduler + executor step (hot path). -> list[RequestOutput], or StepTokens
-        when `step_columns` is set and the batch is big enough (see COLUMNS_MIN_RUNNING)"""
+        when `step_columns` is set (columns from COLUMNS_MIN_RUNNING running requests on)"""
         now_ns = time.monotonic_ns()
         with self._lock:
             inbox, self._inbox = self._inbox, []
@@ -223,8 +183,11 @@ class EngineCore:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
         outputs = self._apply_cancels(cancels, now_ns) if cancels else []
-        # columns.rows is `outputs` itself: the executor's RequestOutputs join it in place (+=)
-        columns = StepTokens(outputs) if self.step_columns and self.scheduler.num_running >= COLUMNS_MIN_RUNNING else None
+        # with step_columns, every step is a StepTokens whose rows are `outputs` itself (the
+        # executor's RequestOutputs join it in place, +=); its columns fill only from
+        # COLUMNS_MIN_RUNNING running requests on
+        step = StepTokens(outputs) if self.step_columns else None
+        columns = step if step is not None and self.scheduler.num_running >= COLUMNS_MIN_RUNNING else None
         scheduled, seqs = self.scheduler.schedule(now_ns)
         self.num_scheduled = len(seqs)
         if seqs:
@@ -232,7 +195,7 @@ class EngineCore:
         self.num_steps += 1
         if self.scheduler.finished_ids:
             self._forget_finished()
-        return outputs if columns is None else columns
+        return outputs if step is None else step
 
     def _apply_cancels(self, request_ids: list, now_ns: int) -> list:
         outputs = []
@@ -245,7 +208,10 @@ class EngineCore:
 
     def _run_executor(self, scheduled: list, seqs: list, columns: StepTokens | None) -> list:
         try:
+            start_ns = time.monotonic_ns()
             result = self.executor.step(seqs)
+            if self.step_times_ns is not None:
+                self.step_times_ns.append(time.monotonic_ns() - start_ns)
             if len(result.token_ids) != self.scheduler.num_samples:
                 raise RuntimeError(f"the executor returned {len(result.token_ids)} token ids "
                                    f"for {self.scheduler.num_samples} sampling sequences")
@@ -319,7 +285,7 @@ class EngineCore:
             self.scheduler.add(req)
         outputs = self.scheduler.fail_all(error, now_ns)
         self._forget_finished()
-        return outputs
+        return StepTokens(outputs) if self.step_columns else outputs
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stop the thread (after its current step), fail what is left, close the executor."""

@@ -13,8 +13,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
+from tokenizers import Tokenizer
+
 from ..core.errors import BuildError
-from .quantize import QuantOptions
+from . import hub
+from .calibration import default_calibration_text, default_eval_text, split_sequences
+from .engine_writer import write_engine
+from .hf import import_hf
+from .llama2c import import_llama2c
+from .quantize import QuantOptions, dense_engine_tensors, quantize_model
+from .report import evaluate_model
 from .source import SourceModel, file_stamp, sha256_files
 
 CALIBRATION_WINDOW = 512        # tokens per calibration sequence (fewer when the model has fewer positions)
@@ -38,11 +46,9 @@ class BuildOptions:
 
 def open_source(spec, tokenizer: Optional[str] = None) -> SourceModel:
     """A Hugging Face directory, a hub name (`org/name`) or a llama2.c checkpoint file -> SourceModel."""
-    from . import hub
     path = Path(spec)
     if path.is_file():
         _check_checkpoint_file(path)
-        from .llama2c import import_llama2c
         return import_llama2c(path, tokenizer=tokenizer)
     if tokenizer is not None and (path.is_dir() or hub.looks_like_hub_name(str(spec))):
         raise BuildError(spec, "--tokenizer applies to llama2.c checkpoints only; a Hugging Face model "
@@ -50,10 +56,8 @@ def open_source(spec, tokenizer: Optional[str] = None) -> SourceModel:
     if path.is_dir():
         if (path / "engine.json").exists():
             raise BuildError(path, "is already a tokenwire engine directory (serve it directly)")
-        from .hf import import_hf
         return import_hf(path)
     if hub.looks_like_hub_name(str(spec)):
-        from .hf import import_hf
         return import_hf(hub.download(str(spec)), kind="hub", name=str(spec))
     raise BuildError(spec, "no such file or directory, and not a Hugging Face hub name (org/name)")
 
@@ -72,8 +76,6 @@ def _check_checkpoint_file(path: Path) -> None:
 def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOptions(), progress: bool = False,
                  log: Callable[[str], None] = lambda line: None, exists: str = "error") -> Path:
     """Quantize `source` and write the engine directory `out_dir` (`exists`: see write_engine). -> out_dir"""
-    from .engine_writer import write_engine
-    from .quantize import quantize_model
     config = source.config
     calibration = calibration_sequences(source, options) if _needs_calibration(options) else None
     log(f"quantizing {source.name}: {options.quant.manifest()}")
@@ -95,7 +97,6 @@ def _needs_calibration(options: BuildOptions) -> bool:
 
 def calibration_sequences(source: SourceModel, options: BuildOptions) -> list:
     """Calibration text -> token windows of at most min(CALIBRATION_WINDOW, max positions) ids."""
-    from .calibration import default_calibration_text, split_sequences
     if options.calibration:
         try:
             text = Path(options.calibration).read_text(encoding="utf-8")
@@ -111,9 +112,6 @@ def calibration_sequences(source: SourceModel, options: BuildOptions) -> list:
 def evaluate(source: SourceModel, encoded: dict, progress: bool) -> dict:
     """Perplexity of the float and the quantized model on the shipped eval text (numpy reference forward:
     minutes for a model of a few hundred million parameters). -> Evaluation.to_dict()"""
-    from .calibration import default_eval_text, split_sequences
-    from .quantize import dense_engine_tensors
-    from .report import evaluate_model
     tok = _tokenizer(source)
     window = min(CALIBRATION_WINDOW, source.config.max_position_embeddings)
     sequences = split_sequences(tok.encode(default_eval_text(), add_special_tokens=False).ids, window)
@@ -125,7 +123,6 @@ def evaluate(source: SourceModel, encoded: dict, progress: bool) -> dict:
 
 
 def _tokenizer(source: SourceModel):
-    from tokenizers import Tokenizer
     return Tokenizer.from_str(source.tokenizer.files["tokenizer.json"].decode("utf-8"))
 
 

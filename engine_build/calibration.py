@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from ..core.config import ModelConfig
-from ..kernels.model import ReferenceModel, sequence_logits
 from ..core.errors import BuildError
+from ..kernels.model import ReferenceModel, sequence_logits
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 MAX_ROWS = 4096                 # activation rows kept per projection (evenly subsampled beyond)
@@ -66,7 +67,6 @@ class _RecordingModel(ReferenceModel):
 def capture_activations(config: ModelConfig, engine_tensors: Mapping[str, np.ndarray],
                         sequences: Sequence[Sequence[int]], progress: bool = False) -> dict:
     """-> {projection name: Activations}, from the float model (dense engine tensors) run over each sequence."""
-    from tqdm import tqdm
     if not sequences or sum(len(s) for s in sequences) < 8:
         raise BuildError(None, "calibration needs at least 8 tokens of text")
     longest = max(len(s) for s in sequences)

@@ -6,10 +6,23 @@ input prints one `error: ...` line naming the file and the problem, and exits 2.
 
 import argparse
 import sys
+import time
+from pathlib import Path
+
+from ..core.errors import BuildError
+from ..kernels.engine_format import read_manifest
+from .build import BuildOptions, build_engine, format_report, open_source
+from .quantize import (
+    ALGORITHMS,
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZES,
+    METHODS,
+    PRECISIONS,
+    QuantOptions,
+)
 
 
 def add_arguments(parser) -> None:
-    from .quantize import ALGORITHMS, DEFAULT_GROUP_SIZE, GROUP_SIZES, METHODS, PRECISIONS, QuantOptions
     parser.add_argument("source", metavar="SRC", help="Hugging Face model directory, hub name (org/name) "
                                                       "or llama2.c checkpoint .bin")
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="engine directory to write")
@@ -34,7 +47,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..core.errors import BuildError
     try:
         return _build(args)
     except BuildError as exc:
@@ -43,12 +55,7 @@ def run(args) -> int:
 
 
 def _build(args) -> int:
-    import time
-    from pathlib import Path
 
-    from .build import BuildOptions, build_engine, format_report, open_source
-    from ..core.errors import BuildError
-    from .quantize import QuantOptions
 
     out = Path(args.output)
     if out.exists() and not args.force:
@@ -63,7 +70,6 @@ def _build(args) -> int:
     say(f"source: {source.kind} {source.path}: {c.architecture}, {c.num_layers} layers, hidden {c.hidden_size}, "
         f"vocab {c.vocab_size}")
     build_engine(source, out, options, progress=not args.quiet, log=say, exists="replace" if args.force else "error")
-    from ..kernels.engine_format import read_manifest
     manifest = read_manifest(out)
     say(format_report(manifest["report"]))
     say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")

@@ -13,7 +13,7 @@ no download. Everything is derived deterministically from this file:
   to calibrate on random weights).
 
 `default_engine_path()` builds it on first use into `<cache>/engines/default-<recipe hash>`
-(see resolve.cache_root), writing to a temporary directory renamed into place, so two
+(see cache.py), writing to a temporary directory renamed into place, so two
 processes racing to build it both end up with one complete engine.
 """
 
@@ -24,10 +24,15 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..core.config import ModelConfig
+from ..kernels.engine_format import MANIFEST, canonical_shapes
+from .build import BuildOptions, build_engine
+from .cache import engines_dir
+from .quantize import QuantOptions
 from .source import LazyTensors, SourceModel, make_tokenizer_files
-from ..kernels.engine_format import canonical_shapes
 
 NAME = "tokenwire-default-random"
 SEED = 0
@@ -45,13 +50,9 @@ LAYER_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_
 
 def default_engine_path(cache_dir=None, progress: bool = False, log: Callable[[str], None] = lambda line: None) -> Path:
     """-> the default engine directory, built first if it is not in the cache yet (idempotent)."""
-    from ..kernels.engine_format import MANIFEST
-    from .resolve import engines_dir
     target = engines_dir(cache_dir) / f"default-{recipe_hash()[:12]}"
     if (target / MANIFEST).is_file():
         return target
-    from .build import BuildOptions, build_engine
-    from .quantize import QuantOptions
     log(f"building the default model ({NAME}) into {target}")
     options = BuildOptions(QuantOptions(method="int4", group_size=64, algorithm="rtn"))
     return build_engine(default_source(), target, options, progress=progress, log=log, exists="keep")
@@ -59,7 +60,6 @@ def default_engine_path(cache_dir=None, progress: bool = False, log: Callable[[s
 
 def recipe() -> dict:
     """Everything that decides the default engine's bytes."""
-    import tokenizers
     return {"name": NAME, "version": RECIPE_VERSION, "seed": SEED, "num_layers": NUM_LAYERS, "init_std": INIT_STD,
             "layer_shape": LAYER_SHAPE, "corpus_sha256": hashlib.sha256(CORPUS.read_bytes()).hexdigest(),
             "special_tokens": SPECIAL_TOKENS, "chat_template": CHAT_TEMPLATE, "tokenizers": tokenizers.__version__}
@@ -105,7 +105,6 @@ def _random_tensor(index: int, name: str, shape: tuple) -> np.ndarray:
 
 def default_tokenizer_files():
     """Train the byte-level BPE on the shipped corpus (deterministic; ~0.1 s) -> TokenizerFiles."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -120,5 +119,4 @@ def default_tokenizer_files():
 
 
 def _special_id(tokenizer, token: str) -> int:
-    from tokenizers import Tokenizer
     return Tokenizer.from_str(tokenizer.files["tokenizer.json"].decode()).token_to_id(token)

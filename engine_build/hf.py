@@ -24,9 +24,10 @@ import numpy as np
 
 from ..core.config import ModelConfig, RopeScaling
 from ..core.errors import BuildError
+from ..kernels.engine_format import canonical_shapes
 from ..kernels.safetensors_io import SafetensorsFile
 from .source import LazyTensors, SourceModel, make_tokenizer_files
-from ..kernels.engine_format import canonical_shapes
+from .tokenizer_convert import sentencepiece_model_to_tokenizer_json
 
 # architecture -> family; the family decides the few defaults configs leave out
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -200,7 +201,6 @@ def read_hf_tokenizer(root: Path, config: ModelConfig) -> tuple:
         tokenizer_json = (root / "tokenizer.json").read_bytes()
         paths.insert(0, root / "tokenizer.json")
     elif (root / "tokenizer.model").exists():
-        from .tokenizer_convert import sentencepiece_model_to_tokenizer_json
         tokenizer_json = sentencepiece_model_to_tokenizer_json(root / "tokenizer.model")
         paths.insert(0, root / "tokenizer.model")
     else:

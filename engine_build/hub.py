@@ -9,6 +9,8 @@ Any failure — no network, unknown repository, gated model — is one BuildErro
 import re
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+
 from ..core.errors import BuildError
 
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -25,7 +27,6 @@ def looks_like_hub_name(spec: str) -> bool:
 def download(repo_id: str, revision: str = None) -> Path:
     """-> local snapshot directory of `repo_id` holding the files a build reads."""
     try:
-        from huggingface_hub import snapshot_download
         local = snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS)
     except Exception as exc:  # network errors, 401/404, offline mode: all surface as one clear message
         raise BuildError(repo_id, f"cannot download from the Hugging Face hub: {type(exc).__name__}: "

@@ -20,8 +20,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import load_file
+from tokenizers import Tokenizer
 
 from ..core.config import ModelConfig
+from ..kernels.engine_format import canonical_shapes, load_engine
+from .default_model import default_tokenizer_files
+from .engine_writer import write_engine
 
 QWEN25_05B = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
                          num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, max_position_embeddings=32768,
@@ -32,9 +37,6 @@ GROUP_SIZE = 64
 
 def random_int4_engine(out_dir: Path, config: ModelConfig = QWEN25_05B, seed: int = 0) -> Path:
     """Write a random-code INT4 engine of `config` (the encodings of docs/ENGINE_FORMAT.md)."""
-    from .default_model import default_tokenizer_files
-    from .engine_writer import write_engine
-    from ..kernels.engine_format import canonical_shapes
     rng = np.random.default_rng(seed)
     tensors, meta = {}, {}
     for name, shape in canonical_shapes(config).items():
@@ -79,9 +81,7 @@ def touch_all(engine) -> int:
 
 
 def main(argv=None) -> int:
-    from safetensors.numpy import load_file
 
-    from ..kernels.engine_format import load_engine
     parser = argparse.ArgumentParser(description="engine load time vs a copying safetensors reader")
     parser.add_argument("--dir", help="where to write the engine (default: a temporary directory)")
     parser.add_argument("--repeat", type=int, default=5)
@@ -97,7 +97,6 @@ def main(argv=None) -> int:
         first_touch = time_it(lambda: touch_all(engine), 1)          # page faults into the (warm) page cache
         touch = time_it(lambda: touch_all(engine), args.repeat)
         copy = time_it(lambda: load_file(str(path / "weights.safetensors")), args.repeat)
-        from tokenizers import Tokenizer
         tok = time_it(lambda: Tokenizer.from_file(str(path / "tokenizer.json")), args.repeat)
         print(f"load_engine (mmap, zero-copy views, checks): {load * 1e3:8.2f} ms")
         print(f"first touch of every page through the views:  {first_touch * 1e3:8.2f} ms (again: {touch * 1e3:.2f} ms)")

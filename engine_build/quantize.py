@@ -24,7 +24,7 @@ Algorithms (`QuantOptions.algorithm`):
 - "gptq": GPTQ: columns quantized in order, each one's error pushed onto the columns not yet
           quantized through the inverse of H = X^T X; group ranges clip-searched.
 - "awq_gptq": the AWQ fold, then GPTQ on the scaled weights.
-The quantizer's report (see report.py's `sweep`) has the measured table; "awq" is the
+The quantizer's report (see sweep.py) has the measured table; "awq" is the
 default: on stories260K at G=64 it gave the lowest perplexity increase, while the GPTQ
 variants give the lowest per-projection output error (and the best perplexity at G=32).
 """
@@ -33,16 +33,18 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from ..core.config import ModelConfig
+from ..core.errors import BuildError
 from ..kernels.engine_format import linear_shapes, vector_shapes
 from .calibration import capture_activations, fold_awq_layer
-from ..core.errors import BuildError
 from .int4 import dequantize, quantize_int4, quantize_int8
 from .quant_search import awq_input_scales, gptq_int4, group_gram, search_clip
+from .report import evaluate_model
 
 GROUP_SIZES = (32, 64, 128)
-# Default 64, from the stories260K sweep (python -m tokenwire.engine_build.report; AWQ, perplexity
+# Default 64, from the stories260K sweep (python -m tokenwire.engine_build.sweep; AWQ, perplexity
 # increase on the shipped eval text): G=32 +5.5% at 5.0 bits/weight (fp16 scale + zero per group),
 # G=64 +6.1% at 4.5 bits, G=128 +6.7% at 4.25 bits. 64 keeps most of 32's quality for 10% fewer
 # bytes, which is what a bandwidth-bound decode pays for; 128 saves little more and, on models as
@@ -144,7 +146,6 @@ def quantize_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], optio
     encoded, meta, report = encode_model(config, tensors, options, acts, progress)
     report.num_calibration_tokens = sum(len(s) for s in calibration_token_ids or ())
     if evaluation_token_ids and options.method == "int4":
-        from .report import evaluate_model
         report.evaluation = evaluate_model(config, dense_engine_tensors(config, tensors), encoded,
                                            evaluation_token_ids, progress=progress).to_dict()
     return encoded, meta, report
@@ -156,7 +157,6 @@ def encode_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], options
 
     Works one layer at a time: only one layer's float matrices are held at once.
     """
-    from tqdm import tqdm
     if options.algorithm in NEEDS_CALIBRATION and options.method == "int4" and not acts:
         raise BuildError(None, "the awq algorithm needs calibration activations")
     vectors = {name: _read_vector(tensors, name, shape) for name, shape in vector_shapes(config).items()}

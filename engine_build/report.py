@@ -1,5 +1,5 @@
 """How much quantization costs: the float model against the quantized one, both run by the
-numpy reference forward (core/model.py).
+numpy reference forward (kernels/model.py).
 
 Contract:
 - `evaluate_model(config, fp_tensors, quant_tensors, eval_sequences, prompt_ids, num_greedy)`
@@ -7,15 +7,15 @@ Contract:
   cosine on that text, and greedy agreement from a prompt. Tensors are engine tensors
   (what `quantize_model` returns; method "none" for the float side).
 - Per-tensor relative errors ||W - W_hat|| / ||W|| are measured where the weights are
-  encoded (quantize.py's QuantReport); `sweep` runs the whole grid of group sizes x
-  algorithms for the table in the quantizer's report, and `python -m
-  tokenwire.engine_build.report CHECKPOINT` prints it.
+  encoded (quantize.py's QuantReport); sweep.py runs the whole grid of group sizes x
+  algorithms for the table in the quantizer's docstring.
 """
 
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from ..core.config import ModelConfig
 from ..kernels.model import ReferenceModel, greedy_generate, sequence_logits
@@ -61,7 +61,6 @@ def evaluate_model(config: ModelConfig, fp_tensors, quant_tensors, eval_sequence
                    prompt_ids: Optional[Sequence[int]] = None, num_greedy: int = 200,
                    progress: bool = False) -> Evaluation:
     """Both models over `eval_sequences` (each run from position 0), then greedy from `prompt_ids`."""
-    from tqdm import tqdm
     longest = max([len(s) for s in eval_sequences] + [len(prompt_ids or ()) + num_greedy])
     fp, quant = (ReferenceModel(config, t, block_size=16, num_blocks=-(-longest // 16)) for t in (fp_tensors, quant_tensors))
     nll_fp, nll_q, agree, cosine = [], [], [], []
@@ -85,66 +84,3 @@ def greedy_agreement(fp: ReferenceModel, quant: ReferenceModel, prompt_ids, num_
     own = greedy_generate(quant, prompt_ids, num_greedy)
     prefix = next((i for i, (a, b) in enumerate(zip(want, own)) if a != b), len(want))
     return len(want), int(np.sum(ranked == np.asarray(want))), prefix
-
-
-# ---------------------------------------------------------------------- the group size x algorithm table
-
-def sweep(config: ModelConfig, tensors, calibration: Sequence[Sequence[int]], eval_sequences, prompt_ids,
-          group_sizes=(32, 64, 128), algorithms=("rtn", "clip", "awq", "gptq", "awq_gptq"), symmetric=False,
-          num_greedy: int = 200, progress: bool = False) -> list:
-    """Quantize `tensors` (canonical float, engine_build/source.py) every way. -> [row dict]"""
-    from .calibration import capture_activations
-    from .quantize import QuantOptions, dense_engine_tensors, encode_model
-    fp = dense_engine_tensors(config, tensors)
-    acts = capture_activations(config, fp, calibration, progress)       # once for the whole grid
-    rows = []
-    for g in group_sizes:
-        for algorithm in algorithms:
-            options = QuantOptions(group_size=g, algorithm=algorithm, symmetric=symmetric)
-            encoded, _, report = encode_model(config, tensors, options, acts, progress)
-            ev = evaluate_model(config, fp, encoded, eval_sequences, prompt_ids, num_greedy, progress)
-            rows.append({"group_size": g, "algorithm": algorithm, "bits_per_weight": 4 + 32 / g,
-                         "weight_rel_error": report.mean_weight_error(), "output_rel_error": report.mean_output_error(),
-                         **ev.to_dict()})
-    return rows
-
-
-def format_sweep(rows: list) -> str:
-    head = (f"{'G':>4} {'algorithm':<9} {'bits/w':>6} {'weight err':>10} {'output err':>10} {'ppl fp':>8} "
-            f"{'ppl q':>8} {'ppl +%':>7} {'top1 agree':>10} {'cosine':>8} {'greedy agree':>12} {'prefix':>6}")
-    lines = [head]
-    for r in rows:
-        lines.append(f"{r['group_size']:>4} {r['algorithm']:<9} {r['bits_per_weight']:>6.2f} {r['weight_rel_error']:>10.4f} "
-                     f"{r['output_rel_error']:>10.4f} {r['fp_perplexity']:>8.3f} {r['quant_perplexity']:>8.3f} "
-                     f"{100 * r['perplexity_change']:>7.2f} {r['top1_agreement']:>10.3f} {r['logit_cosine']:>8.5f} "
-                     f"{r['greedy_agreement']:>5}/{r['num_greedy']:<6} {r['greedy_prefix']:>6}")
-    return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    """Print the sweep for one checkpoint: calibrated on the shipped calibration text, scored on the shipped eval text."""
-    import argparse
-
-    from .build import open_source
-    from .calibration import default_calibration_text, default_eval_text, split_sequences
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("source", help="HF model directory or llama2.c checkpoint")
-    parser.add_argument("--prompt", default="Once upon a time")
-    parser.add_argument("--window", type=int, default=512, help="tokens per calibration/eval sequence")
-    parser.add_argument("--sym", action="store_true")
-    args = parser.parse_args(argv)
-    src = open_source(args.source)
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_str(src.tokenizer.files["tokenizer.json"].decode("utf-8"))
-    window = min(args.window, src.config.max_position_embeddings)
-    calibration = split_sequences(tok.encode(default_calibration_text(), add_special_tokens=False).ids, window)
-    eval_sequences = split_sequences(tok.encode(default_eval_text(), add_special_tokens=False).ids, window)
-    prompt = tok.encode(args.prompt, add_special_tokens=False).ids
-    prompt = ([src.tokenizer.bos_token_id] if src.tokenizer.add_bos else []) + prompt
-    print(format_sweep(sweep(src.config, src.tensors, calibration, eval_sequences, prompt, symmetric=args.sym,
-                             progress=True)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

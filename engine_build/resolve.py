@@ -9,43 +9,32 @@ engine is reused while its source is unchanged: the file sizes and mtimes record
 manifest still match, or, when they do not, the sha256 over the source files still equals the
 manifest's `source.sha256`. Otherwise it is rebuilt and replaced atomically.
 
-The cache root is `$TOKENWIRE_CACHE_DIR`, else `$XDG_CACHE_HOME/tokenwire`, else
-`~/.cache/tokenwire`; `cache_dir=` overrides all three.
+The cache root is cache.py's: `$TOKENWIRE_CACHE_DIR`, else `$XDG_CACHE_HOME/tokenwire`,
+else `~/.cache/tokenwire`; `cache_dir=` overrides all three.
 """
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Callable
 
-
-def cache_root(cache_dir=None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    if os.environ.get("TOKENWIRE_CACHE_DIR"):
-        return Path(os.environ["TOKENWIRE_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "tokenwire"
-
-
-def engines_dir(cache_dir=None) -> Path:
-    return cache_root(cache_dir) / "engines"
+from ..kernels.engine_format import FORMAT_VERSION, MANIFEST, read_manifest
+from .build import BuildOptions, build_engine, open_source
+from .cache import engines_dir
+from .default_model import default_engine_path
+from .source import file_stamp, sha256_files
 
 
 def resolve_model(spec=None, cache_dir=None, options=None, progress: bool = False,
                   log: Callable[[str], None] = lambda line: None) -> Path:
     """-> path of a loadable engine directory for `spec` (see the module docstring)."""
-    from ..kernels.engine_format import MANIFEST, read_manifest
     if spec is None:
-        from .default_model import default_engine_path
         return default_engine_path(cache_dir, progress=progress, log=log)
     path = Path(spec)
     if path.is_dir() and (path / MANIFEST).exists():
         read_manifest(path)                 # a wrong format or version fails here, with its message
         return path
-    from .build import BuildOptions, build_engine, open_source
     options = options or BuildOptions()
     source = open_source(spec, tokenizer=options.tokenizer)
     target = engines_dir(cache_dir) / f"{_slug(source.name)}-{cache_key(source, options)}"
@@ -57,7 +46,6 @@ def resolve_model(spec=None, cache_dir=None, options=None, progress: bool = Fals
 
 
 def cache_key(source, options) -> str:
-    from ..kernels.engine_format import FORMAT_VERSION
     identity = {"kind": source.kind, "path": _identity_path(source), "options": options.cache_key(),
                 "format_version": FORMAT_VERSION}
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -65,7 +53,6 @@ def cache_key(source, options) -> str:
 
 def source_unchanged(manifest: dict, files) -> bool:
     """Stamps (path, size, mtime) still match, or the content checksum still does."""
-    from .source import file_stamp, sha256_files
     recorded = manifest.get("source") or {}
     if [file_stamp(p) for p in files] == recorded.get("files"):
         return True

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ..core.config import ModelConfig
-from ..kernels.engine_format import linear_shapes, vector_shapes
 from ..core.errors import BuildError
 
 
@@ -108,7 +108,6 @@ def make_tokenizer_files(tokenizer_json: bytes, tokenizer_config: dict, origin, 
 
     `bos_token_id` / `eos_token_id` (from the model config) name the special tokens when
     tokenizer_config does not."""
-    from tokenizers import Tokenizer
     try:
         tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception for a bad file

@@ -23,6 +23,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
 from ..core.errors import BuildError
 
 # SentencePiece piece types (sentencepiece_model.proto)
@@ -181,7 +183,6 @@ def bpe_merges(vocab: Vocab) -> list:
 
 def vocab_to_tokenizer(vocab: Vocab):
     """Vocab -> tokenizers.Tokenizer with run.c's encode and decode (see the module docstring)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
     byte_fallback = BYTE in vocab.types
     model = models.BPE(vocab={p: i for i, p in enumerate(vocab.pieces)}, merges=bpe_merges(vocab),
                        unk_token=vocab.pieces[vocab.unk_id], byte_fallback=byte_fallback, fuse_unk=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from ..core.config import ModelConfig
 from ..core.errors import BuildError
@@ -88,12 +89,25 @@ class Engine:
     @cached_property
     def tokenizer(self):
         """tokenizers.Tokenizer from the engine's tokenizer.json (loaded on first use)."""
-        from tokenizers import Tokenizer
         file = self.path / self.manifest["tokenizer"].get("file", "tokenizer.json")
         try:
             return Tokenizer.from_file(str(file))
         except Exception as exc:  # tokenizers raises a bare Exception
             raise EngineFormatError(file, f"cannot load the tokenizer: {exc}") from None
+
+    @cached_property
+    def special_tokens(self) -> dict:
+        """bos/eos (and the other *_token entries of tokenizer_config.json) as a chat template sees them."""
+        tokens = {}
+        config_file = self.path / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+            tokens = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, (str, dict))}
+        tok = self.manifest.get("tokenizer", {})
+        for key in ("bos_token", "eos_token"):
+            if tok.get(key):
+                tokens[key] = tok[key]
+        return tokens
 
     def encode_prompt(self, text: str) -> list:
         """Completion prompt -> ids: encoded without special tokens, BOS in front when `add_bos`."""

@@ -15,9 +15,12 @@ HTTP/2 framing) can be measured without one. Contract:
 import time
 from typing import Sequence
 
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
 from ..core.config import ModelConfig
 from ..core.detokenizer import byte_level_alphabet
 from ..core.executor import SeqStep, StepOutput
+from ..core.options import DEFAULTS, EngineOptions
 
 MOCK_TEXT = ("Once upon a time, there was a little robot named Tok. Tok loved to stream words, one token "
              "at a time, as fast as the wire allowed. Every morning Tok said \"bonjour\" to the café "
@@ -25,11 +28,19 @@ MOCK_TEXT = ("Once upon a time, there was a little robot named Tok. Tok loved to
              "\"Speed is nothing without the right words.\" So Tok learned new words every day, and "
              "the story went on and on.\n")
 BOS, EOS = "<s>", "</s>"
+# ChatML, the mock model's chat template (bos/eos are the tokenizer's)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+MAX_MODEL_LEN = 4096                    # context when the options give none
+NUM_BLOCKS = 16384                      # KV blocks when the options give none: the mock stores nothing
 
 
 def build_mock_tokenizer():
     """Byte-level BPE over MOCK_TEXT's words; deterministic, no file, no training run."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     char_of = {b: c for c, b in byte_level_alphabet().items()}
     vocab = {BOS: 0, EOS: 1}
     for b in range(256):
@@ -61,8 +72,8 @@ def mock_config(vocab_size: int, max_model_len: int) -> ModelConfig:
 class MockExecutor:
     """Executor with a fixed step time and a fixed token stream (see the module docstring)."""
 
-    def __init__(self, *, step_us: float = 0.0, num_blocks: int = 16384, block_size: int = 16,
-                 max_model_len: int = 4096, tokenizer=None):
+    def __init__(self, *, step_us: float = 0.0, num_blocks: int = NUM_BLOCKS, block_size: int = DEFAULTS.block_size,
+                 max_model_len: int = MAX_MODEL_LEN, tokenizer=None):
         if step_us < 0:
             raise ValueError(f"step_us must be >= 0, got {step_us}")
         self.tokenizer = tokenizer if tokenizer is not None else build_mock_tokenizer()
@@ -85,12 +96,31 @@ class MockExecutor:
         pass
 
 
-def build_mock_engine_core(step_us: float = 0.0, *, max_model_len: int = 4096, num_blocks: int = 16384,
-                           block_size: int = 16, **engine_kwargs):
-    """An EngineCore over the mock executor and its tokenizer (`tokenwire serve --backend mock`).
-    `engine_kwargs` go to EngineCore (max_num_seqs, max_num_batched_tokens, on_step, ...)."""
-    from ..core.engine_core import EngineCore
-    executor = MockExecutor(step_us=step_us, num_blocks=num_blocks, block_size=block_size,
-                            max_model_len=max_model_len)
-    return EngineCore(executor, executor.tokenizer, eos_token_ids=executor.config.eos_token_ids,
-                      max_model_len=max_model_len, **engine_kwargs)
+class MockModel:
+    """The model the mock backend brings instead of an engine directory: the story's
+    tokenizer, a config that fixes only the vocabulary and the context, a ChatML template."""
+    name = "mock"
+    add_bos = False
+    bos_token_id = 0
+    eos_token_ids = (1,)
+    special_tokens = {"bos_token": BOS, "eos_token": EOS}
+    chat_template = CHAT_TEMPLATE
+
+    def __init__(self, step_us: float, max_model_len: int):
+        self.tokenizer = build_mock_tokenizer()
+        self.config = mock_config(self.tokenizer.get_vocab_size(with_added_tokens=True), max_model_len)
+        self.description = f"mock engine: a fixed story, {step_us:g} us per step"
+
+    def encode_prompt(self, text: str) -> list:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def load_model(options: EngineOptions) -> MockModel:
+    """kernels.BACKENDS["mock"]: the mock's own model (no engine directory is read)."""
+    return MockModel(options.mock_step_us, options.max_model_len or MAX_MODEL_LEN)
+
+
+def create_executor(model: MockModel, options: EngineOptions, max_model_len: int) -> MockExecutor:
+    """kernels.BACKENDS["mock"]: the executor over `load_model`'s model."""
+    return MockExecutor(step_us=options.mock_step_us, num_blocks=options.num_kv_blocks or NUM_BLOCKS,
+                        block_size=options.block_size, max_model_len=max_model_len, tokenizer=model.tokenizer)

@@ -5,9 +5,9 @@ Contract:
   any forward object with `.config` and `forward(ForwardBatch) -> float32 [S_sample, V]`
   that owns a paged KV cache of `num_blocks` x `block_size` (the numpy `ReferenceModel`
   today; the C-kernel model plugs in the same way). Sampling is core/sampling.py.
-- `kv_cache_num_blocks(...)` sizes the cache from a memory budget; `build_engine_core(...)`
-  goes from an engine directory (or a loaded `Engine`) to a ready `EngineCore`: the one
-  call `tokenwire serve` makes for the CPU backend.
+- `kv_cache_num_blocks(...)` sizes the cache from a memory budget; `create_runner(...)` makes
+  the runner for a loaded engine directory over any forward factory, and `create_executor`
+  is the "reference" row of kernels.BACKENDS (kernels/cpu's row uses the C forward).
 """
 
 import logging
@@ -15,7 +15,9 @@ from typing import Callable, Optional, Sequence
 
 from ..core.config import ModelConfig
 from ..core.executor import SeqStep, StepOutput
+from ..core.options import EngineOptions
 from .forward_batch import BlockTables, build_forward_batch
+from .model import ReferenceModel
 from .sampling import sample
 
 log = logging.getLogger(__name__)
@@ -67,26 +69,19 @@ def kv_cache_num_blocks(config: ModelConfig, block_size: int, max_model_len: int
     return max(blocks_per_seq, min(budget_blocks, blocks_per_seq * max_num_seqs))
 
 
-def build_engine_core(engine, *, kv_cache_bytes: Optional[int] = None, block_size: int = 16,
-                      max_model_len: Optional[int] = None, max_num_seqs: int = 256,
-                      model_factory: Optional[Callable] = None, **engine_kwargs):
-    """An engine directory path or a loaded `engine_build` Engine -> EngineCore on the CPU.
-
-    `model_factory(config, tensors, block_size, num_blocks)` builds the forward object
-    (default: core/model.ReferenceModel). `engine_kwargs` go to EngineCore
-    (max_num_batched_tokens, max_queued_requests, on_step)."""
-    from ..core.engine_core import EngineCore
-    if not hasattr(engine, "tensors"):
-        from .engine_format import load_engine
-        engine = load_engine(engine)
-    if model_factory is None:
-        from .model import ReferenceModel as model_factory
+def create_runner(engine, options: EngineOptions, max_model_len: int, model_factory: Callable) -> ModelRunner:
+    """A loaded engine directory -> ModelRunner over `model_factory(config, tensors,
+    block_size, num_blocks)`, its KV cache sized by `kv_cache_num_blocks` unless the options
+    fix the number of blocks."""
     config = engine.config
-    max_model_len = max_model_len or config.max_position_embeddings
-    num_blocks = kv_cache_num_blocks(config, block_size, max_model_len, max_num_seqs, kv_cache_bytes)
-    model = model_factory(config, engine.tensors, block_size, num_blocks)
-    log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, block_size,
-             num_blocks * block_size * kv_bytes_per_token(config) / 2**20)
-    return EngineCore(ModelRunner(model, block_size, num_blocks), engine.tokenizer,
-                      eos_token_ids=engine.eos_token_ids, max_model_len=max_model_len,
-                      max_num_seqs=max_num_seqs, **engine_kwargs)
+    num_blocks = options.num_kv_blocks or kv_cache_num_blocks(config, options.block_size, max_model_len,
+                                                              options.max_num_seqs, options.kv_cache_bytes)
+    model = model_factory(config, engine.tensors, options.block_size, num_blocks)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, options.block_size,
+             num_blocks * options.block_size * kv_bytes_per_token(config) / 2**20)
+    return ModelRunner(model, options.block_size, num_blocks)
+
+
+def create_executor(engine, options: EngineOptions, max_model_len: int) -> ModelRunner:
+    """kernels.BACKENDS["reference"]: the numpy reference forward (kernels/model.py)."""
+    return create_runner(engine, options, max_model_len, ReferenceModel)

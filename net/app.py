@@ -17,34 +17,21 @@ import hmac
 import itertools
 import logging
 import time
-from typing import Callable, NamedTuple
 
 import orjson
 
 from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
-
 from . import encoders
-from .chat_template import ChatTemplate
 from .dispatch import JSON, Dispatcher, Exchange
 from .errors import ApiError
 from .events import BodyTooLarge, ConnectionClosed, Request, StreamReset
+from .handoff import StepHandoff
 from .metrics import Metrics
+from .model_info import ModelInfo
 from .openai_api import GenerationRequest, parse_chat, parse_completions, parse_generate, parse_json
 
 log = logging.getLogger("tokenwire.net")
-
-
-class ModelInfo(NamedTuple):
-    """What the routes need to know about the served model."""
-    name: str                               # the id in /v1/models and in every response
-    tokenizer: object                       # tokenizers.Tokenizer
-    encode: Callable[[str], list]           # completion prompt -> ids, with the model's BOS rule
-    chat_template: ChatTemplate | None
-    max_model_len: int
-    created: int                            # unix seconds, for /v1/models
-    description: str                        # shown in /v1/models ("owned_by" stays "tokenwire")
-    supports_logprobs: bool = True          # False for the mock engine, which samples nothing
 
 
 class App:
@@ -58,7 +45,7 @@ class App:
         self.trace = trace                  # trace.TraceWriter or None
         self.dispatcher = Dispatcher(self.metrics, trace)
         self.exchanges = self.dispatcher.exchanges          # engine request id -> Exchange
-        self.step_times_ns = self.dispatcher.step_times_ns
+        self.handoff = None                 # handoff.StepHandoff, made by `attach`
         self.connections = set()
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
@@ -73,18 +60,25 @@ class App:
         }
 
     def attach(self, engine, model: ModelInfo, loop) -> None:
-        """Serve `engine` (an EngineCore, started by the caller) from now on."""
+        """Serve `engine` (an EngineCore, started by the caller after this) on `loop` from now
+        on: its steps come to the loop as StepTokens through one hand-off per step."""
         self.dispatcher.attach(engine, model, loop)
+        self.handoff = StepHandoff(loop, self.dispatcher.write_step)
+        engine.step_columns = True
+        engine.on_step = self.handoff.on_step_threadsafe
         self.model = model
         self.engine = engine
 
     def detach(self) -> None:
         """The loop is stopping: the engine thread must never wait for it again."""
-        self.dispatcher.detach()
+        self.dispatcher.busy_poll.stop()
+        if self.handoff is not None:
+            self.handoff.detach()
 
     def close(self) -> None:
         """Release what the hand-off holds, once the engine thread has stopped."""
-        self.dispatcher.close()
+        if self.handoff is not None:
+            self.handoff.close()
 
     # --------------------------------------------------- connection events
 
@@ -108,7 +102,8 @@ class App:
             for ev in events:       # the session has closed these streams already: no token may go to them
                 if type(ev) is StreamReset:
                     self.dispatcher.cancel(proto, ev.stream_id)
-            self.dispatcher.dispatch_pending()
+            if self.handoff is not None:
+                self.handoff.write_pending()
             for ev in events:
                 kind = type(ev)
                 if kind is Request:
@@ -122,7 +117,7 @@ class App:
         finally:
             if self.engine is not None:
                 self.engine.wake()
-            self.dispatcher.release_engine()
+                self.handoff.release_engine()
 
     def _handle(self, proto, req: Request) -> None:
         try:
@@ -237,7 +232,7 @@ class App:
             accept = req.headers.get("accept", "")
             return encoders.BinaryTokens() if "application/octet-stream" in accept else encoders.Ndjson()
         cls = encoders.ChatSse if g.route == "chat" else encoders.CompletionSse
-        return cls(response_id, created, self.model.name, g.include_usage, self.dispatcher.token_text)
+        return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text)
 
     # -------------------------------------------------------------- guards
 

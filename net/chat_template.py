@@ -71,13 +71,3 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise ApiError(400, f"the model's chat template failed on these messages: {exc}",
                            param="messages", code="invalid_messages") from None
-
-
-# Used only when a model ships no template and the server is started without --chat-template
-# for a backend that needs one to be usable at all (the mock engine): ChatML, the most common format.
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)

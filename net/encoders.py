@@ -2,7 +2,8 @@
 
 Each streamed request gets one encoder whose constant bytes (SSE `data: ` prefix with id,
 model and created; the per-chunk suffix) are formatted once when the request starts, so
-the per-token work is orjson on the token's text and two concatenations.
+the per-token work is orjson on the token's text and two concatenations. Whole
+(non-streamed) responses are built here too, by `whole_body`.
 
 SSE (OpenAI): `data: {json}\n\n` per chunk, then `data: [DONE]\n\n`. The last JSON chunk
 (the finish chunk, or the usage chunk with `stream_options.include_usage`) also carries
@@ -19,6 +20,7 @@ A reader loops: read 4 bytes; a non-negative value is a token id; -1 means read 
 length and the summary, and the stream is over.
 """
 
+import itertools
 import struct
 from typing import Callable
 
@@ -275,3 +277,22 @@ def chat_body(request_id: str, created: int, model: str, text: str, finish_reaso
                                       "logprobs": None if logprobs is None else {"content": logprobs},
                                       "finish_reason": finish_reason}],
                          "usage": use})
+
+
+def whole_body(route: str, request_id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
+               token_ids: list, logprobs: list | None, token_text: Callable[[int], str]) -> bytes:
+    """A non-streamed OpenAI response for `route` ("chat" or "completions"); `logprobs`: one
+    TopLogprobs per token when the request asked for them, else None."""
+    if route == "chat":
+        lps = chat_logprobs(token_ids, logprobs, token_text) if logprobs is not None else None
+        return chat_body(request_id, created, model, text, finish_reason, use, lps)
+    lps = completion_logprobs(token_ids, logprobs, token_text) if logprobs is not None else None
+    return completion_body(request_id, created, model, text, finish_reason, use, lps)
+
+
+def completion_logprobs(token_ids: list, logprobs: list, token_text: Callable[[int], str]) -> dict:
+    tokens = [token_text(t) for t in token_ids]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": [lp.token_logprob for lp in logprobs],
+            "top_logprobs": [{token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for lp in logprobs],
+            "text_offset": offsets}

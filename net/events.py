@@ -17,10 +17,9 @@ class Limits:
     max_concurrent_streams: int = 256           # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
     max_header_list_size: int = 64 * 1024       # HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE; HTTP/1.1 header block bytes
     idle_timeout_s: float = 75.0                # a connection with no open stream for this long is closed
-    max_queued_requests: int = 1024             # requests waiting for the scheduler before 429
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_concurrent_streams", "max_header_list_size", "max_queued_requests"):
+        for name in ("max_body_bytes", "max_concurrent_streams", "max_header_list_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.idle_timeout_s > 0:

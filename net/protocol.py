@@ -18,6 +18,7 @@ import h2.exceptions
 from .events import Limits, UpgradeRequested
 from .http1 import H1Session
 from .http2 import H2Session
+from .outbox import Outbox
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 LINGER_S = 2.0      # after our FIN, how long to keep reading what the peer still sends
@@ -31,10 +32,8 @@ class ServerProtocol(asyncio.Protocol):
         self.limits = limits
         self.transport = None
         self.session = None             # H2Session | H1Session once the protocol is known
-        self.requests: dict[int, int] = {}   # stream id -> engine request id (the app keeps it)
+        self.outbox = Outbox(self)      # the per-step writer's side of this connection (outbox.py)
         self.paused = False
-        self.dirty = False              # the app wrote into the session during this step
-        self.sends = []                 # this step's token chunks, (data_key, payload): session.send_batch
         self.closing = False
         self.last_active = time.monotonic()
         self._sniffed = b""

@@ -23,41 +23,18 @@ import signal
 import ssl
 import threading
 import time
-from collections import deque
+from typing import Callable
 
 from .app import App
 from .events import BUSY_POLL_US, Limits
 from .metrics import Metrics
+from .model_info import model_info
 from .protocol import ServerProtocol
 from .trace import TraceWriter
 
 log = logging.getLogger("tokenwire.net")
 
 LOOPS = ("uvloop", "asyncio")
-
-
-class TimedExecutor:
-    """Executor proxy recording each step's duration for `tokenwire_engine_step_seconds`."""
-
-    def __init__(self, inner, sink: deque):
-        self.inner = inner
-        self.config = inner.config
-        self.block_size = inner.block_size
-        self.num_blocks = inner.num_blocks
-        self._sink = sink
-
-    def step(self, seqs):
-        """Hot path: once per step, on the engine thread (deque.append is thread-safe)."""
-        t0 = time.monotonic_ns()
-        result = self.inner.step(seqs)
-        self._sink.append(time.monotonic_ns() - t0)
-        return result
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -74,13 +51,14 @@ def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
 
 
 class Server:
-    """tokenwire's HTTP/2 + HTTP/1.1 server around one model.
+    """tokenwire's HTTP/2 + HTTP/1.1 server around one engine.
 
-    model: engine directory, Hugging Face directory or hub name (`org/name`); None serves
-        the embedded default model (built on first use and cached). Ignored by the mock backend.
-    backend: "cpu" (C kernels when built, else numpy), "reference" (numpy), "mock", "cuda".
-    engine, model_info: serve an already built `EngineCore` and its `app.ModelInfo` instead
-        (the server starts and stops the engine).
+    load: called once, off the event loop, after the server listens: -> (EngineCore not yet
+        started, core.model_card.ModelCard). tokenwire/runtime.py's `build_engine` is the
+        one that serves models (`tokenwire.Server` passes it); until it returns, /health
+        and the generation routes answer 503.
+    engine, model_info: serve an already built `EngineCore` and its `model_info.ModelInfo`
+        instead (the server starts and stops the engine).
     freeze_gc: `gc.freeze()` once the model is loaded, so full collections skip everything
         loaded at startup (tail latency); process-wide, hence off for in-process use and on
         for `tokenwire serve`.
@@ -89,36 +67,33 @@ class Server:
         idle core's wake-up); 0: never.
     """
 
-    def __init__(self, model: str | None = None, *, backend: str = "cpu", host: str = "127.0.0.1",
-                 port: int = 8000, loop: str = "uvloop", tls_cert: str | None = None, tls_key: str | None = None,
-                 api_key: str | None = None, limits: Limits | None = None, served_model_name: str | None = None,
-                 chat_template: str | None = None, max_model_len: int | None = None, max_num_seqs: int = 256,
-                 mock_step_us: float = 0.0, trace: str | None = None, engine=None, model_info=None,
-                 reuse_port: bool = False, freeze_gc: bool = False, busy_poll_us: float = BUSY_POLL_US):
+    def __init__(self, load: Callable[[], tuple] | None = None, *, host: str = "127.0.0.1", port: int = 8000,
+                 loop: str = "uvloop", tls_cert: str | None = None, tls_key: str | None = None,
+                 api_key: str | None = None, limits: Limits | None = None, trace: str | None = None,
+                 engine=None, model_info=None, reuse_port: bool = False, freeze_gc: bool = False,
+                 busy_poll_us: float = BUSY_POLL_US):
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
         if (tls_cert is None) != (tls_key is None):
             raise ValueError("TLS needs both a certificate (--tls-cert) and a key (--tls-key)")
         if (engine is None) != (model_info is None):
             raise ValueError("pass engine and model_info together")
+        if (load is None) == (engine is None):
+            raise ValueError("pass either load or engine and model_info")
         if not busy_poll_us >= 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
-        self.model = model
-        self.backend = backend
+        self._load_engine = load
         self.host = host
         self.port = port
         self.loop_kind = loop
         self.limits = limits or Limits()
         self.ssl = tls_context(tls_cert, tls_key) if tls_cert else None
         self._cert_file = tls_cert
-        self.load_options = dict(served_model_name=served_model_name, chat_template=chat_template,
-                                 max_model_len=max_model_len, max_num_seqs=max_num_seqs, mock_step_us=mock_step_us,
-                                 max_queued_requests=self.limits.max_queued_requests)
         self._prebuilt = (engine, model_info) if engine is not None else None
         self.reuse_port = reuse_port
         self.freeze_gc = freeze_gc
         self.app = App(metrics=Metrics(), api_key=api_key, trace=TraceWriter(trace) if trace else None)
-        self.app.dispatcher.busy_poll_ns = int(busy_poll_us * 1000)
+        self.app.dispatcher.busy_poll.window_ns = int(busy_poll_us * 1000)
         self.engine = None
         self.loop = None
         self._servers = []
@@ -230,10 +205,8 @@ class Server:
             if self._prebuilt is not None:
                 engine, info = self._prebuilt
             else:
-                from .model_loader import load_model
-                engine, info = await loop.run_in_executor(
-                    None, lambda: load_model(self.model, self.backend, step_times=self.app.step_times_ns,
-                                             **self.load_options))
+                engine, card = await loop.run_in_executor(None, self._load_engine)
+                info = model_info(card)
         except Exception as exc:
             self.app.load_error = str(exc)
             self._startup_error = exc
@@ -246,7 +219,7 @@ class Server:
             # out of the collector's sight, a full collection no longer walks it (p99 TTFT)
             gc.freeze()
         engine.start()
-        log.info("serving %s (%s backend)", info.name, self.backend if self._prebuilt is None else "prebuilt")
+        log.info("serving %s (%s)", info.name, info.description)
         tls = f" --cacert {self._cert_file}" if self.ssl else ""
         log.info("try: curl%s --http2%s %s/v1/completions -H 'content-type: application/json' "
                  "-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32, \"stream\": true}'",

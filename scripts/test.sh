@@ -15,4 +15,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 python3 -m pip install -q -e '.[test]'
 # pytest exits 5 when it collects nothing; that must fail CI, and it does (set -e).
-exec python3 -m pytest -q "$@"
+# PYTHONSAFEPATH: `python -m` would put the repository root first on the import path, where
+# its folders (core/, kernels/, net/, ...) shadow installed top-level packages of the same
+# names (transformers probes a `kernels` package, for one); tokenwire is imported as installed.
+PYTHONSAFEPATH=1 exec python3 -m pytest -q "$@"

@@ -209,7 +209,7 @@ def test_api_key(loop_kind):
 
 def test_queue_full(loop_kind):
     s = tokenwire.Server(backend="mock", port=0, loop=loop_kind, mock_step_us=20000, max_num_seqs=1,
-                         limits=Limits(max_queued_requests=1)).start()
+                         max_queued_requests=1).start()
     try:
         with httpx.Client(http1=False, http2=True, base_url=s.url, timeout=30) as client:
             results = {}
@@ -324,7 +324,7 @@ def _failing_server(loop_kind, fail_from_step: int):
     """The mock engine, made to raise from its `fail_from_step`-th step on (a device lost mid-stream)."""
     from tokenwire.core.engine_core import EngineCore
     from tokenwire.kernels.mock import MockExecutor
-    from tokenwire.net.app import ModelInfo
+    from tokenwire.net.model_info import ModelInfo
 
     class FailingExecutor(MockExecutor):
         def step(self, seqs):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tokenwire.bench import engine as bench
+from tokenwire.bench import shapes
 from tokenwire.cli import main
 from tokenwire.core.config import ModelConfig
 from tokenwire.kernels.model import ReferenceModel
@@ -25,7 +26,7 @@ KEYS = {"shape", "backend", "batch", "threads", "decode_tokens_per_s", "prefill_
 
 @pytest.fixture
 def toy_shape(monkeypatch):
-    monkeypatch.setitem(bench.SHAPES, "toy", TOY)
+    monkeypatch.setitem(shapes.SHAPES, "toy", TOY)
     monkeypatch.setattr(bench, "LARGE_PROBE_BYTES", 32 << 20)
     threads = cpu.num_threads()
     yield "toy"
@@ -42,7 +43,7 @@ def test_bench_prints_and_writes_rows_against_the_roofline(toy_shape, tmp_path, 
     assert text.count("profile: ") == 4 and "down_proj" in text and "attention" in text
     rows = json.loads(out.read_text())
     assert [(r["activations"], r["batch"]) for r in rows] == [("fp32", 1), ("fp32", 3), ("int8", 1), ("int8", 3)]
-    model = bench.CpuBackend(None).build(ModelConfig.from_dict(TOY), bench.random_engine(
+    model = bench.CpuBackend(None).build(ModelConfig.from_dict(TOY), shapes.random_engine(
         ModelConfig.from_dict(TOY), 64, "int4"), 16, 4, "fp32")
     for r in rows:
         assert KEYS <= set(r)
@@ -60,7 +61,7 @@ def test_bench_prints_and_writes_rows_against_the_roofline(toy_shape, tmp_path, 
 @pytest.mark.parametrize("embedding", ["fp16", "int8", "int4"])
 def test_random_engine_is_a_valid_engine_of_the_shape(embedding):
     config = ModelConfig.from_dict(TOY)
-    tensors = bench.random_engine(config, 32, embedding)
+    tensors = shapes.random_engine(config, 32, embedding)
     assert tensors["layers.1.gate_up_proj.qweight"].shape == (512, 64)
     assert tensors["layers.0.qkv_proj.scales"].shape == (256, 4)
     assert ("embed.weight" in tensors) == (embedding == "fp16") and "lm_head.qweight" not in tensors
@@ -70,7 +71,7 @@ def test_random_engine_is_a_valid_engine_of_the_shape(embedding):
 
 
 def test_every_published_shape_is_a_valid_config():
-    for name, fields in bench.SHAPES.items():
+    for name, fields in shapes.SHAPES.items():
         config = ModelConfig.from_dict(fields)
         assert config.q_size + 2 * config.kv_size > config.hidden_size, name
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenwire.bench import engine_cuda
+from tokenwire.bench import engine_cuda, shapes
 from tokenwire.kernels.cuda.fake import FakeDriver
 
 TINY = dict(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=128, intermediate_size=256, num_layers=2,
@@ -15,7 +15,7 @@ TINY = dict(architecture="LlamaForCausalLM", vocab_size=300, hidden_size=128, in
 
 
 def test_bench_rows_and_profile(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(engine_cuda.SHAPES_CUDA, "tiny", TINY)
+    monkeypatch.setitem(shapes.SHAPES_CUDA, "tiny", TINY)
     parser = argparse.ArgumentParser()
     engine_cuda.add_arguments(parser)
     out = tmp_path / "rows.json"

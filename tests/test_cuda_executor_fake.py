@@ -19,6 +19,7 @@ from tokenwire.kernels.engine_format import linear_shapes, vector_shapes
 from tokenwire.kernels.model_runner import ModelRunner
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.quantize import quantize_int4, quantize_int8
+from tokenwire.core.options import EngineOptions
 from tokenwire.kernels.cuda import create_executor
 from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
 from tokenwire.kernels.cuda.fake import FakeDriver
@@ -53,7 +54,7 @@ def tiny_engine(c: ModelConfig, group_size=32, embed="fp16", seed=0) -> dict:
 
 
 def make(c, t, driver=None, **options) -> CudaExecutor:
-    opts = dict(num_blocks=64, max_batch=8, max_num_tokens=128, split_size=32)
+    opts = dict(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=128, split_size=32)
     opts.update(options)
     return CudaExecutor(c, t, CudaOptions(**opts), driver=driver or FakeDriver(), image_fn=NO_IMAGE)
 
@@ -125,7 +126,7 @@ def test_stories260k_greedy_matches_the_cpu_backend(stories260k_dir):
     prompt = [1, 403, 407, 261, 378]                                         # BOS "Once upon a time"
     cpu = ModelRunner(ReferenceModel(source.config, tensors, block_size=16, num_blocks=64), 16, 64)
     want = run_greedy(cpu, prompt, 100)
-    got = run_greedy(make(source.config, tensors, max_num_tokens=64, split_size=64), prompt, 100)
+    got = run_greedy(make(source.config, tensors, max_num_batched_tokens=64, split_size=64), prompt, 100)
     assert got == want
 
 
@@ -218,7 +219,7 @@ def test_host_callback_marks_each_step_ready():
     c = tiny_config()
     t = tiny_engine(c)
     ready = []
-    ex = CudaExecutor(c, t, CudaOptions(num_blocks=64, max_batch=4, max_num_tokens=64), driver=FakeDriver(),
+    ex = CudaExecutor(c, t, CudaOptions(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64), driver=FakeDriver(),
                       image_fn=NO_IMAGE, on_ready=ready.append)
     run_greedy(ex, [3, 4, 5], 5)
     assert ready == [0, 1, 2, 3, 0]
@@ -265,9 +266,9 @@ def test_create_executor_takes_a_loaded_engine():
     class Engine:
         config = tiny_config()
         tensors = tiny_engine(config)
-    ex = create_executor(Engine(), num_blocks=40, max_num_seqs=4, max_num_batched_tokens=64,
-                         driver=FakeDriver(), image_fn=NO_IMAGE)
-    assert (ex.num_blocks, ex.block_size, ex.options.max_batch) == (40, 16, 4)
+    options = EngineOptions(backend="cuda", num_kv_blocks=40, max_num_seqs=4, max_num_batched_tokens=64)
+    ex = create_executor(Engine(), options, driver=FakeDriver(), image_fn=NO_IMAGE)
+    assert (ex.num_blocks, ex.block_size, ex.options.max_num_seqs) == (40, 16, 4)
 
 
 # ------------------------------------------------------------------ bad input is named
@@ -278,7 +279,7 @@ def test_create_executor_takes_a_loaded_engine():
     (SeqStep(0, [5], 3, [70], True, GREEDY, 0, [], []), "block id out of range"),
     (SeqStep(0, [1] * 40, 0, [0], True, GREEDY, 0, [], []), "KV blocks for 40 tokens"),
     (SeqStep(0, [1], 0, [99], True, GREEDY, 0, [], []), "block id out of range"),
-    (SeqStep(0, [1] * 200, 0, list(range(13)), True, GREEDY, 0, [], []), "max_num_tokens"),
+    (SeqStep(0, [1] * 200, 0, list(range(13)), True, GREEDY, 0, [], []), "max_num_batched_tokens"),
     (SeqStep(0, [1], 300, list(range(19)), True, GREEDY, 0, [], []), "max_model_len"),
 ])
 def test_bad_steps_are_rejected_with_the_problem_named(step, message):

@@ -38,7 +38,7 @@ def stories(stories260k_dir):
 
 def cuda(config, tensors, **options):
     from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
-    opts = dict(num_blocks=128, max_batch=16, max_num_tokens=256)
+    opts = dict(num_blocks=128, max_num_seqs=16, max_num_batched_tokens=256)
     opts.update(options)
     return CudaExecutor(config, tensors, CudaOptions(**opts))
 
@@ -115,7 +115,7 @@ def test_tiny_families_follow_the_reference(overrides, engine):
     t = tiny_engine(c, **engine)
     prompt = list(np.random.default_rng(1).integers(3, c.vocab_size, 40))
     want = greedy_generate(ReferenceModel(c, t, block_size=16, num_blocks=64), prompt, 30)
-    ex = cuda(c, t, num_blocks=64, max_batch=8, max_num_tokens=128, split_size=32)
+    ex = cuda(c, t, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=128, split_size=32)
     try:
         assert run_greedy(ex, prompt, 30) == want
     finally:
@@ -126,7 +126,7 @@ def test_ring_callback_runs_off_the_callers_thread(stories):
     from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
     config, tensors, want = stories
     seen = []
-    ex = CudaExecutor(config, tensors, CudaOptions(num_blocks=128, max_batch=4, max_num_tokens=64),
+    ex = CudaExecutor(config, tensors, CudaOptions(num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64),
                       on_ready=lambda slot: seen.append((slot, threading.get_ident())))
     try:
         assert run_greedy(ex, PROMPT, 6) == want[:6]

@@ -279,7 +279,7 @@ def test_resolve_rejects_an_engine_of_another_version(tmp_path, stories_engine):
 
 
 def test_cache_root_environment(monkeypatch, tmp_path):
-    from tokenwire.engine_build.resolve import cache_root
+    from tokenwire.engine_build.cache import cache_root
     monkeypatch.delenv("TOKENWIRE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == tmp_path / "xdg" / "tokenwire"

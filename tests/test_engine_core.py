@@ -8,7 +8,8 @@ import pytest
 from tokenwire.core.engine_core import EngineCore
 from tokenwire.core.errors import InvalidRequest, PromptTooLong, QueueFull
 from tokenwire.core.executor import StepOutput
-from tokenwire.kernels.mock import MOCK_TEXT, MockExecutor, build_mock_engine_core
+from engines import mock_engine_core
+from tokenwire.kernels.mock import MOCK_TEXT, MockExecutor
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Timeline
 from tokenwire.core.sampling_params import SamplingParams
 
@@ -29,7 +30,7 @@ def prompt(engine, text="Hello there"):
 
 
 def test_mock_stream_text_and_usage():
-    engine = build_mock_engine_core()
+    engine = mock_engine_core()
     tl = Timeline()
     engine.add_request(7, prompt(engine), SamplingParams(max_tokens=30), tl)
     outs = run_to_completion(engine)[7]
@@ -46,7 +47,7 @@ def test_mock_stream_text_and_usage():
 
 
 def test_stop_string_cut_and_never_leaked():
-    engine = build_mock_engine_core()
+    engine = mock_engine_core()
     engine.add_request(1, prompt(engine), SamplingParams(stop=("bonjour",)), Timeline())
     outs = run_to_completion(engine)[1]
     text = "".join(o.text for o in outs)
@@ -55,7 +56,7 @@ def test_stop_string_cut_and_never_leaked():
 
 
 def test_eos_in_stop_token_ids_ends_without_its_text():
-    engine = build_mock_engine_core()
+    engine = mock_engine_core()
     ex = engine.executor
     stop_id = ex.text_token_ids[3]
     engine.add_request(1, prompt(engine), SamplingParams(stop_token_ids=(stop_id,)), Timeline())
@@ -66,7 +67,7 @@ def test_eos_in_stop_token_ids_ends_without_its_text():
 
 
 def test_context_length_ends_the_request():
-    engine = build_mock_engine_core(max_model_len=64)
+    engine = mock_engine_core(max_model_len=64)
     p = prompt(engine)
     engine.add_request(1, p, SamplingParams(), Timeline())
     outs = run_to_completion(engine)[1]
@@ -75,7 +76,7 @@ def test_context_length_ends_the_request():
 
 
 def test_bad_requests_are_refused_with_the_problem_named():
-    engine = build_mock_engine_core(max_model_len=32, max_queued_requests=2)
+    engine = mock_engine_core(max_model_len=32, max_queued_requests=2)
     with pytest.raises(PromptTooLong, match="32"):
         engine.add_request(1, [5] * 32, SamplingParams(), Timeline())
     with pytest.raises(InvalidRequest, match="empty"):
@@ -91,7 +92,7 @@ def test_bad_requests_are_refused_with_the_problem_named():
 
 
 def test_cancel_gives_one_final_output_and_frees_blocks():
-    engine = build_mock_engine_core()
+    engine = mock_engine_core()
     engine.add_request(1, prompt(engine), SamplingParams(), Timeline())
     engine.step()
     engine.step()
@@ -143,7 +144,7 @@ def test_engine_thread_hands_off_once_per_step():
         if sum(o.finish_reason is not None for _, batch in calls for o in batch) == 8:
             done.set()
 
-    engine = build_mock_engine_core(on_step=on_step)
+    engine = mock_engine_core(on_step=on_step)
     engine.start()
     assert engine.is_alive()
     for i in range(8):
@@ -166,7 +167,7 @@ def test_engine_thread_hands_off_once_per_step():
 
 def test_shutdown_fails_what_is_left():
     seen = []
-    engine = build_mock_engine_core(step_us=2000, on_step=seen.extend)
+    engine = mock_engine_core(step_us=2000, on_step=seen.extend)
     engine.start()
     engine.add_request(1, [5, 6], SamplingParams(), Timeline())
     time.sleep(0.02)
@@ -207,7 +208,7 @@ def test_shutdown_called_from_on_step_does_not_deadlock():
         engine.shutdown(timeout=5)
         stopped.set()
 
-    engine = build_mock_engine_core(on_step=on_step)
+    engine = mock_engine_core(on_step=on_step)
     engine.start()
     engine.add_request(1, [5, 6], SamplingParams(max_tokens=100), Timeline())
     assert stopped.wait(5)

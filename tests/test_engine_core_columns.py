@@ -1,5 +1,5 @@
 """EngineCore.step_columns: the same outputs as list[RequestOutput], the common ones as columns
-(from COLUMNS_MIN_RUNNING running requests on; smaller steps stay lists).
+(from COLUMNS_MIN_RUNNING running requests on; smaller steps are StepTokens with rows only).
 
 Two engines get the same requests; one returns lists, the other StepTokens. Every request
 must end with the same token ids, text, finish reason and usage, and every output that is
@@ -7,7 +7,8 @@ not a plain "one token, goes on" entry must still be a RequestOutput.
 """
 
 from tokenwire.core.executor import StepOutput, TopLogprobs
-from tokenwire.kernels.mock import MockExecutor, build_mock_engine_core
+from engines import mock_engine_core
+from tokenwire.kernels.mock import MockExecutor
 from tokenwire.core.engine_core import COLUMNS_MIN_RUNNING, EngineCore
 from tokenwire.core.outputs import FINISH_CANCELLED, StepTokens, Timeline
 from tokenwire.core.sampling_params import SamplingParams
@@ -34,8 +35,8 @@ def collect(engine, cancel_at=None):
         step += 1
         if step == cancel_at:
             engine.cancel(1)
-        if isinstance(out, StepTokens):
-            assert engine.step_columns and running >= COLUMNS_MIN_RUNNING
+        if isinstance(out, StepTokens):     # with step_columns every step is one; columns from MIN on
+            assert engine.step_columns and (running >= COLUMNS_MIN_RUNNING or not out.request_ids)
             assert len(out) == len(out.request_ids) + len(out.rows)
             for rid, tid, text in zip(out.request_ids, out.token_ids, out.texts):
                 assert rid not in (r.request_id for r in out.rows)
@@ -45,7 +46,7 @@ def collect(engine, cancel_at=None):
                 plain += 1
             rows = out.rows
         else:
-            assert not engine.step_columns or running < COLUMNS_MIN_RUNNING
+            assert not engine.step_columns
             rows = out
         for r in rows:
             g = got.setdefault(r.request_id, [[], "", None, None])
@@ -57,7 +58,7 @@ def collect(engine, cancel_at=None):
 
 
 def test_columns_carry_the_same_outputs_as_lists():
-    rows_engine, cols_engine = build_mock_engine_core(), build_mock_engine_core()
+    rows_engine, cols_engine = mock_engine_core(), mock_engine_core()
     cols_engine.step_columns = True
     submit(rows_engine)
     submit(cols_engine)
@@ -70,7 +71,7 @@ def test_columns_carry_the_same_outputs_as_lists():
 
 
 def test_a_cancelled_request_ends_in_rows_with_columns_on():
-    engine = build_mock_engine_core()
+    engine = mock_engine_core()
     engine.step_columns = True
     submit(engine)
     got, _ = collect(engine, cancel_at=2)
@@ -101,11 +102,12 @@ def test_a_step_with_logprobs_is_all_rows():
             assert (r.logprobs is not None) == (r.request_id == 0 and bool(r.token_ids))
 
 
-def test_small_batches_stay_lists():
-    engine = build_mock_engine_core()
+def test_small_batches_are_steps_without_columns():
+    engine = mock_engine_core()
     engine.step_columns = True
     ids = engine.tokenizer.encode("Once", add_special_tokens=False).ids
     for i in range(COLUMNS_MIN_RUNNING - 1):
         engine.add_request(i, ids, SamplingParams(max_tokens=4), Timeline())
     while engine.has_unfinished():
-        assert type(engine.step()) is list
+        step = engine.step()
+        assert type(step) is StepTokens and not step.request_ids and step.rows

@@ -1,9 +1,9 @@
-"""The engine <-> event loop hand-off (core/engine_core.Doorbell, net/dispatch.Dispatcher) and
+"""The engine <-> event loop hand-off (core/doorbell.Doorbell, net/handoff.StepHandoff) and
 the per-request fast paths that must say exactly what the general code says.
 
 Hand-off: the engine thread sleeps until rung and is rung once per batch of submissions;
 each step reaches the loop in order, the engine never runs more than one step ahead of the
-loop, and a detached dispatcher never blocks the engine again. Fast paths: the spliced SSE
+loop, and a detached hand-off never blocks the engine again. Fast paths: the spliced SSE
 finish chunk is byte-identical to orjson's, and shared SamplingParams are equal to fresh ones.
 """
 
@@ -14,14 +14,13 @@ import time
 import orjson
 import pytest
 
-from tokenwire.core.engine_core import Doorbell
-from tokenwire.kernels.mock import build_mock_engine_core
+from engines import mock_engine_core
+from tokenwire.core.doorbell import Doorbell
 from tokenwire.core.outputs import RequestOutput, Timeline
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.net import encoders
-from tokenwire.net.dispatch import Dispatcher
 from tokenwire.net.errors import ApiError
-from tokenwire.net.metrics import Metrics
+from tokenwire.net.handoff import StepHandoff
 from tokenwire.net.openai_api import parse_completions
 
 
@@ -67,7 +66,7 @@ def _wait(predicate, timeout=5.0):
 
 def test_engine_sleeps_until_woken_once_for_a_batch_of_requests():
     seen = []
-    engine = build_mock_engine_core(on_step=seen.extend, max_model_len=256)
+    engine = mock_engine_core(on_step=seen.extend, max_model_len=256)
     engine.start()
     try:
         assert _wait(lambda: engine._sleeping)
@@ -90,44 +89,41 @@ def test_engine_sleeps_until_woken_once_for_a_batch_of_requests():
 def test_steps_reach_the_loop_in_order_and_the_engine_never_runs_ahead():
     """The engine thread's on_step returns only after the loop has written that step."""
     loop = asyncio.new_event_loop()
-    dispatcher = Dispatcher(Metrics())
-    written, ahead = [], []
-    dispatcher._dispatch_step = lambda outputs: written.append(outputs[0])
-    engine = build_mock_engine_core(max_model_len=256)
-    loop.call_soon(dispatcher.attach, engine, None, loop)
+    written, ahead, made = [], [], []
+    loop.call_soon(lambda: made.append(StepHandoff(loop, lambda step: written.append(step[0]))))
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    assert _wait(lambda: engine.on_step == dispatcher.on_step_threadsafe)
+    assert _wait(lambda: made)
+    handoff = made[0]
 
     def engine_thread():
         for i in range(200):
-            dispatcher.on_step_threadsafe([i])
+            handoff.on_step_threadsafe([i])
             ahead.append(i + 1 - len(written))      # steps handed over but not yet written
 
     t = threading.Thread(target=engine_thread)
     t.start()
     t.join(10)
     assert written == list(range(200)) and max(ahead) == 0
-    loop.call_soon_threadsafe(dispatcher.detach)
-    assert _wait(lambda: dispatcher.detached)
+    loop.call_soon_threadsafe(handoff.detach)
+    assert _wait(lambda: handoff.detached)
     t0 = time.monotonic()
-    dispatcher.on_step_threadsafe([0])              # detached: returns at once, written nowhere
+    handoff.on_step_threadsafe([0])                 # detached: returns at once, written nowhere
     assert time.monotonic() - t0 < 0.5 and len(written) == 200
     loop.call_soon_threadsafe(loop.stop)
-    dispatcher.close()
+    handoff.close()
 
 
 def test_detach_releases_an_engine_waiting_for_the_loop():
     loop = asyncio.new_event_loop()
-    dispatcher = Dispatcher(Metrics())
-    dispatcher.attach(build_mock_engine_core(max_model_len=256), None, loop)   # the loop never runs
-    t = threading.Thread(target=dispatcher.on_step_threadsafe, args=([1],))
+    handoff = StepHandoff(loop, lambda step: None)      # the loop never runs
+    t = threading.Thread(target=handoff.on_step_threadsafe, args=([1],))
     t.start()
     time.sleep(0.05)
     assert t.is_alive()                             # waiting for a loop that is not there
-    dispatcher.detach()
+    handoff.detach()
     t.join(2)
     assert not t.is_alive()
-    dispatcher.close()
+    handoff.close()
     loop.close()
 
 

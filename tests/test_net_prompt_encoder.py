@@ -124,7 +124,7 @@ def test_engine_prompt_encoder_keeps_the_engine_rule(tmp_path):
     with the engine's BOS rule, giving encode_prompt's ids."""
     from tokenwire.engine_build.default_model import default_engine_path
     from tokenwire.kernels.engine_format import load_engine
-    from tokenwire.net.model_loader import prompt_encoder
+    from tokenwire.net.model_info import prompt_encoder
     engine_dir = load_engine(default_engine_path(cache_dir=tmp_path))
     encode = prompt_encoder(engine_dir)
     assert encode is not engine_dir.encode_prompt

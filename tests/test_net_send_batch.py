@@ -16,7 +16,7 @@ from tokenwire.net.events import Limits
 from tokenwire.net.http1 import H1Session
 from tokenwire.net.http2 import H2Session
 
-from test_net_session import client, data_by_stream, frames, handshake, pump
+from test_net_session import client, data_by_stream, frames, handshake
 
 SIDS = (1, 3, 5, 7)
 

@@ -84,7 +84,7 @@ def test_chat_uses_the_template_and_streams(client, server):
     whole = client.chat.completions.create(model="stories260K", messages=messages, max_tokens=12, temperature=0)
     assert whole.choices[0].message.content == text and len(text) > 5
     from tokenwire.kernels.engine_format import load_engine
-    engine = load_engine(server.model)
+    engine = load_engine(server.options.model)
     rendered = f"{engine.manifest['tokenizer']['bos_token']}User: Tell me about a cat.\nStory:"
     expected = engine.tokenizer.encode(rendered, add_special_tokens=False).ids
     assert expected[0] == engine.bos_token_id                  # the template's BOS is the real BOS token

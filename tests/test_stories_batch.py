@@ -9,14 +9,16 @@ import threading
 
 import pytest
 
-from tokenwire.kernels.model_runner import build_engine_core, kv_cache_num_blocks
+from engines import engine_core
+from tokenwire.kernels import cpu
+from tokenwire.kernels.model_runner import kv_cache_num_blocks
 from tokenwire.core.outputs import FINISH_LENGTH, Timeline
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.build import BuildOptions, build_engine, open_source
 from tokenwire.kernels.engine_format import load_engine
 from tokenwire.engine_build.quantize import QuantOptions
 
-FORWARDS = ["reference", "c"]
+FORWARDS = ["reference", "cpu"]
 PROMPTS = ["Once upon a time", "Lily", "The dog", "One day, a little boy named Tom went to the park with his mom.",
            "She was sad", "Tim and Sue", "The sun was", "A big red ball", "He said,", "They"]
 
@@ -33,15 +35,10 @@ def engines(stories260k_dir, tmp_path_factory):
 
 @pytest.fixture(params=FORWARDS)
 def build(request):
-    """build_engine_core with one of the CPU forwards."""
-    if request.param == "reference":
-        from tokenwire.kernels.model import ReferenceModel as factory
-    else:
-        from tokenwire.kernels import cpu
-        if not cpu.AVAILABLE:
-            pytest.skip("the C extension kernels/cpu/_cpu is not built")
-        factory = cpu.create_model
-    return functools.partial(build_engine_core, model_factory=factory)
+    """engine_core on one of the CPU backends ("reference": numpy; "cpu": the C forward)."""
+    if request.param == "cpu" and not cpu.AVAILABLE:
+        pytest.skip("the C extension kernels/cpu/_cpu is not built")
+    return functools.partial(engine_core, backend=request.param)
 
 
 def generate(core, requests):
@@ -129,7 +126,7 @@ def test_engine_thread_streams_a_story(engines):
         texts.extend(o.text for o in outs)
         if any(o.finish_reason for o in outs):
             done.set()
-    core = build_engine_core(engine, on_step=on_step)
+    core = engine_core(engine, "reference", on_step=on_step)
     core.start()
     core.add_request(1, engine.encode_prompt("Once upon a time"), SamplingParams(temperature=0.0, max_tokens=30),
                      Timeline())

@@ -1,6 +1,6 @@
 """tokenwire: a minimum-latency LLM inference server.
 
-`tokenwire.Server` embeds the server in-process; the `tokenwire` command line (cli.py)
+`tokenwire.Server` (server.py) embeds the server in-process; the `tokenwire` command line (cli.py)
 builds engines, serves them and runs the benchmarks. Heavy modules load on first use,
 so `import tokenwire` stays cheap.
 """
@@ -11,6 +11,6 @@ __all__ = ["Server", "__version__"]
 
 def __getattr__(name):
     if name == "Server":
-        from .net.server import Server
+        from .server import Server
         return Server
     raise AttributeError(f"module 'tokenwire' has no attribute {name!r}")

@@ -11,7 +11,7 @@ import sys
 
 # command -> (module, one-line help)
 COMMANDS = {
-    "serve": ("tokenwire.net.serve_cli", "serve a model over HTTP/2 (and HTTP/1.1)"),
+    "serve": ("tokenwire.serve", "serve a model over HTTP/2 (and HTTP/1.1)"),
     "build": ("tokenwire.engine_build.cli", "build an INT4 engine directory from a checkpoint"),
 }
 # `tokenwire bench NAME`
@@ -20,7 +20,7 @@ BENCHES = {
     "scheduler": ("tokenwire.bench.scheduler", "scheduler overhead per step with a zero-cost engine"),
     "stages": ("tokenwire.bench.stages", "per-stage microbenchmarks of the request pipeline"),
     "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),
-    "peers": ("tokenwire.bench.peers", "tokenwire against peer servers on the same mock engine"),
+    "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
 }
 
 

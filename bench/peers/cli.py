@@ -1,15 +1,47 @@
 """`tokenwire bench peers` from options to printed tables (see the package docstring)."""
 
+import importlib.util
+import argparse
 import os
 import platform
 import sys
 import time
+from importlib.metadata import PackageNotFoundError, version
+
+import orjson
 
 from ..load import make_target, run_event_loop
 from ..pingpong import measure_floor
+from ..plot import plot_levels
 from ..proc import num_cores, pin_to_core
 from . import report
 from .runner import HOST, free_port, measure_server, peer_specs
+
+
+DEFAULT_SERVERS = "tokenwire,hypercorn,uvicorn,grpc,ceiling"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--servers", default=DEFAULT_SERVERS,
+                        help=f"comma-separated servers to run, in order (default {DEFAULT_SERVERS}; also "
+                             "tokenwire-ndjson, tokenwire-binary, tokenwire-h1)")
+    parser.add_argument("--concurrency", default="1,8,64,256", help="comma-separated concurrency levels")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="measured requests per level (default: max(400, 8 x concurrency))")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up requests per level (default: concurrency)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt length in words (default 16)")
+    parser.add_argument("--step-us", type=float, default=0.0, help="mock engine step time in µs (default 0: zero-cost)")
+    parser.add_argument("--server-core", type=int, default=None, help="core for the servers (default: the last one)")
+    parser.add_argument("--client-core", type=int, default=None, help="core for the load generator (default: 0)")
+    parser.add_argument("--floor-round-trips", type=int, default=2000, help="ping-pong round trips (default 2000)")
+    parser.add_argument("--trace", default=None, help="tokenwire's per-request stage timelines as Chrome trace JSON")
+    parser.add_argument("--json", default=None, help="write one row per server and concurrency to this JSON file")
+    parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput against concurrency")
+
+
+def run(args) -> int:
+    return run_peers(args)
 
 
 def run_peers(args) -> int:
@@ -93,8 +125,6 @@ def _header(args, client_core, server_core) -> str:
 
 
 def _versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    from .fastapi_app import http_implementation
     out = [f"python {platform.python_version()}"]
     for package in ("tokenwire", "h2", "fastapi", "hypercorn", "uvicorn", "uvloop", "grpcio"):
         try:
@@ -130,7 +160,6 @@ def _print_report(rows, servers, floor, failures) -> None:
 
 def _write(args, rows, servers, floor, failures) -> None:
     if args.json:
-        import orjson
         summary = report.summarize_servers(rows, [s for s in servers if s not in failures])
         doc = {"command": "peers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
@@ -141,7 +170,11 @@ def _write(args, rows, servers, floor, failures) -> None:
             f.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
         print(f"wrote {args.json}")
     if args.plot and rows:
-        from ..plot import plot_levels
         plot_levels(rows, args.plot, f"tokenwire bench peers: zero-cost mock engine, {args.max_tokens} tokens/request"
                     if not args.step_us else f"tokenwire bench peers: mock step {args.step_us:g} µs")
         print(f"wrote {args.plot}")
+
+
+def http_implementation() -> str:
+    """What uvicorn's http="auto" picks: httptools when installed, else h11."""
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"

@@ -84,14 +84,5 @@ def main(argv=None) -> int:
     return 0
 
 
-def http_implementation() -> str:
-    """What uvicorn's http="auto" picks: httptools when installed, else h11."""
-    try:
-        import httptools  # noqa: F401
-        return "httptools"
-    except ImportError:
-        return "h11"
-
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,6 +11,10 @@ import asyncio
 import time
 from typing import AsyncIterator, NamedTuple, Optional
 
+from ...core.detokenizer import Detokenizer
+from ...core.sampling_params import SamplingParams
+from ...kernels.mock import MockExecutor
+
 
 class MockToken(NamedTuple):
     index: int                      # position in the output
@@ -39,9 +43,6 @@ class MockTokens:
 def token_sequence() -> tuple:
     """(token ids, their texts): one cycle of the mock executor's sequence, each token's text
     as tokenwire's own detokenizer streams it ("" while a UTF-8 character is incomplete)."""
-    from ...core.detokenizer import Detokenizer
-    from ...kernels.mock import MockExecutor
-    from ...core.sampling_params import SamplingParams
     executor = MockExecutor(step_us=0)
     ids = list(executor.text_token_ids)
     stream = Detokenizer(executor.tokenizer).stream([], SamplingParams())

@@ -26,21 +26,15 @@ from typing import Optional
 
 import numpy as np
 
+from ...core.options import EngineOptions
+from ..model import ReferenceModel
+from ..model_runner import ModelRunner, create_runner
 from ..reference import dequantize_int4
+from .ext import AVAILABLE, IMPORT_ERROR, ISAS, PRECISIONS, _cpu, _require
+from .model import CpuModel
 
 log = logging.getLogger(__name__)
 
-try:
-    from . import _cpu
-    AVAILABLE = True
-    IMPORT_ERROR: Optional[str] = None
-except ImportError as exc:       # no compiler at install time: numpy reference only
-    _cpu = None
-    AVAILABLE = False
-    IMPORT_ERROR = str(exc)
-
-ISAS = ("scalar", "avx2", "avx512")
-PRECISIONS = ("fp32", "int8")
 _warned = False
 
 
@@ -52,10 +46,6 @@ def warn_fallback() -> None:
         log.warning("tokenwire C kernels are not built (%s); using the slow numpy reference. "
                     "Rebuild with: pip install -e . --no-build-isolation --no-deps", IMPORT_ERROR)
 
-
-def _require() -> None:
-    if not AVAILABLE:
-        raise RuntimeError(f"the tokenwire C kernels are not built ({IMPORT_ERROR})")
 
 
 # ------------------------------------------------------------------ machine settings
@@ -178,8 +168,11 @@ def create_model(config, tensors, block_size: int = 16, num_blocks: Optional[int
                  activations: str = "fp32"):
     """The CPU forward object: the C model, or the numpy reference (with a warning) without it."""
     if AVAILABLE:
-        from .model import CpuModel
         return CpuModel(config, tensors, block_size, num_blocks, activations=activations)
     warn_fallback()
-    from ..model import ReferenceModel
     return ReferenceModel(config, tensors, block_size, num_blocks)
+
+
+def create_executor(engine, options: EngineOptions, max_model_len: int) -> ModelRunner:
+    """kernels.BACKENDS["cpu"]: the C forward (the numpy reference, with a warning, when not built)."""
+    return create_runner(engine, options, max_model_len, create_model)

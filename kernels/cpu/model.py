@@ -1,9 +1,9 @@
 """The C forward as the CPU backend's forward object.
 
 Contract: `CpuModel(config, tensors, block_size, num_blocks, activations="fp32")` takes the
-same arguments as `core.model.ReferenceModel` and has the same `forward(ForwardBatch) ->
+same arguments as `kernels.model.ReferenceModel` and has the same `forward(ForwardBatch) ->
 float32 [S_sample, vocab]`, with its own float32 paged KV cache of `num_blocks` x
-`block_size`, so `core.model_runner.ModelRunner` drives either. One call runs the whole step
+`block_size`, so `kernels.model_runner.ModelRunner` drives either. One call runs the whole step
 in C (kernels/cpu/src/model.c) on the thread pool with the GIL released.
 
 `activations="fp32"` matches the reference to float32 accumulation order (the stories260K
@@ -23,7 +23,7 @@ from ...core.config import ModelConfig
 from ..forward_batch import ForwardBatch
 from ..engine_format import linear_shapes, vector_shapes
 from ..rope import rope_inv_freq
-from . import PRECISIONS, _cpu, _require
+from .ext import PRECISIONS, _cpu, _require
 
 LAYER_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 LAYER_VECTORS = ("attn_norm", "mlp_norm", "qkv_bias")

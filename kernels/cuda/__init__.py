@@ -13,25 +13,31 @@ Folder map (one concern per file):
   executor.py        CudaExecutor: the Executor of core/executor.py
   verify_on_gpu.sh   one command for a GPU machine: build, tests, golden, benchmark
 
-`create_executor(engine, **options)` is what `--backend cuda` calls. cuda-python is
+`create_executor(engine, options)` is the "cuda" row of kernels.BACKENDS. cuda-python is
 imported only when an executor is made, so CPU-only installs never need it.
 """
 
 from typing import Optional
 
+from ...core.options import EngineOptions
+from .build import kernel_image
+from .driver import CudaError
+from .executor import CudaExecutor, CudaOptions
 
-def create_executor(engine, *, block_size: int = 16, num_blocks: Optional[int] = None,
-                    max_model_len: Optional[int] = None, max_num_seqs: int = 256,
-                    max_num_batched_tokens: int = 2048, driver=None, image_fn=None, **options):
-    """An engine directory (or a loaded engine_build Engine) -> CudaExecutor.
 
-    `options` are CudaOptions fields (kv_dtype, use_graphs, pdl, device, ...); `driver` and
-    `image_fn` replace the real driver and kernel build (tests pass kernels/cuda/fake.py)."""
-    from .build import kernel_image
-    from .executor import CudaExecutor, CudaOptions
-    if not hasattr(engine, "tensors"):
-        from ..engine_format import load_engine
-        engine = load_engine(engine)
-    opts = CudaOptions(block_size=block_size, num_blocks=num_blocks, max_model_len=max_model_len,
-                       max_batch=max_num_seqs, max_num_tokens=max_num_batched_tokens, **options)
-    return CudaExecutor(engine.config, engine.tensors, opts, driver=driver, image_fn=image_fn or kernel_image)
+def create_executor(engine, options: EngineOptions, max_model_len: Optional[int] = None, *, driver=None,
+                    image_fn=None, **cuda_options):
+    """kernels.BACKENDS["cuda"]: a loaded engine directory -> CudaExecutor.
+
+    The shared options (block size, KV blocks, batch and token budgets, context) come from
+    `options`; `cuda_options` are the CUDA-only CudaOptions fields (kv_dtype, use_graphs, pdl,
+    device, ...); `driver` and `image_fn` replace the real driver and kernel build (tests pass
+    kernels/cuda/fake.py). Raises ValueError when the backend cannot run here (no
+    cuda-python, no driver, no device)."""
+    opts = CudaOptions(block_size=options.block_size, num_blocks=options.num_kv_blocks, max_model_len=max_model_len,
+                       max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
+                       **cuda_options)
+    try:
+        return CudaExecutor(engine.config, engine.tensors, opts, driver=driver, image_fn=image_fn or kernel_image)
+    except CudaError as exc:
+        raise ValueError(f"the cuda backend is not available: {exc}") from None

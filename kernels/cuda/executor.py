@@ -26,9 +26,11 @@ from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ...core.config import ModelConfig
+from ...core.options import DEFAULTS
 from ...core.executor import SeqStep, StepOutput
 from .build import kernel_image
 from .device import Device
+from .driver import CudaDriver
 from .forward import (LARGE_SPLIT, KVCache, StepGeometry, decode_splits, launch_forward, launch_sampler,
                       make_activations, matmul_workspace, plan_activations, queries_per_item)
 from .kernels import MAX_TOP_LOGPROBS
@@ -42,15 +44,15 @@ KV_DTYPES = {"float32": 4, "float16": 2}
 
 @dataclass(frozen=True)
 class CudaOptions:
-    block_size: int = 16
+    block_size: int = DEFAULTS.block_size
     num_blocks: Optional[int] = None        # None: kv_memory_fraction of the memory left after the rest
     kv_memory_fraction: float = 0.85
     kv_dtype: str = "float32"               # "float16" halves the cache; float32 matches the reference
-    max_batch: int = 256                    # sequences per step
-    max_num_tokens: int = 2048              # tokens per eager step (prefill chunk budget)
+    max_num_seqs: int = DEFAULTS.max_num_seqs                       # sequences per step
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens   # tokens per eager step (prefill chunk budget)
     max_model_len: Optional[int] = None     # None: min(max_position_embeddings, 8192)
     use_graphs: bool = True
-    graph_batch_sizes: Optional[tuple] = None   # None: 1, 2, 4, ... up to max_batch
+    graph_batch_sizes: Optional[tuple] = None   # None: 1, 2, 4, ... up to max_num_seqs
     capture_at_start: bool = True           # capture the greedy decode graphs in __init__
     matmul: str = "auto"                    # "tc" (sm_80+), "simt", or auto
     activations: str = "exact"              # INT4 tensor-core products: "exact" (hi/lo fp16 pair) or "fp16"
@@ -73,7 +75,7 @@ class CudaOptions:
             raise ValueError(f"wait must be spin or block, got {self.wait!r}")
         if self.split_size % 32 or self.split_size <= 0:
             raise ValueError(f"split_size must be a positive multiple of 32, got {self.split_size}")
-        for name in ("block_size", "max_batch", "max_num_tokens", "ring_slots"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "ring_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -91,7 +93,6 @@ class CudaExecutor:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], options: CudaOptions = CudaOptions(),
                  driver=None, image_fn: Callable[[str], bytes] = kernel_image,
                  on_ready: Optional[Callable[[int], None]] = None):
-        from .driver import CudaDriver
         o = self.options = options
         self.config = c = config
         if c.head_dim > 256 or c.head_dim % 2:
@@ -102,7 +103,7 @@ class CudaExecutor:
         self.block_size = o.block_size
         self.max_model_len = o.max_model_len or min(c.max_position_embeddings, 8192)
         self.max_blocks = -(-self.max_model_len // o.block_size)         # block table width
-        self.max_tokens = max(o.max_num_tokens, o.max_batch)
+        self.max_tokens = max(o.max_num_batched_tokens, o.max_num_seqs)
         self.on_ready = on_ready
         self.qpi = queries_per_item(c)
         self.buckets = self._buckets()
@@ -137,22 +138,22 @@ class CudaExecutor:
         ws, counters = matmul_workspace(linears, self.max_tokens, self.dev.num_sms, o.activations)
         c = self.config
         ws_entries = max([b * c.num_heads * n for b, (n, _) in self.decode_splits.items()]
-                         + [o.max_batch * c.num_heads * self.eager_splits])
-        plan = plan_activations(c, self.max_tokens, o.max_batch, ws_entries, ws, counters)
+                         + [o.max_num_seqs * c.num_heads * self.eager_splits])
+        plan = plan_activations(c, self.max_tokens, o.max_num_seqs, ws_entries, ws, counters)
         base = drv.mem_alloc(plan["_total"])
         drv.memset_async(base, plan["_total"], self.dev.copy_stream)     # padding columns and counters start at zero
-        return make_activations(plan, base, self.max_tokens, o.max_batch, ws_entries, o.activations)
+        return make_activations(plan, base, self.max_tokens, o.max_num_seqs, ws_entries, o.activations)
 
     def _alloc_meta(self) -> tuple:
         o = self.options
-        worst = eager_layout(self.max_tokens, o.max_batch, o.max_batch, self.max_blocks,
-                             self.max_tokens + o.max_batch, o.max_penalty_tokens)
-        graph = decode_layout(o.max_batch, self.max_blocks, o.max_penalty_tokens)
+        worst = eager_layout(self.max_tokens, o.max_num_seqs, o.max_num_seqs, self.max_blocks,
+                             self.max_tokens + o.max_num_seqs, o.max_penalty_tokens)
+        graph = decode_layout(o.max_num_seqs, self.max_blocks, o.max_penalty_tokens)
         nbytes = max(worst.nbytes, graph.nbytes)
-        base = self.drv.mem_alloc(nbytes + 12 * o.max_batch)
+        base = self.drv.mem_alloc(nbytes + 12 * o.max_num_seqs)
         # static attention work items of the decode graphs: row i is sequence i's one query
         self.static_items = base + nbytes
-        items = np.stack([np.arange(o.max_batch), np.arange(o.max_batch), np.ones(o.max_batch)], 1).astype(np.int32)
+        items = np.stack([np.arange(o.max_num_seqs), np.arange(o.max_num_seqs), np.ones(o.max_num_seqs)], 1).astype(np.int32)
         self._static_items_host = items
         self.drv.memcpy_htod_async(self.static_items, items, items.nbytes, self.dev.copy_stream)
         return nbytes, base
@@ -178,7 +179,7 @@ class CudaExecutor:
 
     def _make_slot(self) -> RingSlot:
         drv, o = self.drv, self.options
-        out_bytes = self._out_bytes(o.max_batch, logprobs=True)
+        out_bytes = self._out_bytes(o.max_num_seqs, logprobs=True)
         return RingSlot(drv.host_alloc(self.meta_bytes), drv.host_alloc(out_bytes),
                         drv.event_create(timing=o.timing_events),
                         drv.event_create(timing=o.timing_events, blocking=o.wait == "block"))
@@ -186,20 +187,20 @@ class CudaExecutor:
     def _out_bytes(self, rows: int, logprobs: bool) -> int:
         """Bytes from acts.tokens to copy back: the ids, or the ids and every logprob array."""
         a = self.acts
-        return rows * 4 if not logprobs else (a.top_logprobs - a.tokens) + self.options.max_batch * MAX_TOP_LOGPROBS * 8
+        return rows * 4 if not logprobs else (a.top_logprobs - a.tokens) + self.options.max_num_seqs * MAX_TOP_LOGPROBS * 8
 
     def _buckets(self) -> tuple:
         o = self.options
         if o.graph_batch_sizes:
             sizes = sorted(set(int(b) for b in o.graph_batch_sizes))
-            if sizes[0] < 1 or sizes[-1] > o.max_batch:
-                raise ValueError(f"graph_batch_sizes must lie in [1, max_batch={o.max_batch}], got {sizes}")
+            if sizes[0] < 1 or sizes[-1] > o.max_num_seqs:
+                raise ValueError(f"graph_batch_sizes must lie in [1, max_num_seqs={o.max_num_seqs}], got {sizes}")
             return tuple(sizes)
         sizes, b = [], 1
-        while b < o.max_batch:
+        while b < o.max_num_seqs:
             sizes.append(b)
             b *= 2
-        return tuple(sizes + [o.max_batch])
+        return tuple(sizes + [o.max_num_seqs])
 
     # ------------------------------------------------------------ the step (hot path)
 
@@ -273,7 +274,7 @@ class CudaExecutor:
     def _launch_eager(self, slot: RingSlot, seqs: Sequence[SeqStep], rows: Sequence[SeqStep]) -> None:
         o, c = self.options, self.config
         T = sum(len(s.token_ids) for s in seqs)
-        check_eager(seqs, T, self.max_tokens, o.max_batch, self.max_model_len, self.max_blocks, o.block_size,
+        check_eager(seqs, T, self.max_tokens, o.max_num_seqs, self.max_model_len, self.max_blocks, o.block_size,
                     self.num_blocks, self.config.vocab_size)
         ld_bt = max(1, max(len(s.block_table) for s in seqs))
         num_items = count_items(seqs, self.qpi)

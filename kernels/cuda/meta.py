@@ -193,13 +193,13 @@ def needs_full_sampler(seqs: Sequence[SeqStep]) -> bool:
     return any(not s.sampling.greedy or s.sampling.logprobs is not None or s.sampling.has_penalties for s in seqs)
 
 
-def check_eager(seqs, T: int, max_tokens: int, max_batch: int, max_model_len: int, max_blocks: int,
+def check_eager(seqs, T: int, max_tokens: int, max_num_seqs: int, max_model_len: int, max_blocks: int,
                 block_size: int, num_blocks: int, vocab_size: int) -> None:
     """An eager step's limits, each failure named (cheap next to the step itself)."""
     if T > max_tokens:
-        raise ValueError(f"a step of {T} tokens exceeds the CUDA executor's max_num_tokens {max_tokens}")
-    if len(seqs) > max_batch:
-        raise ValueError(f"a step of {len(seqs)} sequences exceeds the CUDA executor's max_batch {max_batch}")
+        raise ValueError(f"a step of {T} tokens exceeds the CUDA executor's max_num_batched_tokens {max_tokens}")
+    if len(seqs) > max_num_seqs:
+        raise ValueError(f"a step of {len(seqs)} sequences exceeds the CUDA executor's max_num_seqs {max_num_seqs}")
     for s in seqs:
         end = s.start_pos + len(s.token_ids)
         if end > max_model_len:

@@ -12,9 +12,10 @@ SIGTERM or Ctrl-C: GOAWAY to every client, in-flight streams finish, exit 0.
 import logging
 import sys
 
-from .events import BUSY_POLL_US, Limits
-
-BACKENDS = ("cpu", "reference", "mock", "cuda")
+from .core.options import DEFAULTS
+from .kernels import BACKENDS
+from .net.events import BUSY_POLL_US, Limits
+from .server import Server
 
 
 def _positive_int(text: str) -> int:
@@ -45,20 +46,27 @@ _non_negative_float.__name__ = "non-negative number"
 
 def add_arguments(parser) -> None:
     d = Limits()
-    parser.add_argument("--model", default=None, metavar="PATH|org/name",
+    parser.add_argument("--model", default=DEFAULTS.model, metavar="PATH|org/name",
                         help="engine directory, Hugging Face model directory or hub name "
                              "(default: the embedded default model, built on first use)")
-    parser.add_argument("--backend", default="cpu", choices=BACKENDS,
-                        help="cpu: C kernels (numpy if not built); reference: numpy; mock: fixed story at "
-                             "--mock-step-us per step; cuda: NVIDIA GPU (default: %(default)s)")
+    parser.add_argument("--backend", default=DEFAULTS.backend, choices=tuple(BACKENDS),
+                        help="; ".join(f"{name}: {row.description}" for name, row in BACKENDS.items())
+                             + " (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=_port, default=8000, help="port to bind, 0 for any (default: %(default)s)")
     parser.add_argument("--served-model-name", default=None, help="the model id in /v1/models and responses")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template (or a tokenizer_config.json) overriding the model's")
-    parser.add_argument("--max-model-len", type=_positive_int, default=None, help="context length (default: the model's)")
-    parser.add_argument("--max-num-seqs", type=_positive_int, default=256, help="largest running batch (default: %(default)s)")
-    parser.add_argument("--mock-step-us", type=_non_negative_float, default=0.0,
+    parser.add_argument("--max-model-len", type=_positive_int, default=DEFAULTS.max_model_len,
+                        help="context length (default: the model's)")
+    parser.add_argument("--max-num-seqs", type=_positive_int, default=DEFAULTS.max_num_seqs,
+                        help="largest running batch (default: %(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULTS.max_num_batched_tokens,
+                        help="tokens per engine step: prefill chunks plus one per decoding request "
+                             "(default: %(default)s)")
+    parser.add_argument("--max-queued-requests", type=_positive_int, default=DEFAULTS.max_queued_requests,
+                        help="requests waiting for the engine before 429 (default: %(default)s)")
+    parser.add_argument("--mock-step-us", type=_non_negative_float, default=DEFAULTS.mock_step_us,
                         help="mock backend: microseconds per engine step (default: %(default)s, zero cost)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
@@ -72,8 +80,6 @@ def add_arguments(parser) -> None:
                         help="largest request header block in bytes (default: %(default)s)")
     parser.add_argument("--idle-timeout", type=_non_negative_float, default=d.idle_timeout_s, metavar="SECONDS",
                         help="close connections idle this long (default: %(default)s)")
-    parser.add_argument("--max-queued-requests", type=_positive_int, default=d.max_queued_requests,
-                        help="requests waiting for the engine before 429 (default: %(default)s)")
     parser.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"),
                         help="event loop (default: %(default)s)")
     parser.add_argument("--busy-poll-us", type=_non_negative_float, default=BUSY_POLL_US, metavar="US",
@@ -89,14 +95,13 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         limits = Limits(max_body_bytes=args.max_body_bytes, max_concurrent_streams=args.max_concurrent_streams,
-                        max_header_list_size=args.max_header_list_size, idle_timeout_s=args.idle_timeout,
-                        max_queued_requests=args.max_queued_requests)
-        from .server import Server
-        server = Server(args.model, backend=args.backend, host=args.host, port=args.port, loop=args.loop,
-                        tls_cert=args.tls_cert, tls_key=args.tls_key, api_key=args.api_key, limits=limits,
-                        served_model_name=args.served_model_name, chat_template=args.chat_template,
-                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        mock_step_us=args.mock_step_us, trace=args.trace, freeze_gc=True,
+                        max_header_list_size=args.max_header_list_size, idle_timeout_s=args.idle_timeout)
+        server = Server(args.model, backend=args.backend, served_model_name=args.served_model_name,
+                        chat_template=args.chat_template, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_queued_requests=args.max_queued_requests, mock_step_us=args.mock_step_us,
+                        host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                        api_key=args.api_key, limits=limits, trace=args.trace, freeze_gc=True,
                         busy_poll_us=args.busy_poll_us)
         return server.run()
     except (ValueError, OSError, ImportError) as exc:

@@ -1,0 +1,43 @@
+"""Every option that shapes the engine a server runs, with its default: written here and
+nowhere else.
+
+`tokenwire serve` makes its flags from these fields (tokenwire/serve.py reads the defaults),
+`tokenwire.Server` takes them as keyword arguments, and tokenwire/runtime.py builds the
+engine from one `EngineOptions`. Code that needs a default elsewhere (EngineCore's keyword
+arguments, the CUDA backend's options) refers to `DEFAULTS.<field>` instead of repeating
+the number. Network limits are net/'s own (`net/events.Limits`).
+"""
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: Optional[str] = None             # engine dir, HF dir, hub name or llama2.c .bin; None: the embedded default
+    backend: str = "cpu"                    # a row of kernels.BACKENDS
+    served_model_name: Optional[str] = None     # the id in /v1/models and responses (None: the model's name)
+    chat_template: Optional[str] = None     # a Jinja file (or tokenizer_config.json) overriding the model's
+    max_model_len: Optional[int] = None     # context length; None: the model's max_position_embeddings
+    max_num_seqs: int = 256                 # largest running batch
+    max_num_batched_tokens: int = 2048      # tokens per step (prefill chunks + decodes)
+    max_queued_requests: int = 1024         # requests waiting for the scheduler before 429
+    block_size: int = 16                    # tokens per KV block
+    num_kv_blocks: Optional[int] = None     # KV blocks; None: sized by the backend from its memory budget
+    kv_cache_bytes: Optional[int] = None    # that budget; None: the backend's default (1 GiB on the CPU)
+    mock_step_us: float = 0.0               # mock backend: microseconds per engine step
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "num_kv_blocks", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.mock_step_us >= 0:
+            raise ValueError(f"mock_step_us must be >= 0, got {self.mock_step_us}")
+
+
+DEFAULTS = EngineOptions()
+FIELDS = frozenset(f.name for f in fields(EngineOptions))

@@ -1,0 +1,76 @@
+"""The engine -> loop hand-off: one step at a time, two doorbells.
+
+The engine thread calls `on_step_threadsafe(step)` once per step (EngineCore.on_step): it
+queues the step, rings a doorbell the loop watches (an eventfd; core/doorbell.py) and waits
+on a second one until the loop has written the step, so the engine runs at most one step
+ahead of the wire: a slow loop makes batches bigger instead of letting steps pile up. Both
+rings release the GIL: on a shared core the woken thread runs at once instead of bouncing
+off the GIL, two context switches per step instead of ~five.
+
+On the loop, `write_pending()` hands each queued step to the writer (net/dispatch.py) and
+`release_engine()` lets the engine thread go on. The app writes pending steps before a
+read's new requests and releases the engine after them, so the engine's next step takes
+those requests (App.on_events).
+"""
+
+from collections import deque
+from typing import Callable
+
+from ..core.doorbell import Doorbell
+
+
+class StepHandoff:
+    def __init__(self, loop, write_step: Callable[[object], None]):
+        self.loop = loop
+        self._write_step = write_step       # called on the loop with each step (a core.outputs.StepTokens)
+        self._steps = deque()               # steps handed over by the engine thread, oldest first
+        self._step_ready = Doorbell()       # the engine rang, a step waits (watched by the loop)
+        self._step_taken = Doorbell()       # the loop wrote the step, the engine may go on
+        self._engine_waits = False          # a step was taken from _steps and the engine waits for its ring
+        self.detached = False
+        loop.add_reader(self._step_ready.fileno(), self._on_ready)
+
+    def on_step_threadsafe(self, step) -> None:
+        """Engine thread, once per step: hand the step over, then wait until the loop wrote it."""
+        if self.detached:
+            return
+        self._steps.append(step)
+        self._step_ready.ring()
+        self._step_taken.wait()
+
+    def _on_ready(self) -> None:
+        """Loop side: write the waiting step, then let the engine thread go on.
+
+        The engine is let go last: it needs the GIL for its next step anyway, and its step
+        then runs while this thread would only be returning to the event loop."""
+        self._step_ready.wait()
+        try:
+            self.write_pending()
+        finally:
+            self.release_engine()
+
+    def write_pending(self) -> None:
+        """Write the step the engine has handed over, if any. Call `release_engine` after
+        this, also when it raised."""
+        steps = self._steps
+        while steps:
+            self._engine_waits = True
+            self._write_step(steps.popleft())
+
+    def release_engine(self) -> None:
+        if self._engine_waits:
+            self._engine_waits = False
+            self._step_taken.ring()
+
+    def detach(self) -> None:
+        """The loop is stopping: never block the engine thread again (call on the loop's thread)."""
+        if self.detached:
+            return
+        self.detached = True
+        self.loop.remove_reader(self._step_ready.fileno())
+        self._step_taken.ring()
+
+    def close(self) -> None:
+        """Release the doorbells, once the engine thread has stopped."""
+        self._step_ready.close()
+        self._step_taken.close()

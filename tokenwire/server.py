@@ -1,0 +1,31 @@
+"""`tokenwire.Server`: the network server (net/server.py) around an engine that
+tokenwire/runtime.py builds from `EngineOptions`.
+
+    server = tokenwire.Server(backend="mock", port=0).start()   # own thread, own event loop
+    ... requests to server.url ...
+    server.stop()
+
+Keyword arguments that are `EngineOptions` fields (core/options.py: backend,
+max_model_len, max_num_seqs, ...) shape the engine; the rest go to net's Server (host,
+port, TLS, limits, ...). `tokenwire serve` is this class run on the main thread.
+"""
+
+from dataclasses import replace
+from functools import partial
+
+from .core.options import DEFAULTS, FIELDS, EngineOptions
+from .net.server import Server as NetServer
+from .runtime import build_engine
+
+
+class Server(NetServer):
+    def __init__(self, model: str | None = None, *, options: EngineOptions = DEFAULTS, engine=None,
+                 model_info=None, **kwargs):
+        engine_fields = {name: kwargs.pop(name) for name in list(kwargs) if name in FIELDS}
+        if engine is not None:          # a prebuilt engine: nothing to assemble
+            if model is not None or engine_fields:
+                raise ValueError("a prebuilt engine takes no model or engine options")
+            super().__init__(engine=engine, model_info=model_info, **kwargs)
+            return
+        self.options = replace(options, **engine_fields, **({"model": model} if model is not None else {}))
+        super().__init__(partial(build_engine, self.options), **kwargs)
