@@ -7,7 +7,8 @@ The repository keeps the design's layout (core/, kernels/, net/, engine_build/, 
 
 The C extension is optional at install time: with no working compiler the install still
 succeeds and tokenwire falls back to the numpy reference kernels, printing one warning
-when the CPU backend starts.
+when the CPU backend starts. With TOKENWIRE_REQUIRE_C=1 in the environment (CI sets it, in
+scripts/test.sh) a kernel that fails to compile fails the install instead, loudly.
 """
 
 import os
@@ -40,23 +41,32 @@ def cpu_kernel_sources(suffix=".c"):
     return sorted(os.path.join(src, f) for f in os.listdir(os.path.join(HERE, src)) if f.endswith(suffix))
 
 
+class RequiredBuildFailed(RuntimeError):
+    pass
+
+
 class OptionalBuildExt(build_ext):
-    """Build the C kernels when a compiler works; otherwise warn and install without them."""
+    """Build the C kernels when a compiler works; otherwise warn and install without them
+    (or fail, with TOKENWIRE_REQUIRE_C=1)."""
 
     def run(self):
         try:
             super().run()
         except Exception as exc:  # no compiler at all: distutils raises before building
-            self._warn(exc)
+            self._fail_or_warn(exc)
 
     def build_extension(self, ext):
         try:
             super().build_extension(ext)
         except Exception as exc:
-            self._warn(exc)
+            self._fail_or_warn(exc)
 
     @staticmethod
-    def _warn(exc):
+    def _fail_or_warn(exc):
+        if isinstance(exc, RequiredBuildFailed):
+            raise exc
+        if os.environ.get("TOKENWIRE_REQUIRE_C") == "1":
+            raise RequiredBuildFailed(f"tokenwire CPU kernels failed to build and TOKENWIRE_REQUIRE_C=1: {exc}") from exc
         print(f"WARNING: tokenwire CPU kernels not built ({exc}); the numpy reference will be used.",
               file=sys.stderr)
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.executor import SeqStep
+from ..core.options import DEFAULTS
 from ..core.sampling_params import SamplingParams
 from ..kernels import cpu
 from ..kernels.cpu.model import CpuModel
@@ -47,7 +48,7 @@ from .engine_cuda import add_cuda_arguments
 from .shapes import all_shapes, random_engine, shape_config
 
 LARGE_PROBE_BYTES = 1 << 30
-BLOCK_SIZE = 16
+BLOCK_SIZE = DEFAULTS.block_size          # the served engine's KV block (core/options.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,13 +34,14 @@ import numpy as np
 
 from ..core.config import ModelConfig
 from ..core.executor import SeqStep
+from ..core.options import DEFAULTS
 from ..core.sampling_params import SamplingParams
 from ..kernels.cuda.driver import CudaDriver, CudaUnavailable
 from ..kernels.cuda.executor import CudaExecutor, CudaOptions
 from ..kernels.cuda.weights import linear_bytes
 from .shapes import all_shapes, random_engine
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = DEFAULTS.block_size          # the served engine's KV block (core/options.py)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The standalone command: the options bench/engine.py shares, then the CUDA-only ones."""

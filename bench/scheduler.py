@@ -10,9 +10,9 @@ detokenization through the byte-table fast path, one RequestOutput per request, 
 per-token timeline stamp). Excluded: the executor (the mock's own work). Stop strings
 are off here; detokenization is also timed on its own, per token, for both decoders.
 
-`--sampling` times core/sampling.py's `sample()` instead (V = 32000 and 151936, batch 1 and
+`--sampling` times kernels/sampling.py's `sample()` instead (V = 32000 and 151936, batch 1 and
 64, greedy / temperature / top_p / top_k / min_p) against `sample_reference()` in the same run.
-`--forward-batch` times core/forward_batch.py's `build_forward_batch` (decode steps, a prefill,
+`--forward-batch` times kernels/forward_batch.py's `build_forward_batch` (decode steps, a prefill,
 a mixed step) against `build_forward_batch_reference` in the same run.
 
 Reference, measured in the same run: the bare cost of what the record contracts ask per
@@ -70,11 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rounds per batch size, fresh engine each (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--sampling", action="store_true",
-                        help="instead: core/sampling.py's sample() per step, fast path against the reference")
+                        help="instead: kernels/sampling.py's sample() per step, fast path against the reference")
     parser.add_argument("--vocab-sizes", type=batch_list, default=[32000, 151936],
                         help="with --sampling: comma-separated vocabulary sizes (default: 32000,151936)")
     parser.add_argument("--forward-batch", action="store_true",
-                        help="instead: core/forward_batch.py's build_forward_batch per step, against its reference")
+                        help="instead: kernels/forward_batch.py's build_forward_batch per step, against its reference")
 
 
 def make_engine(batch: int, max_tokens: int):

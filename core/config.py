@@ -1,7 +1,7 @@
 """Model hyperparameters: the one record every part of tokenwire agrees on.
 
 Importers (engine_build/) fill it from a checkpoint's config; the engine manifest stores it
-(`engine.json` -> "model"); the forward passes (core/model.py, kernels/) read it. Family
+(`engine.json` -> "model"); the forward passes (kernels/model.py, kernels/) read it. Family
 quirks are expressed as plain fields here, so no forward pass branches on a family name:
 
 - Gemma's RMSNorm `(1 + w)` is folded into the stored norm weights at build time;

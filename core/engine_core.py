@@ -81,7 +81,7 @@ class EngineCore:
         self._requests = {}                 # request_id -> Request; engine thread only
         self._arrival_seq = itertools.count()
         # Seeds for requests that gave none: one PRNG seeded once from the OS, so a submission
-        # costs no syscall. A request's stream is still its own (core/sampling.py).
+        # costs no syscall. A request's stream is still its own (kernels/sampling.py).
         self._seeds = random.Random(int.from_bytes(os.urandom(16), "little"))
         self._stop_id_sets = {}             # (stop_token_ids, ignore_eos) -> frozenset; requests share them
         self._thread: Optional[threading.Thread] = None

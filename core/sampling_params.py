@@ -3,7 +3,7 @@
 The server builds these from the API body; a bad value raises `InvalidParameter`
 naming the parameter, which net/ turns into a 400 with `param` set. Defaults follow the
 OpenAI API (temperature 1, top_p 1). `seed=None` means the scheduler draws one at
-submission, so every request samples from its own deterministic stream (see core/sampling.py).
+submission, so every request samples from its own deterministic stream (see kernels/sampling.py).
 """
 
 from dataclasses import dataclass, field

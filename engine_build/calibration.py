@@ -3,7 +3,7 @@ and fold AWQ's per-channel scales exactly into the float model.
 
 Contract:
 - `capture_activations(config, tensors, sequences)` runs the float reference forward
-  (core/model.py) over token sequences and returns `{projection name: Activations}`, the
+  (kernels/model.py) over token sequences and returns `{projection name: Activations}`, the
   inputs of every qkv/o/gate_up/down projection (and lm_head), split into rows the searches
   fit on and held-out rows the report measures on.
 - `fold_awq_layer(config, i, weights, vectors, acts, search)` rewrites one layer's float weights in place

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..core.config import ModelConfig
 from ..core.executor import SeqStep
+from ..core.options import DEFAULTS
 from ..core.sampling_params import SamplingParams
 from .engine_format import linear_shapes, vector_shapes
 from .forward_batch import ForwardBatch, build_forward_batch
@@ -129,7 +130,7 @@ class ReferenceModel:
     """Paged-KV numpy forward over engine tensors; see the module docstring."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray],
-                 block_size: int = 16, num_blocks: Optional[int] = None):
+                 block_size: int = DEFAULTS.block_size, num_blocks: Optional[int] = None):
         c = config
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")

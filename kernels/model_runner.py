@@ -4,7 +4,7 @@ Contract:
 - `ModelRunner(model, block_size, num_blocks)` implements `Executor` (core/executor.py) for
   any forward object with `.config` and `forward(ForwardBatch) -> float32 [S_sample, V]`
   that owns a paged KV cache of `num_blocks` x `block_size` (the numpy `ReferenceModel`
-  today; the C-kernel model plugs in the same way). Sampling is core/sampling.py.
+  today; the C-kernel model plugs in the same way). Sampling is kernels/sampling.py.
 - `kv_cache_num_blocks(...)` sizes the cache from a memory budget; `create_runner(...)` makes
   the runner for a loaded engine directory over any forward factory, and `create_executor`
   is the "reference" row of kernels.BACKENDS (kernels/cpu's row uses the C forward).

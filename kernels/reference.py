@@ -1,7 +1,7 @@
 """Readable numpy reference for the weight encodings of docs/ENGINE_FORMAT.md.
 
 Every fast kernel (kernels/cpu C, kernels/cuda) is tested against these functions, and
-the reference forward (core/model.py) uses them directly. Clarity over speed.
+the reference forward (kernels/model.py) uses them directly. Clarity over speed.
 """
 
 import numpy as np

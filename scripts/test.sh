@@ -13,7 +13,9 @@ if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
-python3 -m pip install -q -e '.[test]'
+# A C kernel that does not compile fails the install here (setup.py), instead of a warning
+# that would leave the suite testing the numpy fallback.
+TOKENWIRE_REQUIRE_C=1 python3 -m pip install -q -e '.[test]'
 # pytest exits 5 when it collects nothing; that must fail CI, and it does (set -e).
 # PYTHONSAFEPATH: `python -m` would put the repository root first on the import path, where
 # its folders (core/, kernels/, net/, ...) shadow installed top-level packages of the same

@@ -197,7 +197,7 @@ def test_gated_activations_match_the_reference_within_a_few_ulp(isa, gelu):
         bound += 4 * EPS32 * np.abs(0.5 * g64 * up)
     assert np.all(np.abs(out - exact) <= bound), np.max(np.abs(out - exact) / bound)
     with np.errstate(over="ignore"):                                          # exp(120) -> inf, as intended
-        ref = ((gelu_tanh if gelu else silu)(gate) * up).astype(np.float64)   # numpy float32, core/model.py
+        ref = ((gelu_tanh if gelu else silu)(gate) * up).astype(np.float64)   # numpy float32, kernels/model.py
     assert np.all(np.abs(ref - exact) <= bound)
 
 

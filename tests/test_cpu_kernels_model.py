@@ -1,5 +1,5 @@
 """The C forward (kernels/cpu/model.py) against its specification, the numpy reference
-forward (core/model.py), on the same engine tensors:
+forward (kernels/model.py), on the same engine tensors:
 
 - tiny random models of each family quirk (GQA/MQA, qkv bias, sliding window, GeGLU with an
   embedding multiplier and tied embeddings, Llama 3 RoPE scaling) in every weight encoding

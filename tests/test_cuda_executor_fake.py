@@ -2,7 +2,7 @@
 
 kernels/cuda/fake.py runs every kernel as a numpy twin, so these tests check what the host
 does — pointers, strides, grids, graph capture and replay, the pinned ring, events, the
-sampler's parameters — end to end against core/model.py and the CPU executor, and they
+sampler's parameters — end to end against kernels/model.py and the CPU executor, and they
 check the call log for the backend's rules: memory allocated once, one graph per bucket,
 `launch` never blocks, no synchronize while stepping.
 """

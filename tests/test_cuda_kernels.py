@@ -268,7 +268,7 @@ def test_rope_and_kv_append(gpu, cache, Hq, Hkv, hd):
 
 
 def one_sequence_attention(q, k_cache, v_cache, table, context_len, positions, window, scale):
-    """core/model.py's paged_attention for one sequence: q [n, Hq, hd] -> [n, Hq*hd]."""
+    """kernels/model.py's paged_attention for one sequence: q [n, Hq, hd] -> [n, Hq*hd]."""
     return paged_attention(q[None], k_cache, v_cache, table[None], np.array([context_len]), positions[None],
                            window, scale)[0]
 

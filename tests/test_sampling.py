@@ -20,7 +20,7 @@ def py_mix64(z):
 
 
 def py_uniform(seed, counter):
-    """The formula in core/sampling.py's docstring, in plain Python integers."""
+    """The formula in kernels/sampling.py's docstring, in plain Python integers."""
     x = (py_mix64(seed) + (counter + 1) * 0x9E3779B97F4A7C15) & M64
     return (py_mix64(x) >> 11) * 2.0 ** -53
 

@@ -4,7 +4,7 @@ as the fallback when the C extension was not built.
 Contract:
 - `AVAILABLE` says whether `tokenwire.kernels.cpu._cpu` (kernels/cpu/src, built by setup.py)
   imported. Without it everything here still works through kernels/reference.py and
-  core/model.py, and `create_model` logs one warning line saying so.
+  kernels/model.py, and `create_model` logs one warning line saying so.
 - `Int4Linear(qweight, scales, zeros, in_features)` prepares one engine-format INT4 weight
   (docs/ENGINE_FORMAT.md) once; calling it with x [M, K] float32 returns x @ W.T [M, N].
   `activations="fp32"` (default) agrees with the reference to float32 accumulation order;
@@ -26,7 +26,7 @@ from typing import Optional
 
 import numpy as np
 
-from ...core.options import EngineOptions
+from ...core.options import DEFAULTS, EngineOptions
 from ..model import ReferenceModel
 from ..model_runner import ModelRunner, create_runner
 from ..reference import dequantize_int4
@@ -164,7 +164,7 @@ def int8_error_bound(x: np.ndarray, w_abs: np.ndarray, group_size: int) -> np.nd
     return (d / 2) @ wp.reshape(w_abs.shape[0], -1, group_size).sum(axis=2).T  # [M, N]
 
 
-def create_model(config, tensors, block_size: int = 16, num_blocks: Optional[int] = None, *,
+def create_model(config, tensors, block_size: int = DEFAULTS.block_size, num_blocks: Optional[int] = None, *,
                  activations: str = "fp32"):
     """The CPU forward object: the C model, or the numpy reference (with a warning) without it."""
     if AVAILABLE:

@@ -20,8 +20,9 @@ from typing import Mapping, Optional
 import numpy as np
 
 from ...core.config import ModelConfig
-from ..forward_batch import ForwardBatch
+from ...core.options import DEFAULTS
 from ..engine_format import linear_shapes, vector_shapes
+from ..forward_batch import ForwardBatch
 from ..rope import rope_inv_freq
 from .ext import PRECISIONS, _cpu, _require
 
@@ -33,7 +34,7 @@ class CpuModel:
     """The C forward over engine tensors; see the module docstring."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray],
-                 block_size: int = 16, num_blocks: Optional[int] = None, *, activations: str = "fp32",
+                 block_size: int = DEFAULTS.block_size, num_blocks: Optional[int] = None, *, activations: str = "fp32",
                  threads: Optional[int] = None):
         _require()
         if activations not in PRECISIONS:

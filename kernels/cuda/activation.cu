@@ -1,4 +1,4 @@
-// Gated MLP activation, as core/model.py: act = f(gate) * up with f = silu (SwiGLU) or the tanh
+// Gated MLP activation, as kernels/model.py: act = f(gate) * up with f = silu (SwiGLU) or the tanh
 // GELU (GeGLU). gate_up: [T, ldg] fp32 holding gate in columns [0, I) and up in [I, 2I);
 // out: [T, ldo] fp32, columns [0, I).  grid (ceil(I / 256), T), block 256.
 #include "common.cuh"

@@ -1,4 +1,4 @@
-// Paged attention for prefill chunks and decode tokens alike (core/model.py's paged_attention):
+// Paged attention for prefill chunks and decode tokens alike (kernels/model.py's paged_attention):
 // each query at position p attends to its sequence's cached keys 0..p (the last `window`
 // only, when sliding_window > 0), gathered through the block table. The step's own K/V are
 // already in the cache (rope_kv_append runs first), so a chunk sees earlier chunks too.

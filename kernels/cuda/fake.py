@@ -4,7 +4,7 @@ Contract:
 - Device memory is numpy byte arrays behind fake addresses; copies and memsets move real
   bytes; every kernel of kernels/cuda/kernels.py runs as a numpy twin (`EMULATORS`) that
   reads its arguments by name, so the executor's pointers, strides and grids are exercised
-  end to end and its results can be compared with core/model.py.
+  end to end and its results can be compared with kernels/model.py.
 - Every call is logged in `calls` as (method, thread id); tests assert on the log (one
   allocation phase, graphs captured once and replayed, no synchronize while stepping...).
 - Streams execute at once by default. With `deferred=True` work queues and runs only when an

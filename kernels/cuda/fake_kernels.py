@@ -2,7 +2,7 @@
 
 Each twin takes the kernel's arguments by name (kernels/cuda/kernels.py) and the launch grid,
 checks what the real kernel requires of them (grid coverage, widths, alignment, workspace),
-and computes the kernel's result with core/model.py's and core/sampling.py's rules. They
+and computes the kernel's result with kernels/model.py's and kernels/sampling.py's rules. They
 follow the kernels' contracts, not their arithmetic order: numerics are the GPU tests' job.
 """
 

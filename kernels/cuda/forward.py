@@ -10,7 +10,7 @@ Contract:
   same code runs eager prefill steps and is captured into the decode CUDA graphs.
 - `launch_sampler(dev, acts, geom, mode, stream)` enqueues sampling ("greedy": argmax only;
   "full": penalties, every sampling rule, logprobs) into `acts.tokens` etc.
-Shapes follow core/model.py: h [T, D] residual stream, qkv [T, Hq*hd + 2 Hkv*hd], ...
+Shapes follow kernels/model.py: h [T, D] residual stream, qkv [T, Hq*hd + 2 Hkv*hd], ...
 """
 
 from typing import NamedTuple

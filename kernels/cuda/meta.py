@@ -124,7 +124,7 @@ def fill_decode(v: dict, seqs: Sequence[SeqStep], B: int, max_blocks: int, block
 
 
 def fill_eager(v: dict, seqs: Sequence[SeqStep], ld_bt: int, block_size: int, queries_per_item: int) -> None:
-    """Any mix of prefill chunks and decode tokens (mirrors core/forward_batch.py)."""
+    """Any mix of prefill chunks and decode tokens (mirrors kernels/forward_batch.py)."""
     tables = v["block_tables"].reshape(len(seqs), ld_bt)
     t = 0
     items, rows = [], []

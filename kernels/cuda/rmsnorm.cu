@@ -1,4 +1,4 @@
-// RMSNorm, as core/model.py's rms_norm: out = x / sqrt(mean(x^2) + eps) * w over the first D
+// RMSNorm, as kernels/model.py's rms_norm: out = x / sqrt(mean(x^2) + eps) * w over the first D
 // columns of each row.  x: [*, ldx] fp32, w: [D] fp32, out: [R, ldo] fp32 (columns >= D untouched).
 // Output row r reads input row rows[r] (the final norm gathers the rows that need logits), or
 // row r when rows is null. grid (R), block 256; the row is read twice (from L1 the second time).

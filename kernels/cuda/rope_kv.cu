@@ -1,8 +1,8 @@
-// RoPE on the new tokens' queries and keys (rotate-half layout, core/rope.py) and their K/V
+// RoPE on the new tokens' queries and keys (rotate-half layout, kernels/rope.py) and their K/V
 // written into the paged cache at each token's slot (block * block_size + offset).
 //   qkv:      [T, ldqkv] fp32, rows Q heads | K heads | V heads (bias already added)
 //   cos_sin:  float2 [max_positions, hd/2]: (cos, sin) rounded once from float64 angles, the
-//             same table core/rope.py computes, so rotations match the reference bit for bit
+//             same table kernels/rope.py computes, so rotations match the reference bit for bit
 //   q_out:    [T, ldq] fp32, the rotated queries
 //   k_cache, v_cache: one layer's [num_slots, Hkv, hd] in the cache dtype (fp32 or fp16)
 // grid (T), block 128. Products are rounded separately (no fused multiply-add), as numpy does.

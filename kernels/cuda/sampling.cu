@@ -1,7 +1,7 @@
-// Next-token sampling on the device, the same rules as core/sampling.py, so a step needs no
+// Next-token sampling on the device, the same rules as kernels/sampling.py, so a step needs no
 // host round trip: the ids land in a device buffer that one async copy moves to the host ring.
 //
-// Per row s (one block each), in core/sampling.py's order:
+// Per row s (one block each), in kernels/sampling.py's order:
 //   apply_penalties  repetition over prompt + output, then frequency / presence over the output,
 //                    into a copy of the row (logprobs still see the raw logits)
 //   sample_tokens    temperature 0: argmax (first maximum). Otherwise x = logit / T and
@@ -167,7 +167,7 @@ __device__ int sample_index_order(const RowView& r, double u, double* scratch) {
             cum += __shfl_sync(FULL_MASK, incl, 31);
         }
         // no crossing inside (u * total rounded up to the warp's end): its last token with
-        // weight, as core/sampling.py never steps past the last token with weight
+        // weight, as kernels/sampling.py never steps past the last token with weight
         if (lane == 0) picked = last_weighted;
     }
     __syncthreads();

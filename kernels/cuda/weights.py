@@ -9,7 +9,7 @@ Contract:
   rewrites the engine packing on the device) or stay in the engine packing for the SIMT
   kernel (matmul="simt", and any matrix whose zero points are not integers 0..15). Dense and
   int8 matrices keep row-major rows padded to 8 columns.
-- The RoPE cos/sin table is built here too (core/rope.py: float64 angles, rounded once).
+- The RoPE cos/sin table is built here too (kernels/rope.py: float64 angles, rounded once).
 `dev` is the `Device` (kernels/cuda/device.py): driver, streams and kernels.
 """
 

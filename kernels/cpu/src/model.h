@@ -1,6 +1,6 @@
 /* The C forward: one engine step of a Llama-family decoder as one thread-pool task.
  *
- * Same contract as the numpy reference (core/model.py), which is its specification: a flat
+ * Same contract as the numpy reference (kernels/model.py), which is its specification: a flat
  * batch of new tokens from many sequences (prefill chunks and decode tokens mixed), each
  * token's K/V written to its paged-cache slot before attention, every token attending to the
  * cached positions of its own sequence up to itself (optionally a sliding window), logits for
@@ -63,7 +63,7 @@ typedef struct {
     int activation;                 /* TW_ACT_* */
     int sliding_window;             /* 0: none */
     float eps, embed_mult, attn_scale;
-    double *inv_freq;               /* [head_dim / 2], from core/rope.py */
+    double *inv_freq;               /* [head_dim / 2], from kernels/rope.py */
     int prec;                       /* TW_PREC_F32 (exact) or TW_PREC_Q8 */
     /* weights */
     tw_weight embed, lm_head;       /* lm_head.kind == -1: tied to embed */

@@ -1,6 +1,6 @@
 /* The per-token pieces of a decoder layer besides the products: RMSNorm, RoPE, the gated
  * activation, the embedding row, and paged attention for one (token, KV head). Each mirrors
- * core/model.py's float32 operation order so the C forward agrees with the reference to
+ * kernels/model.py's float32 operation order so the C forward agrees with the reference to
  * float32 accumulation order (sums are the only place the order differs). */
 #include <math.h>
 #include <string.h>
@@ -23,7 +23,7 @@ void tw_residual_rms_norm(float *out, float *x, const float *add, const float *w
     tw_rms_norm(out, x, w, n, eps);
 }
 
-/* cs: cos [half] then sin [half] of pos * inv_freq, angles in float64 as core/rope.py. */
+/* cs: cos [half] then sin [half] of pos * inv_freq, angles in float64 as kernels/rope.py. */
 void tw_rope_table(float *cs, int pos, const double *inv_freq, int half) {
     for (int j = 0; j < half; j++) {
         const double angle = (double)pos * inv_freq[j];
