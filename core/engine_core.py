@@ -245,8 +245,10 @@ class EngineCore:
             except Exception as e:      # a bug in core: fail everything rather than die
                 log.exception("engine step raised; failing every request")
                 outputs = self._fail_everything(f"internal engine error: {type(e).__name__}: {e}")
-            self._deliver(outputs)
-            idle = not outputs and not self.num_scheduled
+            has_outputs = len(outputs) > 0      # one __len__ per step (a StepTokens' is Python)
+            if has_outputs:
+                self._deliver(outputs)
+            idle = not has_outputs and not self.num_scheduled
         self._deliver(self._fail_everything("the engine shut down"))
         if self._close_on_exit:
             self.executor.close()
@@ -269,8 +271,8 @@ class EngineCore:
                 self._sleeping = True       # submitters ring only a sleeping thread: once per sleep
             self._doorbell.wait()
 
-    def _deliver(self, outputs: list) -> None:
-        if outputs and self.on_step is not None:
+    def _deliver(self, outputs) -> None:
+        if self.on_step is not None and len(outputs):
             try:
                 self.on_step(outputs)
             except Exception:

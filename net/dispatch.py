@@ -67,7 +67,7 @@ class Dispatcher:
         self.exchanges: dict[int, Exchange] = {}
         self.step_times_ns = deque()        # filled by the engine thread (EngineCore.step_times_ns), drained here
         self.busy_poll = BusyPoller(self.exchanges)
-        self._touched = set()               # outboxes written during this step
+        self._touched = []                  # outboxes written during this step (Outbox.pending set)
         self._firsts = []                   # exchanges whose first token went out this step
 
     def attach(self, engine, model, loop) -> None:
@@ -99,7 +99,6 @@ class Dispatcher:
         now = time.monotonic_ns()
         exchanges = self.exchanges
         touched = self._touched
-        touch = touched.add
         itl = self.metrics.itl
         run_last = run_len = num_tokens = 0
         outputs = step.rows
@@ -135,7 +134,10 @@ class Dispatcher:
                     self._collect(ex, out)
             if finish is not None:
                 self._finish(ex, out, now)
-            touch(ex.outbox)
+            outbox = ex.outbox
+            if not outbox.pending:
+                outbox.pending = True
+                touched.append(outbox)
         for outbox in touched:
             outbox.write_step()
         touched.clear()
@@ -157,7 +159,7 @@ class Dispatcher:
         token counts are never read: it does not finish). -> (run_last, run_len, num_tokens)
         of the inter-token bookkeeping in `write_step`."""
         get = self.exchanges.get
-        touch = self._touched.add
+        touched = self._touched
         itl = self.metrics.itl
         run_last = run_len = num_tokens = 0
         for request_id, token_id, text in zip(step.request_ids, step.token_ids, step.texts):
@@ -177,7 +179,10 @@ class Dispatcher:
                 run_last, run_len = last, 0
             run_len += 1
             ex.queue((ex.key, prefix + dumps(text) + ex.suffix))
-            touch(ex.outbox)
+            outbox = ex.outbox
+            if not outbox.pending:
+                outbox.pending = True
+                touched.append(outbox)
         return run_last, run_len, num_tokens
 
     def _open_stream(self, ex: Exchange) -> None:
