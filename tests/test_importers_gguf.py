@@ -1,0 +1,269 @@
+"""GGUF import: tiny random models written with the `gguf` package (tests/gguf_files.py), built
+into engines, and checked against the file's own dequantization:
+
+- Q4_0: every imported INT4 matrix dequantizes bit-exactly to what the gguf package
+  dequantizes (after undoing llama.cpp's Q/K permutation), the report says "exact" with error 0,
+  and greedy decoding of the engine on the C backend equals the numpy reference run on the
+  source's dequantized float weights;
+- Q4_1 and Q4_K: the source's codes are kept (unpacked engine codes equal the file's nibbles),
+  scales and minimums rounded to float16 ("mapped"), and why Q4_K cannot in general be exact;
+- Q8_0, Q5_0, F16 and a Q4_K/Q8_0 mix: dequantized and requantized, with the error reported;
+- SentencePiece- and byte-level-BPE tokenizers and the chat template from the metadata;
+- `tokenwire build model.gguf -o OUT` and the `--model model.gguf` resolver;
+- bad files: truncated, unknown tensor type, mismatched shapes, metadata disagreeing with the
+  tensors, unsupported architecture: each a BuildError naming the file and the problem.
+"""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from gguf_files import SHAPE, gguf, llama_unpermute, write_gguf
+from tokenwire.cli import main
+from tokenwire.kernels.model import ReferenceModel, greedy_generate, linear_shapes
+from tokenwire.engine_build.build import BuildOptions, build_engine, open_source
+from tokenwire.kernels.engine_format import load_engine
+from tokenwire.core.errors import BuildError
+from tokenwire.engine_build.quantize import QuantOptions, dense_engine_tensors
+from tokenwire.kernels import cpu
+from tokenwire.kernels.reference import dequantize_int4, unpack_int4
+
+K_SHAPE = dict(dim=256, hidden=512)          # Q4_K blocks are 256 wide
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def canonical_expected(w: dict, config) -> dict:
+    """The source's dequantized weights (gguf_files' own unpermuted dequantization) fused as the engine fuses."""
+    out = {"embed": w["token_embd.weight"], "norm": w["output_norm.weight"]}
+    if "output.weight" in w:
+        out["lm_head"] = w["output.weight"]
+    for i in range(config.num_layers):
+        b, p = f"blk.{i}.", f"layers.{i}."
+        out[p + "qkv_proj"] = np.concatenate([w[b + "attn_q.weight"], w[b + "attn_k.weight"], w[b + "attn_v.weight"]])
+        out[p + "o_proj"] = w[b + "attn_output.weight"]
+        out[p + "gate_up_proj"] = np.concatenate([w[b + "ffn_gate.weight"], w[b + "ffn_up.weight"]])
+        out[p + "down_proj"] = w[b + "ffn_down.weight"]
+        out[p + "attn_norm"], out[p + "mlp_norm"] = w[b + "attn_norm.weight"], w[b + "ffn_norm.weight"]
+        if config.qkv_bias:
+            out[p + "qkv_bias"] = np.concatenate([w[b + f"attn_{x}.bias"] for x in "qkv"])
+    return out
+
+
+def engine_matrix(engine, name, shape):
+    t = engine.tensors
+    return dequantize_int4(t[f"{name}.qweight"], t[f"{name}.scales"], t[f"{name}.zeros"], shape[1])
+
+
+@pytest.fixture(scope="module")
+def q4_0_llama(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q4_0")
+    weights = write_gguf(root / "tiny.gguf", "llama", "Q4_0", chat_template=TEMPLATE)
+    out = build_engine(open_source(root / "tiny.gguf"), root / "engine", BuildOptions(evaluate=False))
+    return root, weights, load_engine(out)
+
+
+def test_q4_0_imports_bit_exact(q4_0_llama):
+    _, weights, engine = q4_0_llama
+    config = engine.config
+    expected = canonical_expected(weights, config)
+    for name, shape in linear_shapes(config).items():
+        assert engine.manifest["tensors"][name]["kind"] == "int4"
+        np.testing.assert_array_equal(engine_matrix(engine, name, shape), expected[name], err_msg=name)
+    report = engine.manifest["report"]["tensors"]
+    assert {r["origin"] for r in report.values()} == {"exact"}
+    assert all(r["weight_rel_error"] == 0.0 and r["source"] == "gguf Q4_0" for r in report.values())
+    assert engine.manifest["quantization"]["group_size"] == 32
+
+
+def test_q4_0_greedy_c_backend_equals_reference_on_dequantized_weights(q4_0_llama):
+    if not cpu.AVAILABLE:
+        pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
+    _, weights, engine = q4_0_llama
+    config = engine.config
+    expected = canonical_expected(weights, config)
+    dense = dense_engine_tensors(config, expected)
+    prompt = engine.encode_prompt("the cat in the hat")
+    want = greedy_generate(ReferenceModel(config, dense, block_size=4, num_blocks=32), prompt, 24)
+    from test_golden_stories import staggered_greedy
+    got = staggered_greedy(lambda bs, nb: cpu.create_model(config, engine.tensors, block_size=bs, num_blocks=nb),
+                           prompt, 24, copies=1, joins=(0,))
+    assert got[0] == want
+
+
+def test_q4_0_config_tokenizer_and_template(q4_0_llama):
+    _, _, engine = q4_0_llama
+    c = engine.config
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == (300, 64, 96, 2)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.rope_theta) == (4, 2, 16, 1e-6, 10000.0)
+    assert c.bos_token_id == 1 and c.eos_token_ids == (2,) and not c.tie_word_embeddings
+    ids = engine.encode_prompt("the cat in the hat")
+    assert ids[0] == 1 and engine.tokenizer.decode(ids[1:]) == "the cat in the hat"
+    assert engine.tokenizer.token_to_id("\u2581the") in ids            # highest-scored merge applied
+
+
+def test_q4_1_and_q4_k_keep_the_codes(tmp_path):
+    for qtype, shape in (("Q4_1", None), ("Q4_K", K_SHAPE)):
+        path = tmp_path / f"{qtype}.gguf"
+        weights = write_gguf(path, "qwen2", qtype, shape=shape)
+        engine = load_engine(build_engine(open_source(path), tmp_path / qtype, BuildOptions(evaluate=False)))
+        expected = canonical_expected(weights, engine.config)
+        report = engine.manifest["report"]["tensors"]
+        for name, shape_ in linear_shapes(engine.config).items():
+            got = engine_matrix(engine, name, shape_)
+            scale = np.abs(expected[name]).max()
+            assert np.abs(got - expected[name]).max() <= 2e-3 * scale, (qtype, name)
+            assert report[name]["origin"] in ("exact", "mapped") and report[name]["weight_rel_error"] < 2e-3
+        # the codes are the file's: the embedding's first block, nibbles in ggml's order
+        reader = gguf.GGUFReader(path)
+        t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        raw = np.asarray(t.data[0], dtype=np.uint8)
+        if qtype == "Q4_1":
+            want = np.concatenate([raw[4:20] & 15, raw[4:20] >> 4])
+        else:
+            want = np.concatenate([raw[16:48] & 15, raw[16:48] >> 4])      # sub-blocks 0 and 1
+        np.testing.assert_array_equal(unpack_int4(engine.tensors["embed.qweight"])[0, :len(want)], want)
+
+
+def q4_k_block(d: float, dmin: float, sc: int, m: int) -> np.ndarray:
+    """One Q4_K block (256 values) with every sub-block's scale `sc` and minimum `m`, codes 0..15 cycling."""
+    scales = np.zeros(12, dtype=np.uint8)
+    scales[0:4], scales[4:8], scales[8:12] = sc & 63 | (sc >> 4) << 6, m & 63 | (m >> 4) << 6, sc & 15 | (m & 15) << 4
+    q = (np.arange(256) % 16).astype(np.uint8).reshape(4, 2, 32)
+    qs = (q[:, 0] | (q[:, 1] << 4)).reshape(128)
+    head = np.array([d], dtype=np.float16).view(np.uint8).tolist() + np.array([dmin], dtype=np.float16).view(np.uint8).tolist()
+    return np.concatenate([np.array(head, dtype=np.uint8), scales, qs]).reshape(1, 144)
+
+
+def test_q4_k_is_exact_only_when_its_scales_are_float16():
+    """Why Q4_K is "mapped", not "exact": a sub-block's scale is d * sc, an fp16 times a 6-bit
+    integer, which needs up to 11 + 6 significant bits; the engine's fp16 scale holds 11. With
+    d = 1 + 2^-10 and sc = 63 the product 63.06... is not a float16, so no fp16 (s, z) can give
+    the same weights; with d = 2^-6, sc = 5, dmin = 2^-7, m = 10 every rounding is exact."""
+    from tokenwire.engine_build.gguf_import import q4_k_codes
+    inexact = q4_k_block(1 + 2 ** -10, 0.5, 63, 3)
+    assert np.float16(np.float32(1 + 2 ** -10) * 63) != np.float32(1 + 2 ** -10) * 63
+    codes = q4_k_codes(inexact, 1, 256)
+    assert codes.origin == "mapped"
+    source = gguf.quants.dequantize(inexact, gguf.GGMLQuantizationType.Q4_K).reshape(1, 256)
+    assert not np.array_equal(codes.dequantize(), source)
+    assert np.abs(codes.dequantize() - source).max() <= 2 ** -10 * np.abs(source).max()
+    exact = q4_k_block(2 ** -6, 2 ** -7, 5, 10)
+    codes = q4_k_codes(exact, 1, 256)
+    assert codes.origin == "exact"
+    np.testing.assert_array_equal(codes.dequantize(),
+                                  gguf.quants.dequantize(exact, gguf.GGMLQuantizationType.Q4_K).reshape(1, 256))
+
+
+@pytest.mark.parametrize("types", ["Q8_0", "Q5_0", "F16", {"attn_v": "Q8_0", "ffn_down": "Q8_0", "*": "Q4_K"}],
+                         ids=["Q8_0", "Q5_0", "F16", "Q4_K_mix"])
+def test_other_types_are_requantized_with_their_error(tmp_path, types):
+    shape = K_SHAPE if isinstance(types, dict) else None
+    weights = write_gguf(tmp_path / "m.gguf", "llama", types, shape=shape)
+    options = BuildOptions(QuantOptions(algorithm="rtn"), evaluate=False)     # awq would rescale the stored basis
+    engine = load_engine(build_engine(open_source(tmp_path / "m.gguf"), tmp_path / "e", options))
+    expected = canonical_expected(weights, engine.config)
+    report = engine.manifest["report"]["tensors"]
+    for name, shape_ in linear_shapes(engine.config).items():
+        row = report[name]
+        if row["encoding"] != "int4":
+            continue
+        got = engine_matrix(engine, name, shape_)
+        err = np.linalg.norm(got - expected[name]) / np.linalg.norm(expected[name])
+        assert row["weight_rel_error"] == pytest.approx(err, rel=1e-4) and 0 < err < 0.15, name
+        want = {"F16": "quantized", "Q8_0": "requantized", "Q5_0": "requantized"}.get(types if isinstance(types, str) else "")
+        if want:
+            assert row["origin"] == want
+    if isinstance(types, dict):
+        assert report["layers.0.qkv_proj"]["origin"] == "requantized"      # its V rows were Q8_0
+        assert report["layers.0.qkv_proj"]["source"] == "gguf Q4_K+Q8_0"
+        assert report["layers.0.gate_up_proj"]["origin"] == "mapped"
+        assert engine.manifest["quantization"]["group_size"] == 32
+
+
+def test_byte_level_tokenizer_and_chat_template(tmp_path):
+    write_gguf(tmp_path / "q.gguf", "qwen2", "Q4_0", chat_template=TEMPLATE)
+    src = open_source(tmp_path / "q.gguf")
+    engine = load_engine(build_engine(src, tmp_path / "e", BuildOptions(evaluate=False)))
+    assert engine.config.qkv_bias and engine.config.eos_token_ids == (engine.tokenizer.token_to_id("<|im_end|>"),)
+    assert engine.manifest["tokenizer"]["chat_template"] == TEMPLATE and not engine.manifest["tokenizer"]["add_bos"]
+    text = "the cat in the hat, 123!"
+    ids = engine.encode_prompt(text)
+    assert engine.tokenizer.decode(ids) == text
+    assert engine.tokenizer.token_to_id("Ġthe") in ids                  # the merges are applied
+    import jinja2
+    rendered = jinja2.Template(engine.manifest["tokenizer"]["chat_template"]).render(
+        messages=[{"role": "user", "content": "hi"}])
+    chat = engine.encode_chat(rendered)
+    assert chat[0] == engine.tokenizer.token_to_id("<|im_start|>")      # special tokens stay whole
+
+
+def test_cli_build_and_resolve(tmp_path, capsys):
+    write_gguf(tmp_path / "m.gguf", "llama", "Q4_0")
+    assert main(["build", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "out"), "--no-eval", "--quiet"]) == 0
+    engine = load_engine(tmp_path / "out")
+    assert engine.manifest["source"]["kind"] == "gguf"
+    from tokenwire.engine_build.resolve import resolve_model
+    path = resolve_model(str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache")
+    assert load_engine(path).manifest["report"]["tensors"]["embed"]["origin"] == "exact"
+    assert main(["build", str(tmp_path / "m.gguf"), "-o", str(tmp_path / "o2"), "--no-eval"]) == 0
+    assert "10 exact" in capsys.readouterr().err
+
+
+# ---- bad files --------------------------------------------------------------------------
+
+def expect_error(path, *fragments):
+    with pytest.raises(BuildError) as info:
+        open_source(path)
+    message = str(info.value)
+    assert str(path) in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_truncated_file(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama", "Q4_0")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) - 700])
+    expect_error(tmp_path / "cut.gguf", "truncated GGUF file", "runs past the end")
+    (tmp_path / "head.gguf").write_bytes(data[:300])
+    expect_error(tmp_path / "head.gguf", "GGUF")
+
+
+def test_unknown_tensor_type(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama", "Q4_0")
+    data = bytearray((tmp_path / "m.gguf").read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    expect_error(tmp_path / "bad.gguf", "unknown GGUF tensor type", "99")
+
+
+def test_tensor_shape_disagrees_with_metadata(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama", "Q4_0", shapes={"blk.1.ffn_down.weight": (64, 128)})
+    with pytest.raises(BuildError) as info:
+        build_engine(open_source(tmp_path / "m.gguf"), tmp_path / "e", BuildOptions(evaluate=False))
+    assert str(tmp_path / "m.gguf") in str(info.value)
+    assert "'blk.1.ffn_down.weight' has shape [64, 128], the metadata implies [64, 96]" in str(info.value)
+
+
+def test_metadata_disagrees_with_tensors(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama", "Q4_0", meta_overrides=dict(kv_heads=1))
+    with pytest.raises(BuildError, match=r"m\.gguf: GGUF tensor 'blk.0.attn_k.weight' has shape \[32, 64\], "
+                                         r"the metadata implies \[16, 64\]"):
+        build_engine(open_source(tmp_path / "m.gguf"), tmp_path / "e", BuildOptions(evaluate=False))
+    write_gguf(tmp_path / "v.gguf", "llama", "Q4_0", meta_overrides=dict(vocab=400))
+    expect_error(tmp_path / "v.gguf", "token_embd.weight only 300 rows")
+
+
+def test_missing_tensor_and_unsupported_architecture(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama", "Q4_0", skip={"blk.1.ffn_up.weight"})
+    with pytest.raises(BuildError, match="GGUF tensor 'blk.1.ffn_up.weight' is missing"):
+        build_engine(open_source(tmp_path / "m.gguf"), tmp_path / "e", BuildOptions(evaluate=False))
+    writer = gguf.GGUFWriter(str(tmp_path / "f.gguf"), "falcon")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    expect_error(tmp_path / "f.gguf", "GGUF architecture 'falcon' is not supported")
