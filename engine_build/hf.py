@@ -6,6 +6,10 @@ from chat_template.jinja / chat_template.json). Families: LlamaForCausalLM (incl
 `rope_type: llama3`), MistralForCausalLM (sliding window), Qwen2ForCausalLM (q/k/v bias),
 GemmaForCausalLM (embedding x sqrt(D), RMSNorm `1 + w` folded, GeGLU with tanh GELU).
 
+4-bit checkpoints (config.json `quantization_config`: AWQ, GPTQ, compressed-tensors) are read
+by hf_quantized.py: the canonical tensors are then their dequantization, and the SourceModel
+also carries their codes (`imported`), stored without rounding again.
+
 Both spellings of RoPE settings are understood: transformers < 5 writes `rope_theta` and
 `rope_scaling`; transformers 5 writes one `rope_parameters` dict holding both.
 
@@ -26,6 +30,8 @@ from ..core.config import ModelConfig, RopeScaling
 from ..core.errors import BuildError
 from ..kernels.engine_format import canonical_shapes
 from ..kernels.safetensors_io import SafetensorsFile
+from .hf_quantized import QuantizedCheckpoint
+from .imported import ImportedInt4, concat_rows
 from .source import LazyTensors, SourceModel, make_tokenizer_files
 from .tokenizer_convert import sentencepiece_model_to_tokenizer_json
 
@@ -51,10 +57,13 @@ def import_hf(path, kind: str = "hf", name: Optional[str] = None) -> SourceModel
     weights = WeightFiles(root)
     tokenizer, tokenizer_paths = read_hf_tokenizer(root, config)
     config = _with_tokenizer(config, tokenizer, root / "tokenizer.json")
-    tensors = _canonical_tensors(config, weights, FAMILIES[config.architecture], root)
+    quant = hf_config.get("quantization_config")
+    quantized = QuantizedCheckpoint(quant, weights, root / "config.json") if quant else None
+    tensors = _canonical_tensors(config, weights, FAMILIES[config.architecture], root, quantized)
     files = weights.paths + [root / "config.json"] + tokenizer_paths
     return SourceModel(kind=kind, path=str(path), name=name or root.name, config=config,
-                       tensors=tensors, tokenizer=tokenizer, files=files)
+                       tensors=tensors, tokenizer=tokenizer, files=files,
+                       imported=imported_int4(config, quantized) if quantized else None)
 
 
 def read_json(path: Path, required: bool = True):
@@ -269,30 +278,68 @@ class WeightFiles:
                                          f"config.json implies {list(shape)}")
         return shard.read_float(name)
 
+    def read_raw(self, name: str, shape: tuple) -> np.ndarray:
+        """The stored array of `name` in its own dtype (packed int32, g_idx), shape checked (-1: any)."""
+        shard = self._where.get(name)
+        if shard is None:
+            raise BuildError(self.root, f"tensor {name!r} is missing from the safetensors weights")
+        got = tuple(shard.shape(name))
+        if len(got) != len(shape) or any(w not in (-1, g) for w, g in zip(shape, got)):
+            raise BuildError(shard.path, f"tensor {name!r} has shape {list(got)}, config.json implies {list(shape)}")
+        return shard.read_raw(name)
 
-def _canonical_tensors(config: ModelConfig, weights: WeightFiles, family: str, origin) -> LazyTensors:
-    """Loaders for every canonical tensor: fusion (Q|K|V, gate|up) and Gemma's norm fold."""
+
+def linear_parts(config: ModelConfig) -> dict:
+    """canonical matrix name -> [(HF module prefix, [N, K])], rows stacked in this order."""
     D, I, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    parts = {}
+    for i in range(config.num_layers):
+        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        parts[p + "qkv_proj"] = [(a + "q_proj", (q, D)), (a + "k_proj", (kv, D)), (a + "v_proj", (kv, D))]
+        parts[p + "o_proj"] = [(a + "o_proj", (D, q))]
+        parts[p + "gate_up_proj"] = [(m + "gate_proj", (I, D)), (m + "up_proj", (I, D))]
+        parts[p + "down_proj"] = [(m + "down_proj", (D, I))]
+    if not config.tie_word_embeddings:
+        parts["lm_head"] = [("lm_head", (V, D))]
+    return parts
+
+
+def _canonical_tensors(config: ModelConfig, weights: WeightFiles, family: str, origin,
+                       quantized: Optional[QuantizedCheckpoint] = None) -> LazyTensors:
+    """Loaders for every canonical tensor: fusion (Q|K|V, gate|up) and Gemma's norm fold.
+    A 4-bit checkpoint's matrices are its own dequantization (hf_quantized.py)."""
+    D, V = config.hidden_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
     norm = (lambda w: w.astype(np.float32) + np.float32(1.0)) if family == "gemma" else (lambda w: w.astype(np.float32))
     read = weights.read
+    linear = quantized.read_float if quantized is not None else (lambda prefix, shape: read(prefix + ".weight", shape))
     loaders = {"embed": lambda: read("model.embed_tokens.weight", (V, D))}
+    for name, parts in linear_parts(config).items():
+        loaders[name] = lambda parts=parts: np.concatenate([linear(prefix, shape) for prefix, shape in parts])
     for i in range(config.num_layers):
         hf, p = f"model.layers.{i}.", f"layers.{i}."
         a = hf + "self_attn."
         loaders[p + "attn_norm"] = lambda n=hf + "input_layernorm.weight": norm(read(n, (D,)))
-        loaders[p + "qkv_proj"] = lambda a=a: np.concatenate(
-            [read(a + "q_proj.weight", (q, D)), read(a + "k_proj.weight", (kv, D)), read(a + "v_proj.weight", (kv, D))])
         if config.qkv_bias:
             loaders[p + "qkv_bias"] = lambda a=a: np.concatenate(
                 [read(a + "q_proj.bias", (q,)), read(a + "k_proj.bias", (kv,)), read(a + "v_proj.bias", (kv,))]
             ).astype(np.float32)
-        loaders[p + "o_proj"] = lambda a=a: read(a + "o_proj.weight", (D, q))
         loaders[p + "mlp_norm"] = lambda n=hf + "post_attention_layernorm.weight": norm(read(n, (D,)))
-        loaders[p + "gate_up_proj"] = lambda m=hf + "mlp.": np.concatenate(
-            [read(m + "gate_proj.weight", (I, D)), read(m + "up_proj.weight", (I, D))])
-        loaders[p + "down_proj"] = lambda m=hf + "mlp.": read(m + "down_proj.weight", (D, I))
     loaders["norm"] = lambda: norm(read("model.norm.weight", (D,)))
-    if not config.tie_word_embeddings:
-        loaders["lm_head"] = lambda: read("lm_head.weight", (V, D))
     return LazyTensors(canonical_shapes(config), loaders, origin)
+
+
+def imported_int4(config: ModelConfig, quantized: QuantizedCheckpoint) -> ImportedInt4:
+    """The checkpoint's 4-bit matrices as INT4 codes, fused like the float view."""
+    loaders, notes = {}, {}
+    for name, parts in linear_parts(config).items():
+        flags = [quantized.is_quantized(prefix) for prefix, _ in parts]
+        if not any(flags):
+            continue
+        if not all(flags):
+            raise BuildError(quantized.origin, f"{name}: the checkpoint quantizes only some of "
+                                               f"{', '.join(p for p, _ in parts)}")
+        loaders[name] = lambda parts=parts: concat_rows([quantized.read_codes(prefix, shape) for prefix, shape in parts])
+        notes[name] = quantized.description
+    return ImportedInt4(quantized.group_size, loaders, notes, frozenset(loaders))
