@@ -267,3 +267,25 @@ def test_missing_tensor_and_unsupported_architecture(tmp_path):
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
     expect_error(tmp_path / "f.gguf", "GGUF architecture 'falcon' is not supported")
+
+
+def test_serve_model_gguf(tmp_path):
+    """`tokenwire serve --model model.gguf`: built into the cache, then served (chat template from the file)."""
+    import signal
+
+    import httpx
+    from test_server_cli import Served
+    write_gguf(tmp_path / "tiny.gguf", "qwen2", "Q4_0", chat_template=TEMPLATE)
+    served = Served("--backend", "cpu", "--model", str(tmp_path / "tiny.gguf"),
+                    env={"TOKENWIRE_CACHE_DIR": str(tmp_path / "cache")}, timeout=240)
+    try:
+        assert httpx.get(served.url + "/v1/models").json()["data"][0]["id"] == "tiny"
+        out = httpx.post(served.url + "/v1/completions", json={"prompt": "the cat", "max_tokens": 4}, timeout=120).json()
+        assert out["usage"]["completion_tokens"] == 4
+        chat = httpx.post(served.url + "/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+        assert chat["usage"]["prompt_tokens"] > 2 and chat["usage"]["completion_tokens"] >= 1
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.wait() == 0
+    finally:
+        served.kill()
