@@ -4,7 +4,11 @@ Reads config.json, generation_config.json, model.safetensors (or the shards list
 model.safetensors.index.json), tokenizer.json and tokenizer_config.json (chat template also
 from chat_template.jinja / chat_template.json). Families: LlamaForCausalLM (incl. Llama 3
 `rope_type: llama3`), MistralForCausalLM (sliding window), Qwen2ForCausalLM (q/k/v bias),
-GemmaForCausalLM (embedding x sqrt(D), RMSNorm `1 + w` folded, GeGLU with tanh GELU).
+GemmaForCausalLM (embedding x sqrt(D), RMSNorm `1 + w` folded, GeGLU with tanh GELU),
+Qwen3ForCausalLM (per-head q/k RMSNorm), Gemma2ForCausalLM (sliding window on every other layer,
+attention-logit and final-logit soft-capping, norms before and after the attention and the MLP,
+softmax scale from query_pre_attn_scalar), Gemma3ForCausalLM (text: as Gemma 2 without the
+soft-capping, with per-head q/k norms and its own RoPE base on the sliding layers).
 
 4-bit checkpoints (config.json `quantization_config`: AWQ, GPTQ, compressed-tensors) are read
 by hf_quantized.py: the canonical tensors are then their dequantization, and the SourceModel
@@ -37,10 +41,15 @@ from .tokenizer_convert import sentencepiece_model_to_tokenizer_json
 
 # architecture -> family; the family decides the few defaults configs leave out
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-            "Qwen2ForCausalLM": "qwen2", "GemmaForCausalLM": "gemma"}
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-               "qwen2": "Qwen2ForCausalLM", "gemma": "GemmaForCausalLM"}
-TIED_BY_DEFAULT = {"gemma"}
+            "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma",
+            "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA = {"gemma", "gemma2", "gemma3"}      # RMSNorm (1 + w), embedding x sqrt(D), tied by default
+TIED_BY_DEFAULT = GEMMA
+QK_NORM = {"qwen3", "gemma3"}               # per-head RMSNorm on q and k (q_norm, k_norm [hd])
+POST_NORMS = {"gemma2", "gemma3"}           # norms on the attention and MLP outputs (sandwich norms)
 ACTIVATIONS = {"silu": "silu", "swish": "silu",
                "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh",
                "gelu_fast": "gelu_tanh"}
@@ -86,7 +95,9 @@ def model_config_from_hf(cfg: dict, generation_config: dict, origin) -> ModelCon
     try:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        rope_theta, rope_scaling = _rope(cfg, origin)
+        rope_theta, rope_scaling, rope_local_theta = _rope(cfg, origin)
+        window, sliding_layers = _sliding_window(cfg, family, origin)
+        pre_attn_scalar = cfg.get("query_pre_attn_scalar") if family in POST_NORMS else None
         config = ModelConfig(
             architecture=architecture,
             vocab_size=int(cfg["vocab_size"]),
@@ -103,8 +114,15 @@ def model_config_from_hf(cfg: dict, generation_config: dict, origin) -> ModelCon
             activation=_activation(cfg, origin),
             qkv_bias=family == "qwen2",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family in TIED_BY_DEFAULT)),
-            embedding_multiplier=math.sqrt(hidden) if family == "gemma" else 1.0,
-            sliding_window=_sliding_window(cfg, family, origin),
+            embedding_multiplier=math.sqrt(hidden) if family in GEMMA else 1.0,
+            sliding_window=window,
+            sliding_layers=sliding_layers,
+            qk_norm=family in QK_NORM,
+            post_norms=family in POST_NORMS,
+            attn_scale=float(pre_attn_scalar) ** -0.5 if pre_attn_scalar else None,
+            attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping")) if family in POST_NORMS else None,
+            final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")) if family in POST_NORMS else None,
+            rope_local_theta=rope_local_theta,
             bos_token_id=_first_id(generation_config.get("bos_token_id", cfg.get("bos_token_id"))),
             eos_token_ids=_ids(generation_config.get("eos_token_id")) + _ids(cfg.get("eos_token_id")),
         )
@@ -134,18 +152,34 @@ def _reject_unsupported_biases(cfg: dict, family: str, origin) -> None:
 
 
 def _rope(cfg: dict, origin) -> tuple:
-    """-> (rope_theta, RopeScaling | None) from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    """-> (rope_theta, RopeScaling | None, local theta | None) from `rope_parameters` (transformers 5)
+    or `rope_theta`/`rope_scaling`; Gemma 3 has one set per layer kind (transformers 5) or
+    `rope_local_base_freq` for its sliding layers."""
+    per_kind = cfg.get("rope_parameters") or {}
+    local = None
+    if isinstance(per_kind.get("full_attention"), dict):
+        local_params = per_kind.get("sliding_attention") or {}
+        if local_params.get("rope_type", "default") != "default":
+            raise BuildError(origin, f"RoPE scaling type {local_params.get('rope_type')!r} on sliding layers is not supported")
+        local = float(local_params["rope_theta"]) if "rope_theta" in local_params else None
+        per_kind = per_kind["full_attention"]
+    elif cfg.get("rope_local_base_freq") is not None:
+        local = float(cfg["rope_local_base_freq"])
     params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
+    params.update(per_kind)
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
-        return theta, None
+        return theta, None, local
     if rope_type != "llama3":
         raise BuildError(origin, f"RoPE scaling type {rope_type!r} is not supported (only 'llama3')")
     return theta, RopeScaling(factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
                               high_freq_factor=float(params["high_freq_factor"]),
-                              original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+                              original_max_position_embeddings=int(params["original_max_position_embeddings"])), local
+
+
+def _optional_float(value) -> Optional[float]:
+    return None if value is None else float(value)
 
 
 def _activation(cfg: dict, origin) -> str:
@@ -156,20 +190,35 @@ def _activation(cfg: dict, origin) -> str:
     return ACTIVATIONS[name]
 
 
-def _sliding_window(cfg: dict, family: str, origin) -> Optional[int]:
+def _sliding_window(cfg: dict, family: str, origin) -> tuple:
+    """-> (window or None, per-layer flags or None for all layers). Mistral slides on every layer;
+    the others say per layer (`layer_types`), or by their older fields: Qwen2's
+    `use_sliding_window` from `max_window_layers` on, Gemma 2 every other layer from the first,
+    Gemma 3 all but every `sliding_window_pattern`-th."""
     window = cfg.get("sliding_window")
     if family == "mistral":
-        return int(window) if window else None
-    if family != "qwen2" or not window:
-        return None
-    layer_types = cfg.get("layer_types") or [
-        "sliding_attention" if cfg.get("use_sliding_window") and i >= cfg.get("max_window_layers", 0)
-        else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
-    if all(t == "full_attention" for t in layer_types):
-        return None
-    if all(t == "sliding_attention" for t in layer_types):
-        return int(window)
-    raise BuildError(origin, "sliding-window attention on some layers only (Qwen2 max_window_layers) is not supported")
+        return (int(window) if window else None), None
+    if not window:
+        return None, None
+    num_layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types") or [_legacy_layer_type(cfg, family, i) for i in range(num_layers)]
+    if len(layer_types) != num_layers or any(t not in ("sliding_attention", "full_attention") for t in layer_types):
+        raise BuildError(origin, f"layer_types must name sliding_attention or full_attention for each of the "
+                                 f"{num_layers} layers, got {layer_types}")
+    sliding = tuple(t == "sliding_attention" for t in layer_types)
+    if not any(sliding):
+        return None, None
+    return int(window), (None if all(sliding) else sliding)
+
+
+def _legacy_layer_type(cfg: dict, family: str, i: int) -> str:
+    if family == "gemma2":
+        slides = i % 2 == 0
+    elif family == "gemma3":
+        slides = (i + 1) % int(cfg.get("sliding_window_pattern") or 6) != 0
+    else:
+        slides = bool(cfg.get("use_sliding_window")) and i >= int(cfg.get("max_window_layers") or 0)
+    return "sliding_attention" if slides else "full_attention"
 
 
 def _ids(value) -> tuple:
@@ -311,7 +360,8 @@ def _canonical_tensors(config: ModelConfig, weights: WeightFiles, family: str, o
     A 4-bit checkpoint's matrices are its own dequantization (hf_quantized.py)."""
     D, V = config.hidden_size, config.vocab_size
     q, kv = config.q_size, config.kv_size
-    norm = (lambda w: w.astype(np.float32) + np.float32(1.0)) if family == "gemma" else (lambda w: w.astype(np.float32))
+    norm = (lambda w: w.astype(np.float32) + np.float32(1.0)) if family in GEMMA else (lambda w: w.astype(np.float32))
+    hd = config.head_dim
     read = weights.read
     linear = quantized.read_float if quantized is not None else (lambda prefix, shape: read(prefix + ".weight", shape))
     loaders = {"embed": lambda: read("model.embed_tokens.weight", (V, D))}
@@ -325,7 +375,15 @@ def _canonical_tensors(config: ModelConfig, weights: WeightFiles, family: str, o
             loaders[p + "qkv_bias"] = lambda a=a: np.concatenate(
                 [read(a + "q_proj.bias", (q,)), read(a + "k_proj.bias", (kv,)), read(a + "v_proj.bias", (kv,))]
             ).astype(np.float32)
-        loaders[p + "mlp_norm"] = lambda n=hf + "post_attention_layernorm.weight": norm(read(n, (D,)))
+        if config.post_norms:       # Gemma 2/3: post_attention_layernorm is the attention output's norm
+            loaders[p + "post_attn_norm"] = lambda n=hf + "post_attention_layernorm.weight": norm(read(n, (D,)))
+            loaders[p + "mlp_norm"] = lambda n=hf + "pre_feedforward_layernorm.weight": norm(read(n, (D,)))
+            loaders[p + "post_mlp_norm"] = lambda n=hf + "post_feedforward_layernorm.weight": norm(read(n, (D,)))
+        else:
+            loaders[p + "mlp_norm"] = lambda n=hf + "post_attention_layernorm.weight": norm(read(n, (D,)))
+        if config.qk_norm:
+            loaders[p + "q_norm"] = lambda n=a + "q_norm.weight": norm(read(n, (hd,)))
+            loaders[p + "k_norm"] = lambda n=a + "k_norm.weight": norm(read(n, (hd,)))
     loaders["norm"] = lambda: norm(read("model.norm.weight", (D,)))
     return LazyTensors(canonical_shapes(config), loaders, origin)
 

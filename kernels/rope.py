@@ -15,11 +15,12 @@ import numpy as np
 from ..core.config import ModelConfig, RopeScaling
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """-> float64 [hd/2], the angle per position of each rotating pair."""
+def rope_inv_freq(config: ModelConfig, theta: float = None) -> np.ndarray:
+    """-> float64 [hd/2], the angle per position of each rotating pair (base `theta`, default the model's)."""
     hd = config.head_dim
     assert hd % 2 == 0, f"RoPE needs an even head_dim, got {hd}"
-    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    theta = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     if config.rope_scaling is not None:
         inv_freq = llama3_scale(inv_freq, config.rope_scaling)
     return inv_freq
