@@ -127,7 +127,15 @@ def family_case(request, tmp_path_factory):
         want = [hf_model(torch.tensor([s])).logits[0].numpy() for s in sequences]   # [len, V] each
     src = import_hf(directory)
     encoded, _, _ = quantize_model(src.config, src.tensors, QuantOptions(method="none"))
+    SOURCES[request.param] = src
     return request.param, src.config, encoded, sequences, want
+
+
+SOURCES = {}        # family -> the imported SourceModel of family_case
+
+
+def import_hf_cached(case):
+    return SOURCES[case[0]]
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
@@ -161,3 +169,25 @@ def test_each_family_exercises_its_quirk(family_case):
               "gemma3": config.qk_norm and config.post_norms and config.rope_local_theta == 10000.0
                         and config.rope_theta == 1e6 and config.sliding_layers == (True, False)}
     assert quirks[family]
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_c_backend_matches_the_reference_on_the_new_families(family_case, chunk):
+    """Qwen3 and Gemma 2/3 imported from transformers: the C forward (INT4 and dense) against the
+    reference, over sequences of 45 positions with Gemma's windows of 5 and 6."""
+    from tokenwire.kernels import cpu
+    family, config, encoded, sequences, want = family_case
+    if family not in ("qwen3", "gemma2", "gemma3"):
+        pytest.skip("the older families are covered by test_cpu_kernels_model.py")
+    if not cpu.AVAILABLE:
+        pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
+    src = import_hf_cached(family_case)
+    for tensors in (encoded, quantize_model(config, src.tensors, QuantOptions(algorithm="rtn", group_size=32))[0]):
+        tables = scattered_tables([len(s) for s in sequences], BLOCK_SIZE, 64, seed=3)
+        ref = run_reference(ReferenceModel(config, tensors, block_size=BLOCK_SIZE, num_blocks=64),
+                            sequences, PROMPT_LENS, chunk, tables)
+        got = run_reference(cpu.create_model(config, tensors, block_size=BLOCK_SIZE, num_blocks=64),
+                            sequences, PROMPT_LENS, chunk, tables)
+        scale = max(1.0, max(float(np.max(np.abs(v))) for v in ref.values()))
+        worst = max(float(np.max(np.abs(got[key] - ref[key]))) for key in ref)
+        assert worst < 2e-5 * scale, f"{family}: C vs reference {worst:.2e} (logits up to {scale:.1f})"
