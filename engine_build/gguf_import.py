@@ -1,14 +1,16 @@
 """GGUF importer (llama.cpp's file format): one `.gguf` file -> `SourceModel`.
 
 Read with the `gguf` package (GGUFReader memory-maps the file). Architectures: `llama`
-(Llama, Mistral) and `qwen2`. Hyperparameters come from `{arch}.*` metadata, the tokenizer
+(Llama, Mistral), `qwen2` and `qwen3` (per-head q/k norms `attn_q_norm` / `attn_k_norm`).
+Gemma 2/3 GGUFs are refused: llama.cpp derives their softmax scale and window pattern from
+the model size rather than from the file, so they are built from the Hugging Face checkpoint. Hyperparameters come from `{arch}.*` metadata, the tokenizer
 and chat template from `tokenizer.*` (gguf_tokenizer.py).
 
 Layout: GGUF dimensions are innermost first, so a tensor with ne = [K, N] is numpy [N, K], the
 nn.Linear (out x in) layout the engine wants: no transpose. llama.cpp's converter permutes the
 Q and K rows of `llama` models from Hugging Face's rotate-half RoPE layout to adjacent pairs;
 that is undone here (a row permutation, so quantized codes move with their rows untouched).
-`qwen2` is stored rotate-half (llama.cpp's NEOX RoPE) and is taken as is.
+`qwen2` and `qwen3` are stored rotate-half (llama.cpp's NEOX RoPE) and are taken as is.
 
 Encodings (per tensor, see imported.py for the origins):
 - Q4_0 (groups of 32, fp16 d, q in 0..15, w = d * (q - 8)): codes taken, zero point 8: exact.
@@ -38,7 +40,7 @@ from .imported import ImportedInt4, Int4Codes, codes_by_rtn, codes_from_affine, 
 from .llama2c import interleaved_to_rotate_half
 from .source import LazyTensors, SourceModel
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PERMUTED_QK = {"llama"}                 # llama.cpp's converter interleaves these models' Q/K rows
 FLOAT_TYPES = ("F32", "F16", "BF16")
 GROUP_SIZE = 32                         # Q4_0, Q4_1 and Q4_K sub-blocks
@@ -146,6 +148,7 @@ def read_config(meta: Metadata, tensors: dict) -> ModelConfig:
                            rms_norm_eps=_decimal(meta.model("attention.layer_norm_rms_epsilon", 1e-5)),
                            rope_theta=_decimal(meta.model("rope.freq_base", 10000.0)),
                            qkv_bias="blk.0.attn_q.bias" in tensors,
+                           qk_norm="blk.0.attn_q_norm.weight" in tensors,
                            tie_word_embeddings="output.weight" not in tensors,
                            sliding_window=int(window) if window else None)
     except ValueError as exc:
@@ -195,6 +198,9 @@ class GgufTensors:
             if c.qkv_bias:
                 out[p + "qkv_bias"] = lambda b=b: np.concatenate(
                     [self.read_float(b + f"attn_{x}.bias") for x in ("q", "k", "v")])
+            if c.qk_norm:
+                out[p + "q_norm"] = lambda b=b: self.read_float(b + "attn_q_norm.weight")
+                out[p + "k_norm"] = lambda b=b: self.read_float(b + "attn_k_norm.weight")
         return out
 
     def tensor(self, name: str):
@@ -216,7 +222,8 @@ class GgufTensors:
                 "attn_norm.weight": (D,), "ffn_norm.weight": (D,), "attn_q.weight": (q, D), "attn_k.weight": (kv, D),
                 "attn_v.weight": (kv, D), "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
                 "attn_output.weight": (D, q), "ffn_gate.weight": (I, D), "ffn_up.weight": (I, D),
-                "ffn_down.weight": (D, I)}[kind]
+                "ffn_down.weight": (D, I), "attn_q_norm.weight": (c.head_dim,),
+                "attn_k_norm.weight": (c.head_dim,)}[kind]
 
     def type_name(self, name: str) -> str:
         return self.tensor(name).tensor_type.name

@@ -84,7 +84,7 @@ def encode(w: np.ndarray, qtype: str, rng) -> np.ndarray:
     return gguf.quants.quantize(w.astype(np.float32), t)
 
 
-def hf_weights(shape: dict, rng, qkv_bias: bool, tied: bool) -> dict:
+def hf_weights(shape: dict, rng, qkv_bias: bool, tied: bool, qk_norm: bool = False) -> dict:
     """Random weights in Hugging Face layout, by GGUF name."""
     D, I, V, L = shape["dim"], shape["hidden"], shape["vocab"], shape["layers"]
     hd = D // shape["heads"]
@@ -99,6 +99,9 @@ def hf_weights(shape: dict, rng, qkv_bias: bool, tied: bool) -> dict:
                   b + "attn_v.weight": rng.normal(0, 0.2, (kv, D)), b + "attn_output.weight": rng.normal(0, 0.2, (D, q)),
                   b + "ffn_gate.weight": rng.normal(0, 0.2, (I, D)), b + "ffn_up.weight": rng.normal(0, 0.2, (I, D)),
                   b + "ffn_down.weight": rng.normal(0, 0.2, (D, I))})
+        if qk_norm:
+            w.update({b + "attn_q_norm.weight": 1 + 0.1 * rng.normal(size=hd),
+                      b + "attn_k_norm.weight": 1 + 0.1 * rng.normal(size=hd)})
         if qkv_bias:
             w.update({b + "attn_q.bias": 0.1 * rng.normal(size=q), b + "attn_k.bias": 0.1 * rng.normal(size=kv),
                       b + "attn_v.bias": 0.1 * rng.normal(size=kv)})
@@ -114,7 +117,7 @@ def write_gguf(path, arch="llama", types="Q4_0", tied=False, seed=0, shape=None,
     Hugging Face layout (Q/K unpermuted)}."""
     shape = dict(SHAPE, **(shape or {}))
     rng = np.random.default_rng(seed)
-    weights = hf_weights(shape, rng, qkv_bias=arch == "qwen2", tied=tied)
+    weights = hf_weights(shape, rng, qkv_bias=arch == "qwen2", tied=tied, qk_norm=arch == "qwen3")
     tokenizer = tokenizer or ("llama" if arch == "llama" else "gpt2")
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, arch, dict(shape, **(meta_overrides or {})), tokenizer, chat_template)

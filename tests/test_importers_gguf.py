@@ -48,6 +48,8 @@ def canonical_expected(w: dict, config) -> dict:
         out[p + "attn_norm"], out[p + "mlp_norm"] = w[b + "attn_norm.weight"], w[b + "ffn_norm.weight"]
         if config.qkv_bias:
             out[p + "qkv_bias"] = np.concatenate([w[b + f"attn_{x}.bias"] for x in "qkv"])
+        if config.qk_norm:
+            out[p + "q_norm"], out[p + "k_norm"] = w[b + "attn_q_norm.weight"], w[b + "attn_k_norm.weight"]
     return out
 
 
@@ -90,6 +92,26 @@ def test_q4_0_greedy_c_backend_equals_reference_on_dequantized_weights(q4_0_llam
     got = staggered_greedy(lambda bs, nb: cpu.create_model(config, engine.tensors, block_size=bs, num_blocks=nb),
                            prompt, 24, copies=1, joins=(0,))
     assert got[0] == want
+
+
+def test_qwen3_q4_0_with_q_k_norms(tmp_path):
+    """qwen3: per-head q/k norms from attn_q_norm / attn_k_norm; greedy on the C backend equals the
+    reference on the dequantized weights."""
+    weights = write_gguf(tmp_path / "q3.gguf", "qwen3", "Q4_0", tokenizer="gpt2")
+    engine = load_engine(build_engine(open_source(tmp_path / "q3.gguf"), tmp_path / "e", BuildOptions(evaluate=False)))
+    config = engine.config
+    assert config.qk_norm and not config.qkv_bias and config.architecture == "Qwen3ForCausalLM"
+    expected = canonical_expected(weights, config)
+    np.testing.assert_array_equal(engine.tensors["layers.1.k_norm"], expected["layers.1.k_norm"])
+    for name, shape in linear_shapes(config).items():
+        np.testing.assert_array_equal(engine_matrix(engine, name, shape), expected[name], err_msg=name)
+    if not cpu.AVAILABLE:
+        pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
+    prompt = engine.encode_prompt("the cat in the hat")
+    want = greedy_generate(ReferenceModel(config, dense_engine_tensors(config, expected), block_size=4,
+                                          num_blocks=32), prompt, 16)
+    model = cpu.create_model(config, engine.tensors, block_size=4, num_blocks=32)
+    assert greedy_generate(model, prompt, 16) == want
 
 
 def test_q4_0_config_tokenizer_and_template(q4_0_llama):
