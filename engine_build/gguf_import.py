@@ -120,6 +120,10 @@ class Metadata:
 
 def read_config(meta: Metadata, tensors: dict) -> ModelConfig:
     path, arch = meta.path, meta.arch
+    if arch in ("gemma", "gemma2", "gemma3"):
+        raise BuildError(path, f"GGUF architecture {arch!r} is not supported: its files do not state the softmax "
+                               "scale and window pattern (llama.cpp derives them from the model size); build from "
+                               "the Hugging Face checkpoint instead")
     if arch not in ARCHITECTURES:
         raise BuildError(path, f"GGUF architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
     if "rope_freqs.weight" in tensors:
