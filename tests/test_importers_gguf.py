@@ -311,3 +311,73 @@ def test_serve_model_gguf(tmp_path):
         assert served.wait() == 0
     finally:
         served.kill()
+
+
+# ---- a real checkpoint: stories260K written as GGUF ---------------------------------------
+
+def stories_gguf(path, src, qtype: str) -> None:
+    """stories260K (llama2.c) as a llama GGUF: tensors in llama.cpp's names and Q/K layout, its
+    SentencePiece vocabulary (tok512.model) in the tokenizer metadata."""
+    from tokenwire.engine_build.tokenizer_convert import read_sentencepiece_model
+    from gguf_files import encode, llama_permute
+    c = src.config
+    vocab = read_sentencepiece_model(path.parent / "tok512.model") if (path.parent / "tok512.model").exists() else None
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(c.num_layers), writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size), writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_heads), writer.add_head_count_kv(c.num_kv_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps), writer.add_rope_freq_base(c.rope_theta)
+    writer.add_tokenizer_model("llama"), writer.add_token_list(vocab.pieces), writer.add_token_scores(vocab.scores)
+    writer.add_token_types(vocab.types), writer.add_bos_token_id(vocab.bos_id), writer.add_eos_token_id(vocab.eos_id)
+    writer.add_unk_token_id(vocab.unk_id), writer.add_add_bos_token(True)
+    t, rng = src.tensors, np.random.default_rng(0)
+    def mat(name, w):              # rows not a multiple of 32 wide stay F32, as llama.cpp's quantizer leaves them
+        kind = qtype if np.shape(w)[1] % 32 == 0 else "F32"
+        writer.add_tensor(name, encode(np.ascontiguousarray(w, dtype=np.float32), kind, rng),
+                          raw_dtype=None if kind == "F32" else gguf.GGMLQuantizationType[kind])
+    mat("token_embd.weight", t["embed"])
+    writer.add_tensor("output_norm.weight", np.asarray(t["norm"], dtype=np.float32))
+    for i in range(c.num_layers):
+        b, p = f"blk.{i}.", f"layers.{i}."
+        q, k, v = np.split(np.asarray(t[p + "qkv_proj"]), [c.q_size, c.q_size + c.kv_size])
+        gate, up = np.split(np.asarray(t[p + "gate_up_proj"]), 2)
+        writer.add_tensor(b + "attn_norm.weight", np.asarray(t[p + "attn_norm"], dtype=np.float32))
+        writer.add_tensor(b + "ffn_norm.weight", np.asarray(t[p + "mlp_norm"], dtype=np.float32))
+        mat(b + "attn_q.weight", llama_permute(q, c.num_heads)), mat(b + "attn_k.weight", llama_permute(k, c.num_kv_heads))
+        mat(b + "attn_v.weight", v), mat(b + "attn_output.weight", t[p + "o_proj"])
+        mat(b + "ffn_gate.weight", gate), mat(b + "ffn_up.weight", up), mat(b + "ffn_down.weight", t[p + "down_proj"])
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+
+
+def test_stories260k_as_gguf_reproduces_run_c(tmp_path, stories260k_dir):
+    """F32 GGUF of a real checkpoint: its metadata tokenizer encodes the prompt as run.c does and
+    the unquantized engine's greedy tokens are run.c's; as Q4_0 the imported matrices are the
+    file's bit for bit and the C backend's greedy tokens equal the reference's."""
+    import json
+    import shutil
+    from tokenwire.engine_build.llama2c import import_llama2c
+    from tokenwire.engine_build.quantize import QuantOptions
+    src = import_llama2c(stories260k_dir / "stories260K.bin")
+    shutil.copy(stories260k_dir / "tok512.model", tmp_path / "tok512.model")
+    reference = json.loads((stories260k_dir / "reference_greedy.json").read_text())
+    prompt, want = reference["prompt_token_ids"], reference["runs"][0]
+    stories_gguf(tmp_path / "f32.gguf", src, "F32")
+    engine = load_engine(build_engine(open_source(tmp_path / "f32.gguf"), tmp_path / "f32",
+                                      BuildOptions(QuantOptions(method="none"), evaluate=False)))
+    assert engine.encode_prompt(reference["prompt"]) == prompt
+    num_new = want["steps"] - (len(prompt) - 1)
+    assert greedy_generate(ReferenceModel(engine.config, engine.tensors), prompt, num_new) == want["generated_token_ids"]
+    if not cpu.AVAILABLE:
+        pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
+    stories_gguf(tmp_path / "q4.gguf", src, "Q4_0")
+    q4 = open_source(tmp_path / "q4.gguf")
+    engine = load_engine(build_engine(q4, tmp_path / "q4", BuildOptions(evaluate=False)))
+    origins = {n: r["origin"] for n, r in engine.manifest["report"]["tensors"].items()}
+    assert origins["layers.0.qkv_proj"] == origins["embed"] == "exact" and origins["layers.4.down_proj"] == "quantized"
+    for name, shape in linear_shapes(q4.config).items():
+        if origins[name] == "exact":
+            np.testing.assert_array_equal(engine_matrix(engine, name, shape), q4.tensors[name], err_msg=name)
+    # down_proj (172 wide) stays F32 in the file and is rounded by the build: the reference runs the engine's weights
+    reference_q4 = greedy_generate(ReferenceModel(engine.config, engine.tensors), prompt, 60)
+    model = cpu.create_model(engine.config, engine.tensors, block_size=16, num_blocks=64)
+    assert greedy_generate(model, prompt, 60) == reference_q4
