@@ -35,7 +35,7 @@ from ..core.errors import BuildError
 from ..kernels.engine_format import canonical_shapes
 from ..kernels.safetensors_io import SafetensorsFile
 from .hf_quantized import QuantizedCheckpoint
-from .imported import ImportedInt4, concat_rows
+from .imported import ImportedInt4, Int4Codes, concat_rows, permute_rows
 from .source import LazyTensors, SourceModel, make_tokenizer_files
 from .tokenizer_convert import sentencepiece_model_to_tokenizer_json
 
@@ -367,6 +367,9 @@ def _canonical_tensors(config: ModelConfig, weights: WeightFiles, family: str, o
     loaders = {"embed": lambda: read("model.embed_tokens.weight", (V, D))}
     for name, parts in linear_parts(config).items():
         loaders[name] = lambda parts=parts: np.concatenate([linear(prefix, shape) for prefix, shape in parts])
+    if quantized is not None:
+        for i in range(config.num_layers):
+            _mlp_order(config, quantized, i, loaders, lambda base, order: base()[:, order])
     for i in range(config.num_layers):
         hf, p = f"model.layers.{i}.", f"layers.{i}."
         a = hf + "self_attn."
@@ -388,6 +391,35 @@ def _canonical_tensors(config: ModelConfig, weights: WeightFiles, family: str, o
     return LazyTensors(canonical_shapes(config), loaders, origin)
 
 
+def _mlp_order(config: ModelConfig, quantized: QuantizedCheckpoint, i: int, loaders: dict, down_in_order) -> None:
+    """Act-order down_proj (hf_quantized.py): wrap layer i's loaders so its columns come in group
+    order and the gate and up rows in the same order (the same function, every group contiguous).
+    `down_in_order(base loader, order)` reorders the down projection's columns."""
+    I = config.intermediate_size
+    down = f"model.layers.{i}.mlp.down_proj"
+    order = lambda: quantized.input_order(down, (config.hidden_size, I))    # noqa: E731
+    p = f"layers.{i}."
+    gate_up, down_loader = loaders.get(p + "gate_up_proj"), loaders[p + "down_proj"]
+
+    def gate_up_in_order():
+        o = order()
+        w = gate_up()
+        return w if o is None else _rows_in_order(w, o, I)
+
+    def down_in_order_or_not():
+        o = order()
+        return down_loader() if o is None else down_in_order(down_loader, o)
+    loaders[p + "down_proj"] = down_in_order_or_not
+    if gate_up is not None:             # (a float gate_up of a 4-bit checkpoint is reordered by the float loaders)
+        loaders[p + "gate_up_proj"] = gate_up_in_order
+
+
+def _rows_in_order(w, order: np.ndarray, I: int):
+    """gate | up rows (an array or Int4Codes), each half reordered by `order`."""
+    rows = np.concatenate([order, I + order])
+    return permute_rows(w, lambda a: a[rows]) if isinstance(w, Int4Codes) else w[rows]
+
+
 def imported_int4(config: ModelConfig, quantized: QuantizedCheckpoint) -> ImportedInt4:
     """The checkpoint's 4-bit matrices as INT4 codes, fused like the float view."""
     loaders, notes = {}, {}
@@ -400,4 +432,9 @@ def imported_int4(config: ModelConfig, quantized: QuantizedCheckpoint) -> Import
                                                f"{', '.join(p for p, _ in parts)}")
         loaders[name] = lambda parts=parts: concat_rows([quantized.read_codes(prefix, shape) for prefix, shape in parts])
         notes[name] = quantized.description
+    for i in range(config.num_layers):
+        if f"layers.{i}.down_proj" in loaders:
+            shape = (config.hidden_size, config.intermediate_size)
+            _mlp_order(config, quantized, i, loaders, lambda base, order, i=i: quantized.read_codes(
+                f"model.layers.{i}.mlp.down_proj", shape, order))
     return ImportedInt4(quantized.group_size, loaders, notes, frozenset(loaders))

@@ -21,8 +21,11 @@ value i in bits 4i..4i+3):
   zero is the stored zero (8 when symmetric).
 
 Act-order (a g_idx that is not k // G) puts each group's columns anywhere along K, while the
-engine's groups are contiguous: such a matrix is dequantized exactly and rounded again
-(origin "requantized", with its error in the report). Group sizes other than 32, 64 and 128
+engine's groups are contiguous. For down_proj that is undone exactly: its columns are sorted
+by group (`input_order`) and the gate and up rows, which produce those inputs, are permuted the
+same way, so the model computes the same function with every group contiguous. The other
+projections read the residual stream or the attention heads, whose order is fixed: they are
+dequantized exactly and rounded again (origin "requantized", with the error in the report). Group sizes other than 32, 64 and 128
 (and per-channel scales) are refused: the engine's kernels have no other group size.
 Modules a checkpoint leaves unquantized (`lm_head`, `modules_to_not_convert`, `ignore`) are
 read as float.
@@ -76,19 +79,42 @@ class QuantizedCheckpoint:
     def is_quantized(self, prefix: str) -> bool:
         return (prefix + (".weight_packed" if self.method == "compressed-tensors" else ".qweight")) in self.weights
 
-    def read_float(self, prefix: str, shape: tuple) -> np.ndarray:
-        """float32 [N, K]: the source's dequantization (or the float weight of an unquantized module)."""
+    def read_float(self, prefix: str, shape: tuple, order=None) -> np.ndarray:
+        """float32 [N, K]: the source's dequantization (or the float weight of an unquantized module),
+        columns taken in `order` when given."""
         if not self.is_quantized(prefix):
-            return self.weights.read(prefix + ".weight", shape)
-        q, scales, zeros, g_idx = self._unpacked(prefix, shape)
-        return ((q.astype(np.float32) - zeros[:, g_idx].astype(np.float32)) * scales[:, g_idx].astype(np.float32))
+            w = self.weights.read(prefix + ".weight", shape)
+        else:
+            q, scales, zeros, g_idx = self._unpacked(prefix, shape)
+            w = (q.astype(np.float32) - zeros[:, g_idx].astype(np.float32)) * scales[:, g_idx].astype(np.float32)
+        return w if order is None else w[:, order]
 
-    def read_codes(self, prefix: str, shape: tuple) -> Int4Codes:
-        """The module's codes in the engine's grouping; act-order modules rounded again (see above)."""
+    def read_codes(self, prefix: str, shape: tuple, order=None) -> Int4Codes:
+        """The module's codes in the engine's grouping (columns in `order`, from input_order, when
+        given); act-order modules without one are rounded again (see above)."""
         q, scales, zeros, g_idx = self._unpacked(prefix, shape)
-        if not np.array_equal(g_idx, np.arange(shape[1]) // self.group_size):
-            return codes_by_rtn(self.read_float(prefix, shape), self.group_size)
+        contiguous = np.arange(shape[1]) // self.group_size
+        if order is not None and np.array_equal(g_idx[order], contiguous):
+            return codes_from_float16(q[:, order], scales, zeros)
+        if not np.array_equal(g_idx, contiguous):
+            return codes_by_rtn(self.read_float(prefix, shape, order), self.group_size)
         return codes_from_float16(q, scales, zeros)
+
+    def input_order(self, prefix: str, shape: tuple):
+        """Act-order: the column order that makes every group contiguous (stable sort by group),
+        when each group has exactly G columns; None when the groups already are, or cannot be."""
+        if not self.is_quantized(prefix):
+            return None
+        k, groups = shape[1], shape[1] // self.group_size
+        name = prefix + (".g_idx" if self.method == "gptq" else ".weight_g_idx")
+        if self.method == "awq" or name not in self.weights:
+            return None
+        g_idx = self._g_idx(name, k, groups)
+        if np.array_equal(g_idx, np.arange(k) // self.group_size):
+            return None
+        if not np.all(np.bincount(g_idx, minlength=groups) == self.group_size):
+            return None
+        return np.argsort(g_idx, kind="stable")
 
     def _unpacked(self, prefix: str, shape: tuple) -> tuple:
         """-> (q uint8 [N, K], scales [N, K/G] (source dtype), zeros float32 [N, K/G], g_idx int [K])."""

@@ -89,18 +89,43 @@ def test_imported_weights_are_bit_exact_and_decode_like_the_reference(tmp_path, 
 
 
 @pytest.mark.parametrize("method", ["gptq", "compressed-tensors"])
-def test_act_order_is_requantized_with_its_error(tmp_path, method):
+def test_act_order(tmp_path, method):
+    """Act-order: down_proj's columns sorted by group, gate and up rows in the same order, so it is
+    taken exactly (the same function); q/k/v, o and gate/up, whose inputs cannot be reordered, are
+    rounded again with their error. Greedy decoding still equals the reference on the format's
+    dequantized weights in their original order."""
     modules = make_checkpoint(tmp_path / "src", "llama", method, 32, act_order=True)
     source = open_source(tmp_path / "src")
     engine = load_engine(build_engine(source, tmp_path / "engine", BuildOptions(evaluate=False)))
-    expected = expected_matrices(engine.config, source, modules)
+    config = engine.config
+    expected = expected_matrices(config, source, modules)
     report = engine.manifest["report"]["tensors"]
-    for name, want in expected.items():
-        np.testing.assert_array_equal(source.tensors[name], want)       # the float view is still exact
-        got = engine_matrix(engine, name, linear_shapes(engine.config)[name])
-        err = np.linalg.norm(got - want) / np.linalg.norm(want)
-        assert report[name]["origin"] == "requantized" and report[name]["source"] == f"{method} g32 (act-order)"
-        assert report[name]["weight_rel_error"] == pytest.approx(err, rel=1e-4) and 0 < err < 0.1
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        order = np.argsort(_g_idx(tmp_path / "src", method, f"model.layers.{i}.mlp.down_proj"), kind="stable")
+        np.testing.assert_array_equal(source.tensors[p + "down_proj"], expected[p + "down_proj"][:, order])
+        rows = np.concatenate([order, config.intermediate_size + order])
+        np.testing.assert_array_equal(source.tensors[p + "gate_up_proj"], expected[p + "gate_up_proj"][rows])
+        np.testing.assert_array_equal(engine_matrix(engine, p + "down_proj", linear_shapes(config)[p + "down_proj"]),
+                                      expected[p + "down_proj"][:, order])
+        assert report[p + "down_proj"]["origin"] == "exact" and report[p + "down_proj"]["weight_rel_error"] == 0
+        for name in ("qkv_proj", "o_proj", "gate_up_proj"):
+            want = source.tensors[p + name]
+            got = engine_matrix(engine, p + name, linear_shapes(config)[p + name])
+            err = np.linalg.norm(got - want) / np.linalg.norm(want)
+            assert report[p + name]["origin"] == "requantized" and report[p + name]["source"] == f"{method} g32 (act-order)"
+            assert report[p + name]["weight_rel_error"] == pytest.approx(err, rel=1e-4) and 0 < err < 0.1
+    # the reordered model is the same function: greedy on the original order equals greedy on the import's
+    original = dense_engine_tensors(config, {**{n: source.tensors[n] for n in source.tensors}, **expected})
+    reordered = dense_engine_tensors(config, {n: source.tensors[n] for n in source.tensors})
+    prompt = engine.encode_prompt("once upon a time")
+    want = greedy_generate(ReferenceModel(config, original, block_size=4, num_blocks=32), prompt, 20)
+    assert greedy_generate(ReferenceModel(config, reordered, block_size=4, num_blocks=32), prompt, 20) == want
+
+
+def _g_idx(root, method, prefix):
+    from safetensors.numpy import load_file
+    return load_file(str(root / "model.safetensors"))[prefix + (".g_idx" if method == "gptq" else ".weight_g_idx")]
 
 
 def test_cli_builds_an_awq_directory(tmp_path, capsys):
