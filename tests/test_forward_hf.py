@@ -119,16 +119,26 @@ def scattered_tables(lengths, block_size, num_blocks, seed):
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_case(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    hf_model = make_hf_model(request.param, directory)
+    return build_case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma2", "gemma3"])
+def new_family_case(request, tmp_path_factory):
+    return build_case(request.param, tmp_path_factory)
+
+
+def build_case(family, tmp_path_factory):
+    """A transformers model of `family`, its logits on four sequences, and its unquantized engine tensors."""
+    directory = tmp_path_factory.mktemp(family)
+    hf_model = make_hf_model(family, directory)
     rng = np.random.default_rng(1)
     sequences = [rng.integers(3, VOCAB, n + NUM_DECODE).tolist() for n in PROMPT_LENS]
     with torch.no_grad():
         want = [hf_model(torch.tensor([s])).logits[0].numpy() for s in sequences]   # [len, V] each
     src = import_hf(directory)
     encoded, _, _ = quantize_model(src.config, src.tensors, QuantOptions(method="none"))
-    SOURCES[request.param] = src
-    return request.param, src.config, encoded, sequences, want
+    SOURCES[family] = src
+    return family, src.config, encoded, sequences, want
 
 
 SOURCES = {}        # family -> the imported SourceModel of family_case
@@ -172,16 +182,14 @@ def test_each_family_exercises_its_quirk(family_case):
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
-def test_c_backend_matches_the_reference_on_the_new_families(family_case, chunk):
+def test_c_backend_matches_the_reference_on_the_new_families(new_family_case, chunk):
     """Qwen3 and Gemma 2/3 imported from transformers: the C forward (INT4 and dense) against the
     reference, over sequences of 45 positions with Gemma's windows of 5 and 6."""
     from tokenwire.kernels import cpu
-    family, config, encoded, sequences, want = family_case
-    if family not in ("qwen3", "gemma2", "gemma3"):
-        pytest.skip("the older families are covered by test_cpu_kernels_model.py")
+    family, config, encoded, sequences, want = new_family_case
     if not cpu.AVAILABLE:
         pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
-    src = import_hf_cached(family_case)
+    src = import_hf_cached(new_family_case)
     for tensors in (encoded, quantize_model(config, src.tensors, QuantOptions(algorithm="rtn", group_size=32))[0]):
         tables = scattered_tables([len(s) for s in sequences], BLOCK_SIZE, 64, seed=3)
         ref = run_reference(ReferenceModel(config, tensors, block_size=BLOCK_SIZE, num_blocks=64),
