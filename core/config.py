@@ -54,6 +54,7 @@ class ModelConfig:
     attn_logit_softcap: Optional[float] = None  # Gemma 2: scores = cap * tanh(scores / cap) before the mask
     final_logit_softcap: Optional[float] = None  # Gemma 2: logits = cap * tanh(logits / cap)
     rope_local_theta: Optional[float] = None    # Gemma 3: RoPE base of the sliding-window layers
+    rope_freq_factors: Optional[tuple] = None   # GGUF rope_freqs (Llama 3.1): inv_freq[j] / factor[j], hd/2 values
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = field(default_factory=tuple)
 
@@ -93,6 +94,8 @@ class ModelConfig:
         d["eos_token_ids"] = list(self.eos_token_ids)
         if self.sliding_layers is not None:
             d["sliding_layers"] = list(self.sliding_layers)
+        if self.rope_freq_factors is not None:
+            d["rope_freq_factors"] = list(self.rope_freq_factors)
         return d
 
     @classmethod
@@ -107,4 +110,6 @@ class ModelConfig:
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         if d.get("sliding_layers") is not None:
             d["sliding_layers"] = tuple(bool(x) for x in d["sliding_layers"])
+        if d.get("rope_freq_factors") is not None:
+            d["rope_freq_factors"] = tuple(float(x) for x in d["rope_freq_factors"])
         return cls(**d)

@@ -126,9 +126,6 @@ def read_config(meta: Metadata, tensors: dict) -> ModelConfig:
                                "the Hugging Face checkpoint instead")
     if arch not in ARCHITECTURES:
         raise BuildError(path, f"GGUF architecture {arch!r} is not supported (supported: {sorted(ARCHITECTURES)})")
-    if "rope_freqs.weight" in tensors:
-        raise BuildError(path, "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported "
-                               "from GGUF; build from the Hugging Face checkpoint instead")
     scaling = meta.model("rope.scaling.type")
     if scaling not in (None, "none"):
         raise BuildError(path, f"RoPE scaling {scaling!r} is not supported")
@@ -154,9 +151,23 @@ def read_config(meta: Metadata, tensors: dict) -> ModelConfig:
                            qkv_bias="blk.0.attn_q.bias" in tensors,
                            qk_norm="blk.0.attn_q_norm.weight" in tensors,
                            tie_word_embeddings="output.weight" not in tensors,
-                           sliding_window=int(window) if window else None)
+                           sliding_window=int(window) if window else None,
+                           rope_freq_factors=_rope_factors(path, tensors.get("rope_freqs.weight"), head_dim))
     except ValueError as exc:
         raise BuildError(path, f"inconsistent GGUF metadata: {exc}") from None
+
+
+def _rope_factors(path: Path, tensor, head_dim: int):
+    """Llama 3.1's RoPE scaling as llama.cpp stores it: rope_freqs.weight, F32 [hd/2] divisors."""
+    if tensor is None:
+        return None
+    if tensor.tensor_type.name != "F32" or tuple(int(d) for d in tensor.shape.tolist()) != (head_dim // 2,):
+        raise BuildError(path, f"rope_freqs.weight must be F32 [{head_dim // 2}], got {tensor.tensor_type.name} "
+                               f"{[int(d) for d in tensor.shape.tolist()]}")
+    factors = np.asarray(tensor.data, dtype=np.float64)
+    if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise BuildError(path, "rope_freqs.weight holds a factor that is not a positive number")
+    return tuple(float(f) for f in factors)
 
 
 def _decimal(value) -> float:

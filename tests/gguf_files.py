@@ -109,11 +109,11 @@ def hf_weights(shape: dict, rng, qkv_bias: bool, tied: bool, qk_norm: bool = Fal
 
 
 def write_gguf(path, arch="llama", types="Q4_0", tied=False, seed=0, shape=None, chat_template=None,
-               tokenizer=None, skip=(), shapes=None, meta_overrides=None) -> dict:
+               tokenizer=None, skip=(), shapes=None, meta_overrides=None, rope_freqs=None) -> dict:
     """Write a tiny model. `types`: one GGUF type for every matrix, or {name suffix: type}
     (e.g. {"attn_q": "Q4_1", "*": "Q4_0"}); `skip`: tensors left out; `shapes`: {name: shape}
     written with random weights of a wrong shape; `meta_overrides`: SHAPE keys the metadata states
-    differently from the tensors. -> {GGUF name: float32 weights as the file dequantizes them,
+    differently from the tensors; `rope_freqs`: llama.cpp's per-frequency RoPE divisors. -> {GGUF name: float32 weights as the file dequantizes them,
     Hugging Face layout (Q/K unpermuted)}."""
     shape = dict(SHAPE, **(shape or {}))
     rng = np.random.default_rng(seed)
@@ -122,6 +122,8 @@ def write_gguf(path, arch="llama", types="Q4_0", tied=False, seed=0, shape=None,
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, arch, dict(shape, **(meta_overrides or {})), tokenizer, chat_template)
     out = {}
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for name, w in weights.items():
         if name in skip:
             continue

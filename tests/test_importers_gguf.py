@@ -22,7 +22,7 @@ import pytest
 
 from gguf_files import SHAPE, gguf, llama_unpermute, write_gguf
 from tokenwire.cli import main
-from tokenwire.kernels.model import ReferenceModel, greedy_generate, linear_shapes
+from tokenwire.kernels.model import ReferenceModel, greedy_generate, linear_shapes, sequence_logits
 from tokenwire.engine_build.build import BuildOptions, build_engine, open_source
 from tokenwire.kernels.engine_format import load_engine
 from tokenwire.core.errors import BuildError
@@ -112,6 +112,41 @@ def test_qwen3_q4_0_with_q_k_norms(tmp_path):
                                           num_blocks=32), prompt, 16)
     model = cpu.create_model(config, engine.tensors, block_size=4, num_blocks=32)
     assert greedy_generate(model, prompt, 16) == want
+
+
+def test_llama31_rope_freqs(tmp_path):
+    """rope_freqs.weight (Llama 3.1's RoPE scaling as llama.cpp stores it) divides each frequency;
+    the C backend and the reference agree on it."""
+    from dataclasses import replace
+
+    from tokenwire.core.config import RopeScaling
+    from tokenwire.kernels.rope import rope_inv_freq
+    hd = SHAPE["dim"] // SHAPE["heads"]
+    plain = 1.0 / 10000.0 ** (np.arange(0, hd, 2) / hd)          # the file's rope.freq_base
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32)
+    wavelen = 2 * np.pi / plain                               # Llama 3.1's rule, written out here
+    smooth = (32 / wavelen - 1.0) / (4.0 - 1.0)
+    scaled = np.where(wavelen < 32 / 4.0, plain, np.where(wavelen > 32 / 1.0, plain / 8.0,
+                                                          (1 - smooth) * plain / 8.0 + smooth * plain))
+    factors = (plain / scaled).astype(np.float32)
+    assert factors.max() == 8.0 and factors.min() == 1.0
+    write_gguf(tmp_path / "l31.gguf", "llama", "Q4_0", rope_freqs=factors)
+    src = open_source(tmp_path / "l31.gguf")
+    assert src.config.rope_freq_factors == tuple(float(f) for f in factors)
+    as_hf = replace(src.config, rope_freq_factors=None, rope_scaling=scaling)       # the same model from its HF config
+    np.testing.assert_allclose(rope_inv_freq(src.config), rope_inv_freq(as_hf), rtol=1e-7)
+    engine = load_engine(build_engine(src, tmp_path / "e", BuildOptions(evaluate=False)))
+    assert engine.config.rope_freq_factors == src.config.rope_freq_factors         # through engine.json
+    if not cpu.AVAILABLE:
+        pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
+    prompt = engine.encode_prompt("the cat in the hat the cat in the hat the cat")
+    want = greedy_generate(ReferenceModel(engine.config, engine.tensors, block_size=4, num_blocks=32), prompt, 16)
+    model = cpu.create_model(engine.config, engine.tensors, block_size=4, num_blocks=32)
+    assert greedy_generate(model, prompt, 16) == want
+    batch_logits = sequence_logits(ReferenceModel(engine.config, engine.tensors, block_size=4, num_blocks=32), prompt)
+    plain_logits = sequence_logits(ReferenceModel(replace(engine.config, rope_freq_factors=None), engine.tensors,
+                                                  block_size=4, num_blocks=32), prompt)
+    assert not np.allclose(batch_logits[1:], plain_logits[1:])                  # the factors reach the forward
 
 
 def test_q4_0_config_tokenizer_and_template(q4_0_llama):
