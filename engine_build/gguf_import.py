@@ -31,6 +31,9 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
+from gguf import GGUFReader
+from gguf import dequantize as gguf_dequantize
+from gguf.quants import Q4_K
 
 from ..core.config import ModelConfig
 from ..core.errors import BuildError
@@ -73,7 +76,6 @@ def import_gguf(path, name: Optional[str] = None) -> SourceModel:
 
 
 def open_reader(path: Path):
-    from gguf import GGUFReader
     try:
         return GGUFReader(path)
     except ValueError as exc:
@@ -248,10 +250,9 @@ class GgufTensors:
 
     def read_float(self, name: str) -> np.ndarray:
         """The source's own dequantization (the gguf package's), float32 in nn.Linear layout."""
-        from gguf import dequantize
         t = self.tensor(name)
         try:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            w = np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError:
             raise BuildError(self.path, f"GGUF tensor {name!r} has type {t.tensor_type.name}, which the gguf "
                                         "package cannot dequantize") from None
@@ -312,7 +313,6 @@ def q4_k_codes(blocks: np.ndarray, n: int, k: int) -> Int4Codes:
     """144-byte blocks of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit (scale, min) pairs for eight
     sub-blocks of 32, 128 bytes of codes: sub-block 2c in the low nibbles of bytes 32c..32c+31,
     2c + 1 in their high nibbles. w = (d * sc) * q - dmin * m."""
-    from gguf.quants import Q4_K
     b = blocks.reshape(n * (k // 256), 144)
     d = b[:, 0:2].copy().view(np.float16).astype(np.float32)              # [B, 1]
     dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)

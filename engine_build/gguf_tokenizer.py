@@ -17,6 +17,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
 from ..core.config import ModelConfig
 from ..core.errors import BuildError
 from .source import make_tokenizer_files
@@ -76,7 +78,6 @@ def _spm(path: Path, meta, tokens: list, types: list, ids: dict):
 
 
 def _byte_level(path: Path, meta, tokens: list, types: list, ids: dict):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     merges = meta.get("tokenizer.ggml.merges")
     if merges is None:
         raise BuildError(path, "a gpt2-style GGUF tokenizer needs tokenizer.ggml.merges")
