@@ -181,6 +181,11 @@ def test_q4_1_and_q4_k_keep_the_codes(tmp_path):
         else:
             want = np.concatenate([raw[16:48] & 15, raw[16:48] >> 4])      # sub-blocks 0 and 1
         np.testing.assert_array_equal(unpack_int4(engine.tensors["embed.qweight"])[0, :len(want)], want)
+        if cpu.AVAILABLE:           # non-integer zero points (the mapped minimums) in the C products
+            prompt = engine.encode_prompt("the cat in the hat")
+            ref = ReferenceModel(engine.config, engine.tensors, block_size=4, num_blocks=32)
+            model = cpu.create_model(engine.config, engine.tensors, block_size=4, num_blocks=32)
+            assert greedy_generate(model, prompt, 12) == greedy_generate(ref, prompt, 12), qtype
 
 
 def q4_k_block(d: float, dmin: float, sc: int, m: int) -> np.ndarray:
