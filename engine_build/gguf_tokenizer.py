@@ -4,7 +4,8 @@ Two styles, by `tokenizer.ggml.model`:
 - "llama": a SentencePiece BPE vocabulary (tokens, scores, token types) -> tokenizer_convert's
   Vocab, converted the way llama2.c and SentencePiece `.model` files are (dummy-prefix space,
   `▁` for spaces, highest-score merge first, `<0xNN>` byte fallback): what llama.cpp's SPM
-  tokenizer does.
+  tokenizer does; USER_DEFINED pieces are matched whole, and `add_space_prefix: false` drops
+  the dummy prefix.
 - "gpt2": byte-level BPE (tokens in GPT-2's byte-to-unicode alphabet, `tokenizer.ggml.merges`),
   split first by the pre-tokenizer regex `tokenizer.ggml.pre` names (SPLIT_PATTERNS).
 Token types are SentencePiece's (CONTROL tokens become special added tokens, USER_DEFINED ones
@@ -17,12 +18,12 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from ..core.config import ModelConfig
 from ..core.errors import BuildError
 from .source import make_tokenizer_files
-from .tokenizer_convert import CONTROL, UNKNOWN, USER_DEFINED, Vocab, vocab_to_tokenizer
+from .tokenizer_convert import CONTROL, SPACE, UNKNOWN, USER_DEFINED, Vocab, vocab_to_tokenizer
 
 # tokenizer.ggml.pre -> the split regex of the original tokenizer.json (facts from those files)
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -74,7 +75,14 @@ def _spm(path: Path, meta, tokens: list, types: list, ids: dict):
     unk = ids["unknown"] if ids["unknown"] is not None else (types.index(UNKNOWN) if UNKNOWN in types else 0)
     vocab = Vocab(list(tokens), [float(s) for s in scores], [int(t) for t in types], unk,
                   ids["bos"] if ids["bos"] is not None else 1, ids["eos"] if ids["eos"] is not None else 2)
-    return vocab_to_tokenizer(vocab)
+    tok = vocab_to_tokenizer(vocab)
+    # llama.cpp matches user-defined pieces (chat markers such as <|im_start|>) whole, before BPE
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == USER_DEFINED])
+    if meta.get("tokenizer.ggml.add_space_prefix", True) is False:     # no dummy-prefix space
+        tok.normalizer = normalizers.Replace(" ", SPACE)
+        tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
 
 
 def _byte_level(path: Path, meta, tokens: list, types: list, ids: dict):

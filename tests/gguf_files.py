@@ -19,10 +19,10 @@ def spm_vocab(size: int) -> tuple:
     """A SentencePiece-style vocabulary: <unk> <s> </s>, 256 byte pieces, ▁ and letters, some merges."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [2, 3, 3] + [6] * 256
-    rest = ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + SPM_PIECES
+    rest = ["\u2581"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + SPM_PIECES + ["<|im_start|>"]
     rest += [f"\u2581w{i}" for i in range(size)]          # filler pieces up to the vocabulary size
     tokens += rest[:size - len(tokens)]
-    types += [1] * (len(tokens) - len(types))
+    types += [4 if t == "<|im_start|>" else 1 for t in tokens[len(types):]]      # a user-defined chat marker
     scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
     return tokens, scores, types
 
@@ -168,6 +168,8 @@ def _metadata(writer, arch, shape, tokenizer, chat_template) -> None:
         writer.add_eos_token_id(2)
         writer.add_unk_token_id(0)
         writer.add_add_bos_token(True)
+        if "add_space_prefix" in shape:
+            writer.add_add_space_prefix(shape["add_space_prefix"])
     else:
         tokens, types, merges = byte_level_vocab(shape["vocab"])
         writer.add_tokenizer_model("gpt2")

@@ -158,6 +158,8 @@ def test_q4_0_config_tokenizer_and_template(q4_0_llama):
     ids = engine.encode_prompt("the cat in the hat")
     assert ids[0] == 1 and engine.tokenizer.decode(ids[1:]) == "the cat in the hat"
     assert engine.tokenizer.token_to_id("\u2581the") in ids            # highest-scored merge applied
+    marker = engine.tokenizer.token_to_id("<|im_start|>")              # user-defined: matched whole
+    assert marker is not None and engine.encode_chat("<|im_start|>user")[:1] == [marker]
 
 
 def test_q4_1_and_q4_k_keep_the_codes(tmp_path):
@@ -242,6 +244,16 @@ def test_other_types_are_requantized_with_their_error(tmp_path, types):
         assert report["layers.0.qkv_proj"]["source"] == "gguf Q4_K+Q8_0"
         assert report["layers.0.gate_up_proj"]["origin"] == "mapped"
         assert engine.manifest["quantization"]["group_size"] == 32
+
+
+def test_spm_without_the_dummy_prefix(tmp_path):
+    write_gguf(tmp_path / "m.gguf", "llama", "Q4_0", meta_overrides=dict(add_space_prefix=False))
+    tok = open_source(tmp_path / "m.gguf").tokenizer
+    from tokenizers import Tokenizer
+    t = Tokenizer.from_str(tok.files["tokenizer.json"].decode())
+    ids = t.encode("the cat", add_special_tokens=False).ids
+    assert [t.id_to_token(i) for i in ids] == ["t", "he", "\u2581", "c", "at"]     # with the prefix: "▁the" first
+    assert t.decode(ids) == "the cat"
 
 
 def test_byte_level_tokenizer_and_chat_template(tmp_path):
