@@ -3,13 +3,13 @@
     source = open_source("Qwen/Qwen2.5-0.5B-Instruct")     # HF dir, hub name or llama2.c .bin
     build_engine(source, "out/qwen", BuildOptions())       # -> Path of the engine directory
 
-Stages, each one call: an importer (hf.py, llama2c.py) gives a `SourceModel`; the quant
+Stages, each one call: an importer (hf.py, gguf_import.py, llama2c.py) gives a `SourceModel`; the quant
 teammate's `quantize.quantize_model(config, tensors, options, calibration_ids, progress)`
 encodes every tensor and measures its error; with `evaluate`, `report.evaluate_model` adds the
 float-vs-quantized perplexity on held-out text; `engine_format.write_engine` writes it all atomically.
 """
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -19,6 +19,7 @@ from ..core.errors import BuildError
 from . import hub
 from .calibration import default_calibration_text, default_eval_text, split_sequences
 from .engine_writer import write_engine
+from .gguf_import import import_gguf, is_gguf
 from .hf import import_hf
 from .llama2c import import_llama2c
 from .quantize import QuantOptions, dense_engine_tensors, quantize_model
@@ -45,8 +46,12 @@ class BuildOptions:
 
 
 def open_source(spec, tokenizer: Optional[str] = None) -> SourceModel:
-    """A Hugging Face directory, a hub name (`org/name`) or a llama2.c checkpoint file -> SourceModel."""
+    """A Hugging Face directory, a hub name (`org/name`), a GGUF file or a llama2.c checkpoint file -> SourceModel."""
     path = Path(spec)
+    if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):
+        if tokenizer is not None:
+            raise BuildError(spec, "--tokenizer applies to llama2.c checkpoints only; a GGUF file carries its tokenizer")
+        return import_gguf(path)
     if path.is_file():
         _check_checkpoint_file(path)
         return import_llama2c(path, tokenizer=tokenizer)
@@ -66,7 +71,6 @@ def _check_checkpoint_file(path: Path) -> None:
     """A single file is a llama2.c checkpoint; say so when it is plainly something else."""
     hints = {".safetensors": "pass the Hugging Face model directory that holds it (with config.json)",
              ".json": "pass the Hugging Face model directory that holds it",
-             ".gguf": "GGUF files are not supported; use the original Hugging Face model",
              ".pt": "PyTorch checkpoints are not supported; use safetensors or llama2.c's export.py",
              ".pth": "PyTorch checkpoints are not supported; use safetensors or llama2.c's export.py"}
     if path.suffix in hints:
@@ -77,9 +81,11 @@ def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOpti
                  log: Callable[[str], None] = lambda line: None, exists: str = "error") -> Path:
     """Quantize `source` and write the engine directory `out_dir` (`exists`: see write_engine). -> out_dir"""
     config = source.config
+    options = options_for_source(options, source, log)
     calibration = calibration_sequences(source, options) if _needs_calibration(options) else None
     log(f"quantizing {source.name}: {options.quant.manifest()}")
-    encoded, meta, report = quantize_model(config, source.tensors, options.quant, calibration, progress)
+    encoded, meta, report = quantize_model(config, source.tensors, options.quant, calibration, progress,
+                                           imported=source.imported)
     if options.evaluate and options.quant.method != "none":
         report.evaluation = evaluate(source, encoded, progress)
     manifest_source = {"path": str(source.path), "kind": source.kind,
@@ -89,6 +95,24 @@ def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOpti
                         config=config, quantization=options.quant.manifest(), tokenizer=source.tokenizer,
                         source=manifest_source, tensors=encoded, tensor_meta=meta, report=report.to_dict(),
                         exists=exists)
+
+
+def options_for_source(options: BuildOptions, source: SourceModel, log=lambda line: None) -> BuildOptions:
+    """A pre-quantized source decides the group size, keeps its embedding / classifier as INT4 when
+    they arrived that way (unless asked otherwise), and rounds what is left with rtn, not awq (whose
+    fold would rescale weights that are taken as they are)."""
+    imported, quant = source.imported, options.quant
+    if imported is None or not imported.loaders or quant.method != "int4":
+        return options
+    changes = {"group_size": imported.group_size}
+    if quant.algorithm in ("awq", "awq_gptq"):
+        changes["algorithm"] = "rtn"
+    for part, name in (("embedding", "embed"), ("lm_head", "lm_head")):
+        if getattr(quant, part) is None and name in imported.loaders:
+            changes[part] = "int4"
+    if quant.group_size != imported.group_size:
+        log(f"group size {imported.group_size}: the source's own (not {quant.group_size})")
+    return replace(options, quant=replace(quant, **changes))
 
 
 def _needs_calibration(options: BuildOptions) -> bool:
@@ -136,12 +160,18 @@ def _describe(source: SourceModel, options: BuildOptions) -> str:
 def format_report(report: dict, max_rows: int = 40) -> str:
     """The build's error report as text: one line per tensor, then the means and the perplexity."""
     tensors = report.get("tensors") or {}
-    lines = [f"{'tensor':<28} {'encoding':<8} {'weight rel err':>14} {'output rel err':>14}"]
+    lines = [f"{'tensor':<28} {'encoding':<8} {'origin':<11} {'weight rel err':>14} {'output rel err':>14}  source"]
     for i, (name, t) in enumerate(tensors.items()):
         if i == max_rows:
             lines.append(f"... {len(tensors) - max_rows} more tensors (all in engine.json \"report\")")
             break
-        lines.append(f"{name:<28} {t['encoding']:<8} {_num(t['weight_rel_error']):>14} {_num(t['output_rel_error']):>14}")
+        lines.append(f"{name:<28} {t['encoding']:<8} {t.get('origin', '-'):<11} {_num(t['weight_rel_error']):>14} "
+                     f"{_num(t['output_rel_error']):>14}  {t.get('source', '')}".rstrip())
+    origins = [t.get("origin") for t in tensors.values()]
+    if any(o in ("exact", "mapped", "requantized") for o in origins):
+        lines.append(", ".join(f"{origins.count(o)} {o}" for o in ("exact", "mapped", "requantized", "quantized", "float")
+                               if o in origins) + " (exact: the source's codes and scales, bit-exact; mapped: its "
+                     "codes with scales rounded to float16; requantized: dequantized and quantized again)")
     lines.append(f"mean INT4 weight rel err {_num(report.get('mean_weight_rel_error'))}, "
                  f"output rel err {_num(report.get('mean_output_rel_error'))} "
                  f"({report.get('num_calibration_tokens', 0)} calibration tokens)")

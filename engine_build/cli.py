@@ -1,4 +1,4 @@
-"""`tokenwire build SRC -o OUT`: checkpoint (HF directory, hub name, llama2.c .bin) -> engine directory.
+"""`tokenwire build SRC -o OUT`: checkpoint (HF directory, hub name, GGUF file, llama2.c .bin) -> engine directory.
 
 Prints a progress bar while quantizing and the per-tensor error report at the end. Bad
 input prints one `error: ...` line naming the file and the problem, and exits 2.
@@ -23,12 +23,14 @@ from .quantize import (
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("source", metavar="SRC", help="Hugging Face model directory, hub name (org/name) "
-                                                      "or llama2.c checkpoint .bin")
+    parser.add_argument("source", metavar="SRC", help="Hugging Face model directory or hub name (org/name; float, "
+                                                      "AWQ, GPTQ or compressed-tensors), GGUF file, or llama2.c "
+                                                      "checkpoint .bin")
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="engine directory to write")
     parser.add_argument("--quant", choices=METHODS, default="int4", help="int4 weights, or none (source precision)")
     parser.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP_SIZE,
-                        help=f"INT4 group size along K (default {DEFAULT_GROUP_SIZE})")
+                        help=f"INT4 group size along K (default {DEFAULT_GROUP_SIZE}; a pre-quantized source "
+                             "keeps its own)")
     parser.add_argument("--sym", action="store_true", help="symmetric INT4 (zero point 8)")
     default = QuantOptions().algorithm
     parser.add_argument("--algorithm", choices=ALGORITHMS, default=default,

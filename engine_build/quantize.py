@@ -39,6 +39,7 @@ from ..core.config import ModelConfig
 from ..core.errors import BuildError
 from ..kernels.engine_format import linear_shapes, vector_shapes
 from .calibration import capture_activations, fold_awq_layer
+from .imported import ImportedInt4
 from .int4 import dequantize, quantize_int4, quantize_int8
 from .quant_search import awq_input_scales, gptq_int4, group_gram, search_clip
 from .report import evaluate_model
@@ -56,6 +57,10 @@ NEEDS_CALIBRATION = ("awq", "gptq", "awq_gptq")
 METHODS = ("none", "int4")
 PRECISIONS = ("fp32", "fp16", "int8", "int4")          # for embedding and lm_head
 FLOAT_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+# TensorError.origin: "exact" / "mapped": a pre-quantized source's codes taken as they are (imported.py);
+# "requantized": a quantized source's weights dequantized and quantized again; "quantized": float
+# weights quantized here; "float": stored as float (converted from whatever the source held).
+ORIGINS = ("exact", "mapped", "requantized", "quantized", "float")
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,8 @@ class TensorError:
     shape: tuple                         # logical [N, K]
     weight_rel_error: float              # ||W - W_hat|| / ||W||, W_hat mapped back to the original basis
     output_rel_error: Optional[float]    # ||X W^T - X W_hat^T|| / ||X W^T|| on held-out calibration rows
+    origin: str = "quantized"            # ORIGINS: how the stored encoding relates to the source's weights
+    source: Optional[str] = None         # what the source held, for pre-quantized sources ("gguf Q4_0", "awq")
 
 
 @dataclass
@@ -121,14 +128,20 @@ class QuantReport:
     def to_dict(self) -> dict:
         return {"quantization": self.quantization, "num_calibration_tokens": self.num_calibration_tokens,
                 "mean_weight_rel_error": self.mean_weight_error(), "mean_output_rel_error": self.mean_output_error(),
-                "tensors": {t.name: {"encoding": t.encoding, "weight_rel_error": t.weight_rel_error,
-                                     "output_rel_error": t.output_rel_error} for t in self.tensors},
+                "tensors": {t.name: _tensor_row(t) for t in self.tensors},
                 "evaluation": self.evaluation}
+
+
+def _tensor_row(t: TensorError) -> dict:
+    row = {"encoding": t.encoding, "origin": t.origin, "weight_rel_error": t.weight_rel_error,
+           "output_rel_error": t.output_rel_error}
+    return row if t.source is None else {**row, "source": t.source}
 
 
 def quantize_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], options: QuantOptions = QuantOptions(),
                    calibration_token_ids: Optional[Sequence[Sequence[int]]] = None, progress: bool = False,
-                   evaluation_token_ids: Optional[Sequence[Sequence[int]]] = None):
+                   evaluation_token_ids: Optional[Sequence[Sequence[int]]] = None,
+                   imported: Optional[ImportedInt4] = None):
     """Canonical float tensors (engine_build/source.py) -> (encoded_tensors, tensor_meta, QuantReport).
 
     encoded_tensors: engine names and encodings of docs/ENGINE_FORMAT.md, ready to write.
@@ -137,13 +150,15 @@ def quantize_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], optio
     and "awq" ("awq" requires them); with "rtn" they only feed the report's output errors.
     evaluation_token_ids: sequences of a different text; when given (int4 only), the report's
     `evaluation` holds float vs quantized perplexity on it (report.evaluate_model).
+    imported: a pre-quantized source's INT4 codes (imported.py), stored as they are wherever the
+    encoding is int4; `tensors` is then the source's own dequantization, and the measure of each.
     """
     if options.algorithm in NEEDS_CALIBRATION and options.method == "int4" and not calibration_token_ids:
         raise BuildError(None, "the awq algorithm needs calibration text (or choose the rtn or clip algorithm)")
     acts = {}
     if options.method == "int4" and calibration_token_ids:
         acts = capture_activations(config, dense_engine_tensors(config, tensors), calibration_token_ids, progress)
-    encoded, meta, report = encode_model(config, tensors, options, acts, progress)
+    encoded, meta, report = encode_model(config, tensors, options, acts, progress, imported)
     report.num_calibration_tokens = sum(len(s) for s in calibration_token_ids or ())
     if evaluation_token_ids and options.method == "int4":
         report.evaluation = evaluate_model(config, dense_engine_tensors(config, tensors), encoded,
@@ -152,13 +167,19 @@ def quantize_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], optio
 
 
 def encode_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], options: QuantOptions,
-                 acts: Mapping, progress: bool = False):
+                 acts: Mapping, progress: bool = False, imported: Optional[ImportedInt4] = None):
     """quantize_model with the calibration activations already captured (a sweep captures once).
 
     Works one layer at a time: only one layer's float matrices are held at once.
     """
     if options.algorithm in NEEDS_CALIBRATION and options.method == "int4" and not acts:
         raise BuildError(None, "the awq algorithm needs calibration activations")
+    if imported is not None and imported.loaders and options.method == "int4" and options.algorithm in ("awq", "awq_gptq"):
+        raise BuildError(None, "the awq algorithm rescales norms and weights together, which would change "
+                               "pre-quantized weights; use rtn, clip or gptq for the rest")
+    if imported is not None and imported.loaders and options.method == "int4" and options.group_size != imported.group_size:
+        raise BuildError(None, f"the source is quantized in groups of {imported.group_size}, "
+                               f"the build asks for groups of {options.group_size}")
     vectors = {name: _read_vector(tensors, name, shape) for name, shape in vector_shapes(config).items()}
     report = QuantReport(options.manifest(), 0)
     encoded, meta = {}, {}
@@ -170,7 +191,7 @@ def encode_model(config: ModelConfig, tensors: Mapping[str, np.ndarray], options
             folded = fold_awq_layer(config, int(names[0].split(".")[1]), weights, vectors, acts, _awq_search(options))
         for name in names:
             _encode_matrix(name, weights[name], folded.get(name, (None, None)), tensors, config, options,
-                           acts.get(name), encoded, meta, report)
+                           acts.get(name), encoded, meta, report, imported)
             bar.update()
     bar.close()
     encoded.update(vectors)
@@ -192,18 +213,28 @@ def _matrix_groups(config: ModelConfig) -> list:
     return groups + ([] if config.tie_word_embeddings else [["lm_head"]])
 
 
-def _encode_matrix(name, w, scales, tensors, config, options, acts, encoded, meta, report) -> None:
+def _encode_matrix(name, w, scales, tensors, config, options, acts, encoded, meta, report, imported=None) -> None:
     """Encode one (possibly AWQ-scaled) matrix into `encoded`, and record its error."""
     row, col = scales
     shape = linear_shapes(config)[name]
     encoding = _encoding(name, options)
     x = None if acts is None else (acts.fit if col is None else acts.fit / col)
-    parts = _encode(w, encoding, options, x)
+    codes = imported.load(name) if imported is not None and encoding == "int4" and name in imported.loaders else None
+    parts = codes.engine_parts() if codes is not None else _encode(w, encoding, options, x)
     encoded.update({f"{name}.{part}": a for part, a in parts.items()})
     meta[name] = {"kind": "dense" if encoding in FLOAT_DTYPES else encoding, "shape": list(shape)}
     w_hat = dequantize(parts, shape[1]) if "qweight" in parts else parts["weight"]
     original = w if row is None and col is None else _read_matrix(tensors, name, config)
-    report.tensors.append(_tensor_error(name, encoding, original, _original_basis(w_hat, row, col), acts))
+    error = _tensor_error(name, encoding, original, _original_basis(w_hat, row, col), acts)
+    error.source = None if imported is None else imported.notes.get(name)
+    error.origin = codes.origin if codes is not None else _origin(name, encoding, imported)
+    report.tensors.append(error)
+
+
+def _origin(name: str, encoding: str, imported: Optional[ImportedInt4]) -> str:
+    if encoding in FLOAT_DTYPES:
+        return "float"
+    return "requantized" if imported is not None and name in imported.quantized else "quantized"
 
 
 def _read_matrix(tensors, name, config) -> np.ndarray:

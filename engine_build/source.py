@@ -9,7 +9,9 @@ Importers (hf.py, llama2c.py, default_model.py) turn a checkpoint into:
   Matrices are float32 (bf16 and fp32 sources) or float16 (fp16 sources); norms and biases are
   always float32, with Gemma's `1 + w` already folded in;
 - `tokenizer`: the files the engine directory will carry, and the prompt-encoding rule;
-- `files`: every source file the build read, in a fixed order, for the source checksum.
+- `files`: every source file the build read, in a fixed order, for the source checksum;
+- `imported` (GGUF, AWQ, GPTQ, compressed-tensors): the matrices that arrive as 4-bit codes,
+  stored as they are (imported.py); `tensors` then holds the source's own dequantization.
 """
 
 import hashlib
@@ -23,6 +25,7 @@ from tokenizers import Tokenizer
 
 from ..core.config import ModelConfig
 from ..core.errors import BuildError
+from .imported import ImportedInt4
 
 
 class LazyTensors(Mapping):
@@ -72,7 +75,7 @@ class TokenizerFiles:
 
 @dataclass
 class SourceModel:
-    kind: str                           # "hf" | "hub" | "llama2c" | "default"
+    kind: str                           # "hf" | "hub" | "llama2c" | "gguf" | "default"
     path: str                           # directory, file or hub name it came from
     name: str                           # display name (the manifest's "name")
     config: ModelConfig
@@ -81,6 +84,7 @@ class SourceModel:
     files: list = field(default_factory=list)   # source files read, for the checksum
     description: str = ""               # one line for /v1/models
     checksum: Optional[str] = None      # the source sha256 when there are no files to hash (default model)
+    imported: Optional[ImportedInt4] = None     # pre-quantized matrices taken without requantizing
 
 
 def file_stamp(path) -> dict:

@@ -58,6 +58,12 @@ def vector_shapes(config: ModelConfig) -> dict:
         shapes[f"layers.{i}.mlp_norm"] = (c.hidden_size,)
         if c.qkv_bias:
             shapes[f"layers.{i}.qkv_bias"] = (c.q_size + 2 * c.kv_size,)
+        if c.qk_norm:
+            shapes[f"layers.{i}.q_norm"] = (c.head_dim,)
+            shapes[f"layers.{i}.k_norm"] = (c.head_dim,)
+        if c.post_norms:
+            shapes[f"layers.{i}.post_attn_norm"] = (c.hidden_size,)
+            shapes[f"layers.{i}.post_mlp_norm"] = (c.hidden_size,)
     return shapes
 
 

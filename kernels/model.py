@@ -10,7 +10,10 @@ Contract:
   itself (causal, optionally a sliding window), gathered through the block table. A prefill
   chunk therefore sees the earlier chunks already in the cache. Returns float32 logits
   `[S_sample, vocab]` for `batch.logits_indices` only.
-- Family quirks are plain config fields (core/config.py); nothing branches on a family name.
+- Family quirks are plain config fields (core/config.py); nothing branches on a family name:
+  per-head q/k RMSNorm before RoPE (`qk_norm`), norms on the attention and MLP outputs before
+  the residual adds (`post_norms`), the softmax scale, attention-logit and final-logit
+  soft-capping (`cap * tanh(x / cap)`), and per-layer sliding windows and RoPE bases.
 
 Clarity over speed: one Python loop over layers; attention is one padded call for all the
 step's decode tokens plus one call per prefill chunk; everything else is a whole-batch
@@ -69,6 +72,10 @@ class LayerWeights:
     mlp_norm: np.ndarray              # float32 [D]
     gate_up_proj: np.ndarray          # float32 [2*I, D]
     down_proj: np.ndarray             # float32 [D, I]
+    q_norm: Optional[np.ndarray] = None         # float32 [hd] (qk_norm)
+    k_norm: Optional[np.ndarray] = None         # float32 [hd]
+    post_attn_norm: Optional[np.ndarray] = None  # float32 [D] (post_norms)
+    post_mlp_norm: Optional[np.ndarray] = None   # float32 [D]
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -101,7 +108,13 @@ def attention_mask(positions: np.ndarray, context_len: int, sliding_window: Opti
     return visible
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, context_lens, positions, sliding_window, scale):
+def softcap(x: np.ndarray, cap: Optional[float]) -> np.ndarray:
+    """Gemma 2's soft-capping: cap * tanh(x / cap), float32; identity when cap is None."""
+    return x if cap is None else np.float32(cap) * np.tanh(x / np.float32(cap))
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, positions, sliding_window, scale,
+                    logit_cap: Optional[float] = None):
     """S sequences' n new queries each against their cached keys/values, gathered by block table.
 
     q: [S, n, Hq, hd]; positions: [S, n]; context_lens: [S];
@@ -119,7 +132,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, positions, 
     group = num_heads // num_kv_heads                                      # query heads per KV head (GQA)
     # [S, Hkv, group*n, hd] @ [S, Hkv, hd, C]: one GEMM per (sequence, KV head)
     qg = q.reshape(S, n, num_kv_heads, group, hd).transpose(0, 2, 3, 1, 4).reshape(S, num_kv_heads, group * n, hd)
-    scores = (qg @ k.transpose(0, 2, 3, 1)) * scale                         # [S, Hkv, group*n, C]
+    scores = softcap((qg @ k.transpose(0, 2, 3, 1)) * scale, logit_cap)    # [S, Hkv, group*n, C]
     mask = np.tile(attention_mask(positions, C, sliding_window), (1, group, 1))   # [S, group*n, C], rows (group, n)
     probs = softmax(np.where(mask[:, None], scores, -np.inf))
     out = probs @ v.transpose(0, 2, 1, 3)                                  # [S, Hkv, group*n, hd]
@@ -139,7 +152,7 @@ class ReferenceModel:
         # default: room for 4 sequences of the full context
         self.num_blocks = num_blocks or 4 * -(-c.max_position_embeddings // block_size)
         self.load_weights(tensors)
-        self.inv_freq = rope_inv_freq(c)                    # float64 [hd/2]
+        self.inv_freq = [rope_inv_freq(c, c.layer_rope_theta(i)) for i in range(c.num_layers)]   # float64 [hd/2] each
         self.act = ACTIVATION_FNS[c.activation]
         cache_shape = (c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = np.zeros(cache_shape, dtype=np.float32)   # [L, num_blocks, block_size, Hkv, hd]
@@ -158,9 +171,12 @@ class ReferenceModel:
 
         def vec(n):
             return decode_vector(tensors, f"{prefix}.{n}", vecs[f"{prefix}.{n}"])
-        bias = vec("qkv_bias") if self.config.qkv_bias else None
+        c = self.config
+        bias = vec("qkv_bias") if c.qkv_bias else None
+        qk = (vec("q_norm"), vec("k_norm")) if c.qk_norm else (None, None)
+        post = (vec("post_attn_norm"), vec("post_mlp_norm")) if c.post_norms else (None, None)
         return LayerWeights(vec("attn_norm"), mat("qkv_proj"), bias, mat("o_proj"),
-                            vec("mlp_norm"), mat("gate_up_proj"), mat("down_proj"))
+                            vec("mlp_norm"), mat("gate_up_proj"), mat("down_proj"), *qk, *post)
 
     # ---------------------------------------------------------------- forward
 
@@ -169,12 +185,12 @@ class ReferenceModel:
         self.check_batch(batch)
         c = self.config
         x = self.embed[batch.token_ids] * np.float32(c.embedding_multiplier)     # [T, D]
-        cos, sin = rope_cos_sin(self.inv_freq, batch.positions)                   # [T, hd/2] each
         for i, layer in enumerate(self.layers):
+            cos, sin = rope_cos_sin(self.inv_freq[i], batch.positions)            # [T, hd/2] each
             x = x + self.attention_block(i, layer, x, batch, cos, sin)
             x = x + self.mlp_block(i, layer, x)
         h = rms_norm(x[batch.logits_indices], self.norm, c.rms_norm_eps)         # [S_sample, D]
-        return self.linear(-1, "lm_head", h, self.lm_head)                          # [S_sample, V]
+        return softcap(self.linear(-1, "lm_head", h, self.lm_head), c.final_logit_softcap)   # [S_sample, V]
 
     def attention_block(self, i: int, layer: LayerWeights, x, batch: ForwardBatch, cos, sin) -> np.ndarray:
         c, T = self.config, batch.num_tokens
@@ -185,6 +201,8 @@ class ReferenceModel:
         q = qkv[:, :c.q_size].reshape(T, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:                                                   # per head, over hd
+            q, k = rms_norm(q, layer.q_norm, c.rms_norm_eps), rms_norm(k, layer.k_norm, c.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.write_kv(i, k, v, batch.slot_mapping)
         out = np.empty((T, c.q_size), dtype=np.float32)                                 # [T, Hq*hd]
@@ -196,20 +214,22 @@ class ReferenceModel:
         for s in np.flatnonzero(lens > 1):          # prefill chunks: one call each
             a, b = batch.seq_starts[s], batch.seq_starts[s + 1]
             out[a:b] = self.attend(i, q[a:b][None], batch, [s])[0]
-        return self.linear(i, "o_proj", out, layer.o_proj)                             # [T, D]
+        o = self.linear(i, "o_proj", out, layer.o_proj)                                # [T, D]
+        return o if layer.post_attn_norm is None else rms_norm(o, layer.post_attn_norm, c.rms_norm_eps)
 
     def attend(self, i: int, q: np.ndarray, batch: ForwardBatch, seqs) -> np.ndarray:
         """q: [S', n, Hq, hd] of the sequences `seqs` (n new tokens each) -> [S', n, Hq*hd]"""
         c, starts = self.config, batch.seq_starts[seqs]
         positions = batch.positions[starts[:, None] + np.arange(q.shape[1])]              # [S', n]
         return paged_attention(q, self.k_cache[i], self.v_cache[i], batch.block_tables[seqs], batch.context_lens[seqs],
-                               positions, c.sliding_window, np.float32(c.head_dim ** -0.5))
+                               positions, c.layer_window(i), np.float32(c.softmax_scale), c.attn_logit_softcap)
 
     def mlp_block(self, i: int, layer: LayerWeights, x) -> np.ndarray:
         h = rms_norm(x, layer.mlp_norm, self.config.rms_norm_eps)                      # [T, D]
         gate_up = self.linear(i, "gate_up_proj", h, layer.gate_up_proj)                # [T, 2I]
         gate, up = np.split(gate_up, 2, axis=-1)
-        return self.linear(i, "down_proj", self.act(gate) * up, layer.down_proj)       # [T, D]
+        y = self.linear(i, "down_proj", self.act(gate) * up, layer.down_proj)          # [T, D]
+        return y if layer.post_mlp_norm is None else rms_norm(y, layer.post_mlp_norm, self.config.rms_norm_eps)
 
     def linear(self, layer: int, name: str, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x: [T, K] @ w.T -> [T, N]. One seam for every projection (the quantizer's calibration

@@ -4,8 +4,9 @@ Within each head of width hd, dimension j < hd/2 pairs with j + hd/2 and the pai
 the angle `position * inv_freq[j]`. Frequencies are computed in float64 and the cos/sin
 tables rounded to float32 once, so every backend can reproduce them exactly.
 
-Variants are plain data on ModelConfig: `rope_theta` (per model) and `rope_scaling`
-(Llama 3's frequency-dependent scaling), never a family name.
+Variants are plain data on ModelConfig: `rope_theta` (per model), `rope_scaling`
+(Llama 3's frequency-dependent scaling) or, from GGUF files, `rope_freq_factors` (the same
+scaling as llama.cpp stores it: one divisor per frequency), never a family name.
 """
 
 import math
@@ -15,13 +16,16 @@ import numpy as np
 from ..core.config import ModelConfig, RopeScaling
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """-> float64 [hd/2], the angle per position of each rotating pair."""
+def rope_inv_freq(config: ModelConfig, theta: float = None) -> np.ndarray:
+    """-> float64 [hd/2], the angle per position of each rotating pair (base `theta`, default the model's)."""
     hd = config.head_dim
     assert hd % 2 == 0, f"RoPE needs an even head_dim, got {hd}"
-    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
+    theta = config.rope_theta if theta is None else theta
+    inv_freq = 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd)
     if config.rope_scaling is not None:
         inv_freq = llama3_scale(inv_freq, config.rope_scaling)
+    if config.rope_freq_factors is not None:           # llama.cpp's per-frequency factors (GGUF rope_freqs)
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float64)
     return inv_freq
 
 

@@ -44,6 +44,17 @@ CONFIGS = {
     # the vectorized attention's head sizes, with query groups of 7 (Qwen2.5-0.5B's) and 1
     "hd64_group7": tiny_config(num_heads=7, num_kv_heads=1, head_dim=64, sliding_window=9),
     "hd128_mha": tiny_config(num_heads=2, num_kv_heads=2, head_dim=128),
+    # Qwen3's per-head q/k norms; Gemma 2's sliding window (5, shorter than the 20-token prompt) on
+    # layer 0 only, soft caps, its softmax scale and sandwich norms, on the vectorized head size;
+    # Gemma 3's q/k norms with its own RoPE base on the sliding layer
+    "qwen3_qk_norm": tiny_config(qk_norm=True, head_dim=32, num_heads=4, num_kv_heads=2, rope_theta=1e6),
+    "gemma2_window_caps": tiny_config(activation="gelu_tanh", embedding_multiplier=8.0, tie_word_embeddings=True,
+                                      post_norms=True, attn_scale=24 ** -0.5, attn_logit_softcap=3.0,
+                                      final_logit_softcap=8.0, sliding_window=5, sliding_layers=(True, False),
+                                      num_heads=2, num_kv_heads=1, head_dim=64),
+    "gemma3_local_rope": tiny_config(activation="gelu_tanh", qk_norm=True, post_norms=True, sliding_window=4,
+                                     sliding_layers=(False, True), rope_theta=1e6, rope_local_theta=10000.0,
+                                     attn_scale=0.2, head_dim=16),
 }
 
 ENCODINGS = {

@@ -109,6 +109,13 @@ def run_batch(executor, seqs, num_steps) -> list:
     (dict(activation="gelu_tanh", embedding_multiplier=8.0, num_kv_heads=4), dict(embed="int4")),
     (dict(sliding_window=12), {}),
     (dict(num_heads=8, num_kv_heads=2, head_dim=8), {}),
+    (dict(qk_norm=True, rope_theta=1e6), {}),                                       # Qwen3
+    # Gemma 2: windows of 12 (< the 40-token prompt) on even layers, soft caps, scale, sandwich norms
+    (dict(activation="gelu_tanh", embedding_multiplier=8.0, post_norms=True, attn_scale=0.3, attn_logit_softcap=3.0,
+          final_logit_softcap=8.0, sliding_window=12, sliding_layers=(True, False)), dict(embed="int4")),
+    # Gemma 3: q/k norms, sandwich norms, the sliding layer's own RoPE base
+    (dict(activation="gelu_tanh", qk_norm=True, post_norms=True, sliding_window=12, sliding_layers=(False, True),
+          rope_theta=1e6, rope_local_theta=10000.0), {}),
 ])
 def test_greedy_decode_matches_the_reference(overrides, engine):
     c = tiny_config(**overrides)

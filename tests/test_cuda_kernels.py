@@ -219,7 +219,7 @@ def test_rmsnorm_and_row_gather(gpu, D):
     ld = round_up(D, 128)
     out = gpu.zeros(3 * ld * 4)
     gpu.launch("rmsnorm", (3,), 256, x=gpu.upload(padded(x, ld)), ldx=ld, rows=gpu.upload(rows), w=gpu.upload(w),
-               out=out, ldo=ld, D=D, eps=1e-5)
+               out=out, ldo=ld, D=D, eps=1e-5, accumulate=0)
     np.testing.assert_allclose(gpu.download(out, np.float32, (3, ld))[:, :D], rms_norm(x[rows], w, 1e-5), rtol=2e-6, atol=1e-6)
 
 
@@ -267,22 +267,23 @@ def test_rope_and_kv_append(gpu, cache, Hq, Hkv, hd):
     np.testing.assert_array_equal(v, qkv[:, (Hq + Hkv) * hd:].astype(dt))
 
 
-def one_sequence_attention(q, k_cache, v_cache, table, context_len, positions, window, scale):
+def one_sequence_attention(q, k_cache, v_cache, table, context_len, positions, window, scale, cap=None):
     """kernels/model.py's paged_attention for one sequence: q [n, Hq, hd] -> [n, Hq*hd]."""
     return paged_attention(q[None], k_cache, v_cache, table[None], np.array([context_len]), positions[None],
-                           window, scale)[0]
+                           window, scale, cap)[0]
 
 
-ATTENTION_CASES = [  # Hq, Hkv, hd, block_size, window, split_size, chunk
-    (4, 2, 8, 16, None, 0, 1), (8, 8, 64, 16, None, 64, 1), (32, 8, 128, 16, None, 128, 1),
-    (8, 1, 256, 32, None, 0, 5), (32, 1, 64, 16, None, 96, 1), (12, 4, 64, 8, 40, 0, 7),
-    (8, 2, 128, 16, 100, 64, 1), (4, 4, 32, 16, None, 0, 33),
+ATTENTION_CASES = [  # Hq, Hkv, hd, block_size, window, split_size, chunk, soft cap (Gemma 2)
+    (4, 2, 8, 16, None, 0, 1, None), (8, 8, 64, 16, None, 64, 1, None), (32, 8, 128, 16, None, 128, 1, None),
+    (8, 1, 256, 32, None, 0, 5, None), (32, 1, 64, 16, None, 96, 1, None), (12, 4, 64, 8, 40, 0, 7, None),
+    (8, 2, 128, 16, 100, 64, 1, None), (4, 4, 32, 16, None, 0, 33, None),
+    (8, 4, 128, 16, 40, 0, 7, 2.0), (16, 8, 256, 16, None, 64, 1, 50.0),
 ]
 
 
 @pytest.mark.parametrize("cache", ["f32", "f16"])
-@pytest.mark.parametrize("Hq,Hkv,hd,bs,window,split,chunk", ATTENTION_CASES)
-def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk):
+@pytest.mark.parametrize("Hq,Hkv,hd,bs,window,split,chunk,cap", ATTENTION_CASES)
+def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk, cap):
     from tokenwire.kernels.cuda.forward import heads_per_block
     c = config(Hq, Hkv, hd, window)
     rng = np.random.default_rng(Hq + hd + bs + chunk)
@@ -319,7 +320,8 @@ def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk):
                 block_tables=gpu.upload(tables), ld_bt=ld_bt, positions=gpu.upload(np.array(positions, np.int32)),
                 items=gpu.upload(np.array(items, np.int32)), out=out, ldo=Hq * hd, ws_ml=ws_ml, ws_acc=ws_acc,
                 max_splits=splits, num_heads=Hq, num_kv_heads=Hkv, head_dim=hd, block_size=bs, heads_per_block=hpb,
-                sliding_window=window or 0, scale=float(np.float32(hd ** -0.5)), split_size=split or (1 << 30))
+                sliding_window=window or 0, scale=float(np.float32(hd ** -0.5)), softcap=cap or 0.0,
+                split_size=split or (1 << 30))
     gpu.launch(f"attention_paged_{cache}", (len(items), Hkv * (Hq // Hkv // hpb), splits), 128,
                smem=attention_smem_bytes(hd), **args)
     if splits > 1:
@@ -328,8 +330,49 @@ def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk):
     got = gpu.download(out, np.float32, (T, Hq * hd))
     for t0, nq, s, n, p in want_rows:
         want = one_sequence_attention(q[t0:t0 + nq], kc.astype(np.float32), vc.astype(np.float32), tables[s], n, p,
-                                      window, np.float32(hd ** -0.5))
+                                      window, np.float32(hd ** -0.5), cap)
         assert_close(got[t0:t0 + nq], want, rtol=2e-5)
+
+
+def test_rmsnorm_accumulates_into_the_residual(gpu):
+    """Gemma 2/3's post norms: out += RMSNorm(x) * w."""
+    D, ld = 200, 256
+    rng = np.random.default_rng(5)
+    x, h = rng.standard_normal((3, D)).astype(np.float32), rng.standard_normal((3, D)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    out = gpu.upload(padded(h, ld))
+    gpu.launch("rmsnorm", (3,), 256, x=gpu.upload(padded(x, ld)), ldx=ld, rows=0, w=gpu.upload(w), out=out, ldo=ld,
+               D=D, eps=1e-6, accumulate=1)
+    np.testing.assert_allclose(gpu.download(out, np.float32, (3, ld))[:, :D], h + rms_norm(x, w, 1e-6),
+                               rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("hd", [16, 64, 128, 256])
+def test_head_rmsnorm_on_q_and_k_heads(gpu, hd):
+    """Qwen3 / Gemma 3: each Q and K head normed over hd with its own weights; V untouched."""
+    Hq, Hkv, T = 4, 2, 5
+    rng = np.random.default_rng(hd)
+    width = (Hq + 2 * Hkv) * hd
+    qkv = rng.standard_normal((T, width)).astype(np.float32)
+    qn, kn = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32), (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
+    buf = gpu.upload(qkv)
+    gpu.launch("head_rmsnorm", (T, Hq + Hkv), 32, qkv=buf, ldqkv=width, q_norm=gpu.upload(qn), k_norm=gpu.upload(kn),
+               num_heads=Hq, head_dim=hd, eps=1e-6)
+    got = gpu.download(buf, np.float32, (T, width))
+    heads = qkv[:, :(Hq + Hkv) * hd].reshape(T, Hq + Hkv, hd)
+    want_q = rms_norm(heads[:, :Hq], qn, 1e-6).reshape(T, -1)
+    want_k = rms_norm(heads[:, Hq:], kn, 1e-6).reshape(T, -1)
+    np.testing.assert_allclose(got[:, :(Hq + Hkv) * hd], np.concatenate([want_q, want_k], axis=1), rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(got[:, (Hq + Hkv) * hd:], qkv[:, (Hq + Hkv) * hd:])
+
+
+def test_logit_softcap(gpu):
+    V, ld = 1000, 1024
+    logits = (np.random.default_rng(0).standard_normal((3, V)) * 40).astype(np.float32)
+    buf = gpu.upload(padded(logits, ld))
+    gpu.launch("logit_softcap", (3,), 256, logits=buf, ldl=ld, vocab_size=V, cap=30.0)
+    np.testing.assert_allclose(gpu.download(buf, np.float32, (3, ld))[:, :V],
+                               np.float32(30) * np.tanh(logits / np.float32(30)), rtol=2e-6, atol=2e-5)
 
 
 # ------------------------------------------------------------------ sampling

@@ -42,7 +42,8 @@ def stories_engine(tmp_path_factory, stories260k_dir):
 
 # ---- tokenwire build, per family ----------------------------------------------------------
 
-@pytest.mark.parametrize("family,tie", [("llama", False), ("mistral", False), ("qwen2", True), ("gemma", None)])
+@pytest.mark.parametrize("family,tie", [("llama", False), ("mistral", False), ("qwen2", True), ("gemma", None),
+                                        ("qwen3", False), ("gemma2", None), ("gemma3", None)])
 def test_build_each_family(tmp_path, family, tie):
     make_tiny_hf(tmp_path / "src", family, tie=tie)
     assert build(tmp_path / "src", tmp_path / "out", "--algorithm", "rtn", "--group-size", "32") == 0

@@ -41,7 +41,21 @@ FAMILIES = {
     "gemma": ("GemmaForCausalLM", "GemmaConfig",
               dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32,
                    hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config",
+              dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1e6)),
+    # windows of 6 (< the 45-position sequences) on layer 0 only, soft caps low enough to bend
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config",
+               dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                    sliding_window=6, attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
+                    hidden_activation="gelu_pytorch_tanh", layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               dict(num_attention_heads=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32,
+                    sliding_window=5, hidden_activation="gelu_pytorch_tanh",
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1e6}})),
 }
+GEMMAS = ("gemma", "gemma2", "gemma3")
 PROMPT_LENS = (5, 13, 1, 9)
 NUM_DECODE = 32
 BLOCK_SIZE = 4
@@ -56,7 +70,7 @@ def make_hf_model(family: str, directory, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):          # not all ones (Gemma stores w of 1 + w)
-                p.copy_((0.0 if family == "gemma" else 1.0) + 0.2 * torch.randn_like(p))
+                p.copy_((0.0 if family in GEMMAS else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):               # Qwen2's q/k/v biases start at zero
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(directory)
@@ -105,15 +119,33 @@ def scattered_tables(lengths, block_size, num_blocks, seed):
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_case(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    hf_model = make_hf_model(request.param, directory)
+    return build_case(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma2", "gemma3"])
+def new_family_case(request, tmp_path_factory):
+    return build_case(request.param, tmp_path_factory)
+
+
+def build_case(family, tmp_path_factory):
+    """A transformers model of `family`, its logits on four sequences, and its unquantized engine tensors."""
+    directory = tmp_path_factory.mktemp(family)
+    hf_model = make_hf_model(family, directory)
     rng = np.random.default_rng(1)
     sequences = [rng.integers(3, VOCAB, n + NUM_DECODE).tolist() for n in PROMPT_LENS]
     with torch.no_grad():
         want = [hf_model(torch.tensor([s])).logits[0].numpy() for s in sequences]   # [len, V] each
     src = import_hf(directory)
     encoded, _, _ = quantize_model(src.config, src.tensors, QuantOptions(method="none"))
-    return request.param, src.config, encoded, sequences, want
+    SOURCES[family] = src
+    return family, src.config, encoded, sequences, want
+
+
+SOURCES = {}        # family -> the imported SourceModel of family_case
+
+
+def import_hf_cached(case):
+    return SOURCES[case[0]]
 
 
 @pytest.mark.parametrize("chunk", [None, 3])
@@ -139,5 +171,31 @@ def test_each_family_exercises_its_quirk(family_case):
               "mistral": config.sliding_window == 7 and config.num_kv_heads == 1,   # windows of 7 < 45 positions
               "qwen2": config.qkv_bias and config.tie_word_embeddings,
               "gemma": config.activation == "gelu_tanh" and config.embedding_multiplier == 8.0
-                       and config.head_dim * config.num_heads != config.hidden_size}
+                       and config.head_dim * config.num_heads != config.hidden_size,
+              "qwen3": config.qk_norm and not config.post_norms and config.head_dim == 32,
+              "gemma2": config.post_norms and config.sliding_layers == (True, False) and config.sliding_window == 6
+                        and config.attn_logit_softcap == 3.0 and config.final_logit_softcap == 8.0
+                        and config.attn_scale == 24 ** -0.5,
+              "gemma3": config.qk_norm and config.post_norms and config.rope_local_theta == 10000.0
+                        and config.rope_theta == 1e6 and config.sliding_layers == (True, False)}
     assert quirks[family]
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_c_backend_matches_the_reference_on_the_new_families(new_family_case, chunk):
+    """Qwen3 and Gemma 2/3 imported from transformers: the C forward (INT4 and dense) against the
+    reference, over sequences of 45 positions with Gemma's windows of 5 and 6."""
+    from tokenwire.kernels import cpu
+    family, config, encoded, sequences, want = new_family_case
+    if not cpu.AVAILABLE:
+        pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
+    src = import_hf_cached(new_family_case)
+    for tensors in (encoded, quantize_model(config, src.tensors, QuantOptions(algorithm="rtn", group_size=32))[0]):
+        tables = scattered_tables([len(s) for s in sequences], BLOCK_SIZE, 64, seed=3)
+        ref = run_reference(ReferenceModel(config, tensors, block_size=BLOCK_SIZE, num_blocks=64),
+                            sequences, PROMPT_LENS, chunk, tables)
+        got = run_reference(cpu.create_model(config, tensors, block_size=BLOCK_SIZE, num_blocks=64),
+                            sequences, PROMPT_LENS, chunk, tables)
+        scale = max(1.0, max(float(np.max(np.abs(v))) for v in ref.values()))
+        worst = max(float(np.max(np.abs(got[key] - ref[key]))) for key in ref)
+        assert worst < 2e-5 * scale, f"{family}: C vs reference {worst:.2e} (logits up to {scale:.1f})"

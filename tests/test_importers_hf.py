@@ -28,7 +28,11 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=8)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=8)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=8)),
 }
+GEMMAS = ("gemma", "gemma2", "gemma3")
 CORPUS = ["once upon a time there was a tiny model", "the quick brown fox jumps over the lazy dog"] * 8
 
 
@@ -72,12 +76,20 @@ def expected_canonical(model, family):
     """The canonical tensors, computed from transformers' state_dict with torch."""
     sd = {k: v.float().numpy() for k, v in model.state_dict().items()}
     cfg = model.config
-    fold = (lambda w: w + 1.0) if family == "gemma" else (lambda w: w)
+    fold = (lambda w: w + 1.0) if family in GEMMAS else (lambda w: w)
     out = {"embed": sd["model.embed_tokens.weight"], "norm": fold(sd["model.norm.weight"])}
     for i in range(cfg.num_hidden_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         out[f"layers.{i}.attn_norm"] = fold(sd[f"model.layers.{i}.input_layernorm.weight"])
-        out[f"layers.{i}.mlp_norm"] = fold(sd[f"model.layers.{i}.post_attention_layernorm.weight"])
+        if family in ("gemma2", "gemma3"):      # sandwich norms: post_attention_layernorm is the output's
+            out[f"layers.{i}.post_attn_norm"] = fold(sd[f"model.layers.{i}.post_attention_layernorm.weight"])
+            out[f"layers.{i}.mlp_norm"] = fold(sd[f"model.layers.{i}.pre_feedforward_layernorm.weight"])
+            out[f"layers.{i}.post_mlp_norm"] = fold(sd[f"model.layers.{i}.post_feedforward_layernorm.weight"])
+        else:
+            out[f"layers.{i}.mlp_norm"] = fold(sd[f"model.layers.{i}.post_attention_layernorm.weight"])
+        if family in ("qwen3", "gemma3"):
+            out[f"layers.{i}.q_norm"] = fold(sd[a + "q_norm.weight"])
+            out[f"layers.{i}.k_norm"] = fold(sd[a + "k_norm.weight"])
         out[f"layers.{i}.qkv_proj"] = np.concatenate([sd[a + f"{x}_proj.weight"] for x in "qkv"])
         if family == "qwen2":
             out[f"layers.{i}.qkv_bias"] = np.concatenate([sd[a + f"{x}_proj.bias"] for x in "qkv"])
@@ -92,7 +104,8 @@ def expected_canonical(model, family):
 CASES = [("llama", "float32", False, False), ("llama", "bfloat16", True, False), ("llama", "float32", False, True),
          ("mistral", "float32", False, False), ("mistral", "bfloat16", None, False),
          ("qwen2", "float32", True, False), ("qwen2", "bfloat16", False, True), ("qwen2", "float16", True, False),
-         ("gemma", "float32", None, False), ("gemma", "bfloat16", False, False)]
+         ("gemma", "float32", None, False), ("gemma", "bfloat16", False, False),
+         ("qwen3", "bfloat16", False, True), ("gemma2", "float32", None, False), ("gemma3", "bfloat16", None, False)]
 
 
 @pytest.mark.parametrize("family,dtype,tie,shard", CASES)
@@ -115,17 +128,22 @@ def test_model_config_per_family(tmp_path, family):
     c = import_hf(tmp_path).config
     assert (c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads) == (32, 64, 2, 4, 2)
     assert c.architecture == type(model).__name__
-    assert c.head_dim == (16 if family == "gemma" else 8)
+    assert c.head_dim == (16 if family in GEMMAS else 8)
     assert c.qkv_bias == (family == "qwen2")
-    assert c.activation == ("gelu_tanh" if family == "gemma" else "silu")
-    assert c.embedding_multiplier == (pytest.approx(math.sqrt(32)) if family == "gemma" else 1.0)
-    assert c.sliding_window == (16 if family == "mistral" else None)
+    assert c.activation == ("gelu_tanh" if family in GEMMAS else "silu")
+    assert c.embedding_multiplier == (pytest.approx(math.sqrt(32)) if family in GEMMAS else 1.0)
+    assert c.sliding_window == {"mistral": 16, "gemma2": 8, "gemma3": 8}.get(family)
+    assert c.sliding_layers == {"gemma2": (True, False)}.get(family)      # gemma3: both layers slide (None: all)
+    assert c.qk_norm == (family in ("qwen3", "gemma3")) and c.post_norms == (family in ("gemma2", "gemma3"))
+    assert (c.attn_logit_softcap, c.final_logit_softcap) == ((50.0, 30.0) if family == "gemma2" else (None, None))
+    assert c.attn_scale == (256 ** -0.5 if family in ("gemma2", "gemma3") else None)
+    assert c.rope_local_theta == (10000.0 if family == "gemma3" else None)
     assert c.tie_word_embeddings == model.config.tie_word_embeddings
     if family == "llama":
         assert c.rope_theta == 500000.0
         assert c.rope_scaling.factor == 8.0 and c.rope_scaling.original_max_position_embeddings == 64
     else:
-        assert c.rope_scaling is None and c.rope_theta == 10000.0
+        assert c.rope_scaling is None and c.rope_theta == (1e6 if family == "gemma3" else 10000.0)
 
 
 def test_old_rope_spelling_gives_same_config(tmp_path):

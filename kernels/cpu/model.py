@@ -27,7 +27,7 @@ from ..rope import rope_inv_freq
 from .ext import PRECISIONS, _cpu, _require
 
 LAYER_MATRICES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-LAYER_VECTORS = ("attn_norm", "mlp_norm", "qkv_bias")
+LAYER_VECTORS = ("attn_norm", "mlp_norm", "qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 
 class CpuModel:
@@ -52,7 +52,16 @@ class CpuModel:
         self._model = _cpu.Model(c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
                                  c.head_dim, c.vocab_size, c.activation, c.sliding_window or 0, c.rms_norm_eps,
                                  c.embedding_multiplier, rope_inv_freq(c), block_size, self.num_blocks, activations)
+        self._set_attention(c)
         self._load(tensors)
+
+    def _set_attention(self, c: ModelConfig) -> None:
+        """Per-layer windows and RoPE bases, the softmax scale and the soft caps (core/config.py)."""
+        windows = np.array([c.layer_window(i) or 0 for i in range(c.num_layers)], dtype=np.int32)
+        local = np.array([c.layer_rope_theta(i) != c.rope_theta for i in range(c.num_layers)], dtype=np.uint8)
+        inv_local = rope_inv_freq(c, c.rope_local_theta) if local.any() else None
+        self._model.set_attention(float(np.float32(c.softmax_scale)), c.attn_logit_softcap or 0.0,
+                                  c.final_logit_softcap or 0.0, windows, local, inv_local)
 
     def _load(self, tensors: Mapping[str, np.ndarray]) -> None:
         c, shapes = self.config, linear_shapes(self.config)
@@ -65,7 +74,7 @@ class CpuModel:
             for name in LAYER_MATRICES:
                 self._set_matrix(tensors, f"layers.{i}.{name}", i, shapes[f"layers.{i}.{name}"])
             for name in LAYER_VECTORS:
-                if name != "qkv_bias" or c.qkv_bias:
+                if f"layers.{i}.{name}" in self._vector_shapes:
                     self._set_vector(tensors, f"layers.{i}.{name}", i)
 
     def _set_matrix(self, tensors, full_name: str, layer: int, shape: tuple) -> None:

@@ -2,6 +2,8 @@
 // each query at position p attends to its sequence's cached keys 0..p (the last `window`
 // only, when sliding_window > 0), gathered through the block table. The step's own K/V are
 // already in the cache (rope_kv_append runs first), so a chunk sees earlier chunks too.
+// Scores are dot * scale, soft-capped to softcap * tanh(score / softcap) when softcap > 0
+// (Gemma 2); the host passes each layer's own window (Gemma 2/3 alternate).
 //
 //   q:            [T, ldq] fp32 rotated queries, Hq heads of hd
 //   k/v_cache:    one layer's [num_slots, Hkv, hd] (fp32 or fp16), slot = block * block_size + offset
@@ -35,7 +37,7 @@ __device__ __forceinline__ void attention_paged(
     const int* __restrict__ items, float* __restrict__ out, int ldo,
     float2* __restrict__ ws_ml, float* __restrict__ ws_acc, int max_splits,
     int num_heads, int num_kv_heads, int head_dim, int block_size, int heads_per_block,
-    int sliding_window, float scale, int split_size) {
+    int sliding_window, float scale, float softcap, int split_size) {
     extern __shared__ float smem[];
     float* qs = smem;                                                 // [16 pairs][hd]
     float* ks = qs + ATT_PAIRS * head_dim;                            // [32 keys][hd + 1] (padded: no bank conflicts)
@@ -107,7 +109,9 @@ __device__ __forceinline__ void attention_paged(
                     if (d + i < head_dim) d4[i] += qp[d + i] * kp[d + i];
             }
             const float dot = (d4[0] + d4[1]) + (d4[2] + d4[3]);
-            const float score = visible ? dot * scale : -TW_INF;
+            float score = dot * scale;
+            if (softcap > 0.0f) score = softcap * tanhf(score / softcap);       // Gemma 2, as core/model.py
+            score = visible ? score : -TW_INF;
             const float m_new = fmaxf(m[pi], warp_max(score));
             if (m_new == -TW_INF) continue;                           // nothing visible yet (uniform)
             const float alpha = expf(m[pi] - m_new);
@@ -156,9 +160,10 @@ __device__ __forceinline__ void attention_paged(
     const CT* __restrict__ v_cache, const int* __restrict__ block_tables, int ld_bt, const int* __restrict__ positions, \
     const int* __restrict__ items, float* __restrict__ out, int ldo, float2* __restrict__ ws_ml, \
     float* __restrict__ ws_acc, int max_splits, int num_heads, int num_kv_heads, int head_dim, int block_size, \
-    int heads_per_block, int sliding_window, float scale, int split_size
+    int heads_per_block, int sliding_window, float scale, float softcap, int split_size
 #define ATT_PASS q, ldq, k_cache, v_cache, block_tables, ld_bt, positions, items, out, ldo, ws_ml, ws_acc, \
-    max_splits, num_heads, num_kv_heads, head_dim, block_size, heads_per_block, sliding_window, scale, split_size
+    max_splits, num_heads, num_kv_heads, head_dim, block_size, heads_per_block, sliding_window, scale, softcap, \
+    split_size
 
 extern "C" __global__ void __launch_bounds__(128) attention_paged_f32(ATT_ARGS(float)) { attention_paged<float>(ATT_PASS); }
 extern "C" __global__ void __launch_bounds__(128) attention_paged_f16(ATT_ARGS(f16_t)) { attention_paged<f16_t>(ATT_PASS); }

@@ -106,12 +106,28 @@ def _embed(kind):
     return run
 
 
-def _rmsnorm(d, grid, x, ldx, rows, w, out, ldo, D, eps):
+def _rmsnorm(d, grid, x, ldx, rows, w, out, ldo, D, eps, accumulate):
     R = grid[0]
     idx = d.view(rows, np.int32, R) if rows else np.arange(R)
     src = _f32(d, x, int(idx.max()) + 1, ldx)[idx, :D]
     res = src / np.sqrt(np.mean(src * src, axis=-1, keepdims=True) + np.float32(eps)) * d.view(w, np.float32, D)
-    _f32(d, out, R, ldo)[:, :D] = res
+    dst = _f32(d, out, R, ldo)
+    dst[:, :D] = dst[:, :D] + res if accumulate else res
+
+
+def _head_rmsnorm(d, grid, qkv, ldqkv, q_norm, k_norm, num_heads, head_dim, eps):
+    T, heads = grid[0], grid[1]
+    rows = _f32(d, qkv, T, ldqkv)
+    x = rows[:, :heads * head_dim].reshape(T, heads, head_dim)
+    w = np.concatenate([np.broadcast_to(d.view(q_norm, np.float32, head_dim), (num_heads, head_dim)),
+                        np.broadcast_to(d.view(k_norm, np.float32, head_dim), (heads - num_heads, head_dim))])
+    normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * w
+    rows[:, :heads * head_dim] = normed.reshape(T, -1)
+
+
+def _logit_softcap(d, grid, logits, ldl, vocab_size, cap):
+    rows = _f32(d, logits, grid[0], ldl)
+    rows[:, :vocab_size] = np.float32(cap) * np.tanh(rows[:, :vocab_size] / np.float32(cap))
 
 
 def _glu(gelu):
@@ -153,7 +169,7 @@ def _rope(cache_dtype):
 def _attention(cache_dtype):
     def run(d, grid, q, ldq, k_cache, v_cache, block_tables, ld_bt, positions, items, out, ldo, ws_ml, ws_acc,
             max_splits, num_heads, num_kv_heads, head_dim, block_size, heads_per_block, sliding_window, scale,
-            split_size):
+            softcap, split_size):
         num_items, _, num_splits = grid
         group = num_heads // num_kv_heads
         assert grid[1] == num_kv_heads * (group // heads_per_block) and num_splits <= max_splits
@@ -176,6 +192,8 @@ def _attention(cache_dtype):
                     k = kc[slots, kh].astype(np.float32)
                     v = vc[slots, kh].astype(np.float32)
                     sc = (qs[:, h] @ k.T) * np.float32(scale)                 # [nq, C]
+                    if softcap > 0:
+                        sc = np.float32(softcap) * np.tanh(sc / np.float32(softcap))
                     vis = (keys[None] <= pos[:, None]) & in_split[None]
                     if sliding_window > 0:
                         vis &= keys[None] > pos[:, None] - sliding_window
@@ -283,6 +301,8 @@ EMULATORS = {
     "embed_i8": _embed("i8"),
     "embed_i4": _embed("i4"),
     "rmsnorm": _rmsnorm,
+    "head_rmsnorm": _head_rmsnorm,
+    "logit_softcap": _logit_softcap,
     "glu_silu": _glu(False),
     "glu_gelu_tanh": _glu(True),
     "rope_kv_append_f32": _rope(np.float32),

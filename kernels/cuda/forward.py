@@ -203,9 +203,9 @@ def launch_embed(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, g: St
 
 
 def launch_rmsnorm(dev, c: ModelConfig, x: int, ldx: int, weight: int, out: int, ldo: int, rows: int,
-                   num_rows: int, stream) -> None:
+                   num_rows: int, stream, accumulate: bool = False) -> None:
     dev.launch("rmsnorm", (num_rows,), 256, stream, x=x, ldx=ldx, rows=rows, w=weight, out=out, ldo=ldo,
-               D=c.hidden_size, eps=c.rms_norm_eps)
+               D=c.hidden_size, eps=c.rms_norm_eps, accumulate=int(accumulate))
 
 
 def launch_attention(dev, c: ModelConfig, w: DeviceWeights, i: int, acts: Activations, kv: KVCache,
@@ -213,8 +213,15 @@ def launch_attention(dev, c: ModelConfig, w: DeviceWeights, i: int, acts: Activa
     hpb = heads_per_block(c)
     group = c.num_heads // c.num_kv_heads
     suffix = "f32" if kv.dtype == "float32" else "f16"
+    layer = w.layers[i]
+    if layer.q_norm:                # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
+        dev.launch("head_rmsnorm", (g.num_tokens, c.num_heads + c.num_kv_heads), 32, stream, qkv=acts.qkv,
+                   ldqkv=acts.ld_qkv, q_norm=layer.q_norm, k_norm=layer.k_norm, num_heads=c.num_heads,
+                   head_dim=c.head_dim, eps=c.rms_norm_eps)
+    local = c.rope_local_theta is not None and c.layer_window(i) is not None     # Gemma 3's sliding layers
     dev.launch(f"rope_kv_append_{suffix}", (g.num_tokens,), 128, stream, qkv=acts.qkv, ldqkv=acts.ld_qkv,
-               positions=g.positions, slot_mapping=g.slot_mapping, cos_sin=w.cos_sin, max_positions=w.max_positions,
+               positions=g.positions, slot_mapping=g.slot_mapping, cos_sin=w.cos_sin_local if local else w.cos_sin,
+               max_positions=w.max_positions,
                q_out=acts.q, ldq=acts.ld_q, k_cache=kv.k[i], v_cache=kv.v[i], num_heads=c.num_heads,
                num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
     dev.launch(f"attention_paged_{suffix}", (g.num_items, c.num_kv_heads * (group // hpb), g.num_splits), 128, stream,
@@ -222,8 +229,8 @@ def launch_attention(dev, c: ModelConfig, w: DeviceWeights, i: int, acts: Activa
                block_tables=g.block_tables, ld_bt=g.ld_bt, positions=g.positions, items=g.items, out=acts.attn,
                ldo=acts.ld_attn, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc, max_splits=g.num_splits,
                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=kv.block_size,
-               heads_per_block=hpb, sliding_window=c.sliding_window or 0, scale=float(np.float32(c.head_dim ** -0.5)),
-               split_size=g.split_size)
+               heads_per_block=hpb, sliding_window=c.layer_window(i) or 0, scale=float(np.float32(c.softmax_scale)),
+               softcap=c.attn_logit_softcap or 0.0, split_size=g.split_size)
     if g.num_splits > 1:
         dev.launch("attention_combine", (g.num_tokens, c.num_heads), 128, stream, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc,
                    num_splits=g.num_splits, max_splits=g.num_splits, out=acts.attn, ldo=acts.ld_attn,
@@ -240,15 +247,28 @@ def launch_forward(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, kv:
         launch_rmsnorm(dev, c, a.h, a.ld_h, layer.attn_norm, a.xn, a.ld_xn, 0, T, stream)
         launch_matmul(dev, layer.qkv, a.xn, a.ld_xn, T, a.qkv, a.ld_qkv, False, a, stream)
         launch_attention(dev, c, w, i, a, kv, g, stream)
-        launch_matmul(dev, layer.o, a.attn, a.ld_attn, T, a.h, a.ld_h, True, a, stream)
+        launch_residual(dev, c, layer.o, a.attn, a.ld_attn, layer.post_attn_norm, a, T, stream)
         launch_rmsnorm(dev, c, a.h, a.ld_h, layer.mlp_norm, a.xn, a.ld_xn, 0, T, stream)
         launch_matmul(dev, layer.gate_up, a.xn, a.ld_xn, T, a.gu, a.ld_gu, False, a, stream)
         dev.launch(glu, (-(-c.intermediate_size // 256), T), 256, stream, gate_up=a.gu, ldg=a.ld_gu,
                    out=a.act, ldo=a.ld_act, I=c.intermediate_size)
-        launch_matmul(dev, layer.down, a.act, a.ld_act, T, a.h, a.ld_h, True, a, stream)
+        launch_residual(dev, c, layer.down, a.act, a.ld_act, layer.post_mlp_norm, a, T, stream)
     if g.num_rows:
         launch_rmsnorm(dev, c, a.h, a.ld_h, w.norm, a.hn, a.ld_hn, g.logits_rows, g.num_rows, stream)
         launch_matmul(dev, w.lm_head, a.hn, a.ld_hn, g.num_rows, a.logits, a.ld_logits, False, a, stream)
+        if c.final_logit_softcap:   # Gemma 2, before any sampling
+            dev.launch("logit_softcap", (g.num_rows,), 256, stream, logits=a.logits, ldl=a.ld_logits,
+                       vocab_size=c.vocab_size, cap=c.final_logit_softcap)
+
+
+def launch_residual(dev, c: ModelConfig, lin: Linear, x: int, ldx: int, post_norm: int, a: Activations, T: int,
+                    stream) -> None:
+    """h += x W^T, or (Gemma 2/3's post norms) h += RMSNorm(x W^T) through xn, free after its product."""
+    if not post_norm:
+        launch_matmul(dev, lin, x, ldx, T, a.h, a.ld_h, True, a, stream)
+        return
+    launch_matmul(dev, lin, x, ldx, T, a.xn, a.ld_xn, False, a, stream)
+    launch_rmsnorm(dev, c, a.xn, a.ld_xn, post_norm, a.h, a.ld_h, 0, T, stream, accumulate=True)
 
 
 def launch_sampler(dev, c: ModelConfig, acts: Activations, g: StepGeometry, mode: str, stream) -> None:

@@ -20,7 +20,7 @@ _ROPE = ("qkv:p ldqkv:i positions:p slot_mapping:p cos_sin:p max_positions:i q_o
          "k_cache:p v_cache:p num_heads:i num_kv_heads:i head_dim:i")
 _ATTENTION = ("q:p ldq:i k_cache:p v_cache:p block_tables:p ld_bt:i positions:p items:p out:p ldo:i "
               "ws_ml:p ws_acc:p max_splits:i num_heads:i num_kv_heads:i head_dim:i block_size:i "
-              "heads_per_block:i sliding_window:i scale:f split_size:i")
+              "heads_per_block:i sliding_window:i scale:f softcap:f split_size:i")
 _GLU = "gate_up:p ldg:i out:p ldo:i I:i"
 
 SIGNATURES = {
@@ -42,7 +42,9 @@ SIGNATURES = {
     "embed_f16": _EMBED,
     "embed_i8": _EMBED,
     "embed_i4": _EMBED,
-    "rmsnorm": "x:p ldx:i rows:p w:p out:p ldo:i D:i eps:f",
+    "rmsnorm": "x:p ldx:i rows:p w:p out:p ldo:i D:i eps:f accumulate:i",
+    "head_rmsnorm": "qkv:p ldqkv:i q_norm:p k_norm:p num_heads:i head_dim:i eps:f",
+    "logit_softcap": "logits:p ldl:i vocab_size:i cap:f",
     "glu_silu": _GLU,
     "glu_gelu_tanh": _GLU,
     "rope_kv_append_f32": _ROPE,

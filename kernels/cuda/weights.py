@@ -55,6 +55,10 @@ class LayerWeights(NamedTuple):
     mlp_norm: int               # fp32 [D]
     gate_up: Linear
     down: Linear
+    q_norm: int = 0             # fp32 [hd] each, 0 without qk_norm (Qwen3, Gemma 3)
+    k_norm: int = 0
+    post_attn_norm: int = 0     # fp32 [D], 0 without post_norms (Gemma 2/3)
+    post_mlp_norm: int = 0
 
 
 class DeviceWeights(NamedTuple):
@@ -66,6 +70,7 @@ class DeviceWeights(NamedTuple):
     max_positions: int
     num_bytes: int              # device bytes of the arena
     arena: int                  # the one allocation (freed by the executor)
+    cos_sin_local: int = 0      # float2 [max_positions, hd/2] of Gemma 3's sliding layers, or 0
 
 
 class _Arena:
@@ -104,16 +109,21 @@ class _Loader:
         lm_head = self.plan_lm_head(embed)
         cos, sin = rope_cos_sin(rope_inv_freq(c), np.arange(max_positions))
         cos_sin = self.plan_copy(np.ascontiguousarray(np.stack([cos, sin], axis=-1)))   # [P, hd/2, 2]
+        cos_sin_local = None
+        if c.rope_local_theta is not None:
+            cos, sin = rope_cos_sin(rope_inv_freq(c, c.rope_local_theta), np.arange(max_positions))
+            cos_sin_local = self.plan_copy(np.ascontiguousarray(np.stack([cos, sin], axis=-1)))
         base = self.dev.drv.mem_alloc(self.arena.size)
         self.upload(base)
         fix = lambda off: base + off if off is not None else 0   # noqa: E731
         return DeviceWeights(
             embed=embed._replace(table=fix(embed.table), scales=fix(embed.scales), zeros=fix(embed.zeros)),
             layers=tuple(LayerWeights(fix(l.attn_norm), _fix_linear(l.qkv, fix), _fix_linear(l.o, fix),
-                                      fix(l.mlp_norm), _fix_linear(l.gate_up, fix), _fix_linear(l.down, fix))
+                                      fix(l.mlp_norm), _fix_linear(l.gate_up, fix), _fix_linear(l.down, fix),
+                                      fix(l.q_norm), fix(l.k_norm), fix(l.post_attn_norm), fix(l.post_mlp_norm))
                          for l in layers),
             norm=fix(norm), lm_head=_fix_linear(lm_head, fix), cos_sin=fix(cos_sin),
-            max_positions=max_positions, num_bytes=self.arena.size, arena=base)
+            max_positions=max_positions, num_bytes=self.arena.size, arena=base, cos_sin_local=fix(cos_sin_local))
 
     # ------------------------------------------------------------ planning (offsets only)
 
@@ -134,9 +144,13 @@ class _Loader:
         qkv = self.plan_linear(f"{p}.qkv_proj")
         if self.config.qkv_bias:
             qkv = qkv._replace(bias=self.plan_vector(f"{p}.qkv_bias"))
+        c = self.config
+        qk = (self.plan_vector(f"{p}.q_norm"), self.plan_vector(f"{p}.k_norm")) if c.qk_norm else (None, None)
+        post = ((self.plan_vector(f"{p}.post_attn_norm"), self.plan_vector(f"{p}.post_mlp_norm")) if c.post_norms
+                else (None, None))
         return LayerWeights(self.plan_vector(f"{p}.attn_norm"), qkv, self.plan_linear(f"{p}.o_proj"),
                             self.plan_vector(f"{p}.mlp_norm"), self.plan_linear(f"{p}.gate_up_proj"),
-                            self.plan_linear(f"{p}.down_proj"))
+                            self.plan_linear(f"{p}.down_proj"), *qk, *post)
 
     def plan_linear(self, name: str) -> Linear:
         N, K = self.mats[name]

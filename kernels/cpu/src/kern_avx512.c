@@ -696,7 +696,10 @@ static void attend_avx512(const tw_attn_args *a) {
         }
     }
     int g;
-    for (g = 0; g < group; g++) softmax_row(a->scores + (size_t)g * (a->hi - a->lo + 1), a->hi - a->lo + 1);
+    const int n = a->hi - a->lo + 1;
+    if (a->softcap > 0.0f)                  /* Gemma 2: capped scores, as the reference, before the softmax */
+        for (size_t j = 0; j < (size_t)group * n; j++) a->scores[j] = a->softcap * tanhf(a->scores[j] / a->softcap);
+    for (g = 0; g < group; g++) softmax_row(a->scores + (size_t)g * n, n);
     if (hd == 128) {
         for (g = 0; g + 2 <= group; g += 2) attn_values(a, g, 2, 128);
         if (g < group) attn_values(a, g, 1, 128);

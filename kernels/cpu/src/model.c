@@ -20,7 +20,7 @@ int tw_model_init(tw_model *m) {
     const size_t per_cache = (size_t)m->num_layers * m->num_blocks * m->block_size * m->num_kv_heads * m->head_dim;
     m->k_cache = tw_alloc(per_cache * sizeof(float));
     m->v_cache = tw_alloc(per_cache * sizeof(float));
-    m->attn_scale = (float)pow((double)m->head_dim, -0.5);         /* np.float32(head_dim ** -0.5) */
+    if (m->attn_scale == 0.0f) m->attn_scale = (float)pow((double)m->head_dim, -0.5);   /* np.float32(head_dim ** -0.5) */
     m->next_work = tw_alloc((size_t)(5 * m->num_layers + 1) * sizeof(_Atomic int));
     return m->k_cache && m->v_cache && m->next_work ? 0 : -1;
 }
@@ -30,6 +30,8 @@ static void free_own(tw_thread_scratch *own) {
     tw_free(own->h);
     tw_free(own->mlp);
     tw_free(own->rope);
+    tw_free(own->rope_local);
+    tw_free(own->post);
     tw_free(own->scores);
     tw_act_free(&own->act);
     memset(own, 0, sizeof *own);
@@ -60,6 +62,10 @@ void tw_model_free(tw_model *m) {
         tw_free(L->attn_norm);
         tw_free(L->qkv_bias);
         tw_free(L->mlp_norm);
+        tw_free(L->q_norm);
+        tw_free(L->k_norm);
+        tw_free(L->post_attn_norm);
+        tw_free(L->post_mlp_norm);
         free_weight(&L->qkv);
         free_weight(&L->o);
         free_weight(&L->gate_up);
@@ -70,6 +76,8 @@ void tw_model_free(tw_model *m) {
     free_weight(&m->lm_head);
     tw_free(m->norm);
     tw_free(m->inv_freq);
+    tw_free(m->inv_freq_local);
+    m->inv_freq_local = NULL;
     tw_free(m->k_cache);
     tw_free(m->v_cache);
     tw_free((void *)m->next_work);
@@ -172,9 +180,12 @@ static int alloc_own(const tw_model *m, tw_thread_scratch *own, int tokens, int 
     own->h = floats(T * m->dim);
     own->mlp = floats(few * m->hidden);
     own->rope = floats(T * m->head_dim);
+    own->rope_local = m->inv_freq_local ? floats(T * m->head_dim) : NULL;
+    own->post = floats((size_t)m->dim);
     own->scores = floats((size_t)ctx * (m->num_heads / m->num_kv_heads));
     int act_ok = act_init(m, &own->act, (int)few) == 0;
-    return own->x && own->h && own->mlp && own->rope && own->scores && act_ok ? 0 : -1;
+    return own->x && own->h && own->mlp && own->rope && (own->rope_local || !m->inv_freq_local) && own->post &&
+           own->scores && act_ok ? 0 : -1;
 }
 
 /* A capacity that covers `need`, grown by at least half of `cap`: a decode stream's context
@@ -371,15 +382,28 @@ static void embed_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *
         tw_weight_row(&m->embed, b->token_ids[t], x);
         for (int i = 0; i < m->dim; i++) x[i] *= m->embed_mult;
         tw_rope_table(own->rope + (size_t)t * m->head_dim, b->positions[t], m->inv_freq, m->head_dim / 2);
+        if (m->inv_freq_local)
+            tw_rope_table(own->rope_local + (size_t)t * m->head_dim, b->positions[t], m->inv_freq_local, m->head_dim / 2);
     }
 }
 
-/* x += the shared product output (when add), then h = RMSNorm(x) for every token */
-static void residual_norm(const tw_model *m, tw_thread_scratch *own, const float *norm, int tokens, int add) {
+/* The product row a thread adds to its residual stream: the shared output itself, or (post
+ * norms) its RMSNorm in the thread's own row buffer, since every thread reads the shared one. */
+static const float *product_row(const tw_model *m, tw_thread_scratch *own, const float *post_norm, int t) {
+    const float *row = m->tmp + (size_t)t * m->dim;
+    if (!post_norm) return row;
+    tw_rms_norm(own->post, row, post_norm, m->dim, m->eps);
+    return own->post;
+}
+
+/* x += the shared product output (when `add`; RMSNorm'd by `post_norm` first when given),
+ * then h = RMSNorm(x) for every token */
+static void residual_norm(const tw_model *m, tw_thread_scratch *own, const float *norm, int tokens, int add,
+                          const float *post_norm) {
     for (int t = 0; t < tokens; t++) {
         float *x = own->x + (size_t)t * m->dim;
-        tw_active()->residual_rms_norm(own->h + (size_t)t * m->dim, x, add ? m->tmp + (size_t)t * m->dim : NULL, norm,
-                                       m->dim, m->eps);
+        tw_active()->residual_rms_norm(own->h + (size_t)t * m->dim, x, add ? product_row(m, own, post_norm, t) : NULL,
+                                       norm, m->dim, m->eps);
     }
 }
 
@@ -405,7 +429,8 @@ static void attention(clock0 *c, int layer, const tw_batch *b, tw_thread_scratch
     int i0 = 0, i1 = -1;
     while (claim(c, attention_shares(c, b), &i0, &i1))
         for (int i = i0; i < i1; i++)
-            tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads, own->rope, own->scores);
+            tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads,
+                              m->layers[layer].local_rope ? own->rope_local : own->rope, own->scores);
     c->stage_no++;
 }
 
@@ -425,9 +450,10 @@ static const float *mlp_rows(clock0 *c, tw_thread_scratch *own, int tokens) {
 }
 
 static void logits_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own) {
+    const float *post = m->layers[m->num_layers - 1].post_mlp_norm;
     for (int r = 0; r < b->num_logits; r++) {
         float *x = own->x + (size_t)b->logits_indices[r] * m->dim;
-        tw_active()->residual_rms_norm(own->h + (size_t)r * m->dim, x, m->tmp + (size_t)b->logits_indices[r] * m->dim,
+        tw_active()->residual_rms_norm(own->h + (size_t)r * m->dim, x, product_row(m, own, post, b->logits_indices[r]),
                                        m->norm, m->dim, m->eps);
     }
 }
@@ -445,7 +471,8 @@ static void step_task(void *arg, int ith, int nth) {
     embed_rows(m, b, own);
     for (int l = 0; l < m->num_layers; l++) {
         const tw_layer *L = &m->layers[l];
-        residual_norm(m, own, L->attn_norm, T, l > 0);              /* x += down output of layer l-1 */
+        residual_norm(m, own, L->attn_norm, T, l > 0,               /* x += down output of layer l-1 */
+                      l > 0 ? m->layers[l - 1].post_mlp_norm : NULL);
         stamp(&c, TW_PROF_ROWS);
         product(&c, own, &L->qkv, own->h, D, T, m->qkv, TW_PROF_QKV);
         warm_attention(&c, l, b);
@@ -457,7 +484,7 @@ static void step_task(void *arg, int ith, int nth) {
         product(&c, own, &L->o, m->attn, q, T, m->tmp, TW_PROF_O);
         warm(&c, &L->gate_up);
         sync(&c);
-        residual_norm(m, own, L->mlp_norm, T, 1);
+        residual_norm(m, own, L->mlp_norm, T, 1, L->post_attn_norm);
         stamp(&c, TW_PROF_ROWS);
         product(&c, own, &L->gate_up, own->h, D, T, m->gate_up, TW_PROF_GATE_UP);
         warm(&c, &L->down);
@@ -495,6 +522,10 @@ void tw_model_forward(tw_model *m, tw_batch *b, int threads) {
     step_job job = {m, b};
     for (int i = 0; i < 5 * m->num_layers + 1; i++) atomic_store_explicit(&m->next_work[i], 0, memory_order_relaxed);
     tw_pool_run_n(step_task, &job, threads);
+    if (m->final_softcap > 0.0f) {          /* Gemma 2: logits = cap * tanh(logits / cap), as the reference */
+        const size_t count = (size_t)b->num_logits * m->vocab;
+        for (size_t i = 0; i < count; i++) b->logits[i] = m->final_softcap * tanhf(b->logits[i] / m->final_softcap);
+    }
 }
 
 size_t tw_model_weight_bytes(const tw_model *m) {

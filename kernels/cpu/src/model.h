@@ -24,6 +24,11 @@ typedef struct {
     float *attn_norm;               /* [D], owned copy */
     float *qkv_bias;                /* [q + 2kv] or NULL */
     float *mlp_norm;                /* [D] */
+    float *q_norm, *k_norm;         /* [hd] each, or NULL: per-head RMSNorm before RoPE (Qwen3, Gemma 3) */
+    float *post_attn_norm;          /* [D] or NULL: RMSNorm of the o product before the residual add (Gemma 2/3) */
+    float *post_mlp_norm;           /* [D] or NULL: the same for the down product */
+    int window;                     /* this layer's sliding window, 0: none */
+    int local_rope;                 /* 1: RoPE with inv_freq_local (Gemma 3's sliding layers) */
     tw_weight qkv, o, gate_up, down;
 } tw_layer;
 
@@ -42,6 +47,8 @@ typedef struct {
     float *h;                       /* [T][D]  normed input of qkv / gate_up / lm_head */
     float *mlp;                     /* [min(T, TW_SPLIT_ROWS)][I]  act(gate) * up, the input of down */
     float *rope;                    /* [T][hd] cos [hd/2] then sin [hd/2] per token */
+    float *rope_local;              /* [T][hd] the same with inv_freq_local, when the model has one */
+    float *post;                    /* [D] one normed product row (post norms) */
     float *scores;                  /* [group][cap_ctx] attention scores of one token's query group */
     tw_act act;                     /* [min(T, TW_SPLIT_ROWS)] rows of the widest K */
 } tw_thread_scratch;
@@ -61,9 +68,11 @@ typedef struct {
     /* architecture */
     int dim, hidden, num_layers, num_heads, num_kv_heads, head_dim, vocab;
     int activation;                 /* TW_ACT_* */
-    int sliding_window;             /* 0: none */
+    int sliding_window;             /* 0: none; the layers' own windows are tw_layer.window */
     float eps, embed_mult, attn_scale;
+    float attn_softcap, final_softcap;  /* cap * tanh(x / cap) on attention scores / logits; 0: none */
     double *inv_freq;               /* [head_dim / 2], from kernels/rope.py */
+    double *inv_freq_local;         /* [head_dim / 2] or NULL: RoPE of layers with local_rope */
     int prec;                       /* TW_PREC_F32 (exact) or TW_PREC_Q8 */
     /* weights */
     tw_weight embed, lm_head;       /* lm_head.kind == -1: tied to embed */

@@ -90,8 +90,10 @@ void tw_attend_generic(const tw_attn_args *a) {
             const float *kt = a->kt + (size_t)a->table[j / bs] * a->kt_block + j % bs;
             float dot = 0.0f;
             for (int d = 0; d < hd; d++) dot += q[d] * kt[(size_t)d * bs];
-            scores[j - a->lo] = dot * a->scale;
-            max = scores[j - a->lo] > max ? scores[j - a->lo] : max;
+            float s = dot * a->scale;
+            if (a->softcap > 0.0f) s = a->softcap * tanhf(s / a->softcap);
+            scores[j - a->lo] = s;
+            max = s > max ? s : max;
         }
         const float sum = kern->exp_sum(scores, n, max);
         memset(o, 0, (size_t)hd * sizeof(float));
@@ -119,8 +121,8 @@ void tw_attention_prefetch(const tw_model *m, int layer, const tw_batch *b, int 
     const size_t per_layer = (size_t)m->num_blocks * bs * kv_size;
     const float *kt = m->k_cache + layer * per_layer + (size_t)kv_head * hd * bs;
     const float *v = m->v_cache + layer * per_layer + (size_t)kv_head * bs * hd;
-    const int ctx = b->context_lens[seq], first_pos = b->positions[b->seq_starts[seq]];
-    const int lo = m->sliding_window > 0 && first_pos - m->sliding_window + 1 > 0 ? first_pos - m->sliding_window + 1 : 0;
+    const int ctx = b->context_lens[seq], first_pos = b->positions[b->seq_starts[seq]], window = m->layers[layer].window;
+    const int lo = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
     const int32_t *table = b->block_tables + (size_t)seq * b->max_blocks;
     for (int bi = lo / bs; bi * bs < ctx; bi++) {
         const int j0 = bi * bs > lo ? bi * bs : lo, j1 = (bi + 1) * bs < ctx ? (bi + 1) * bs : ctx;
@@ -137,7 +139,8 @@ void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq,
     const size_t per_layer = (size_t)m->num_blocks * bs * kv_size;
     float *kt = m->k_cache + layer * per_layer + (size_t)kv_head * hd * bs;    /* block stride kv_size * bs */
     float *v = m->v_cache + layer * per_layer + (size_t)kv_head * bs * hd;     /* block stride kv_size * bs */
-    const float *bias = m->layers[layer].qkv_bias;
+    const tw_layer *L = &m->layers[layer];
+    const float *bias = L->qkv_bias;
     for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
         /* this item's slice of the qkv row was written by whichever core computed its tiles:
          * ask for all of its lines at once rather than missing on them one by one */
@@ -153,6 +156,10 @@ void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq,
             add(r + k0, bias + k0, hd);
             add(r + v0, bias + v0, hd);
         }
+        if (L->q_norm) {                    /* per head, over hd, before RoPE */
+            for (int g = 0; g < group; g++) tw_rms_norm(r + q0 + g * hd, r + q0 + g * hd, L->q_norm, hd, m->eps);
+            tw_rms_norm(r + k0, r + k0, L->k_norm, hd, m->eps);
+        }
         tw_rope_apply(r + q0, rope + (size_t)t * hd, group, hd);
         tw_rope_apply(r + k0, rope + (size_t)t * hd, 1, hd);
         const int slot = b->slot_mapping[t];
@@ -166,8 +173,9 @@ void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq,
             .q = m->qkv + (size_t)t * row + q0, .out = m->attn + (size_t)t * q_size + q0,
             .kt = kt, .v = v, .kt_block = (size_t)kv_size * bs, .v_block = (size_t)kv_size * bs, .v_row = (size_t)hd,
             .table = b->block_tables + (size_t)b->token_seq[t] * b->max_blocks, .block_size = bs,
-            .lo = m->sliding_window > 0 && pos - m->sliding_window + 1 > 0 ? pos - m->sliding_window + 1 : 0,
-            .hi = pos, .group = group, .head_dim = hd, .scale = m->attn_scale, .scores = scores,
+            .lo = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0,
+            .hi = pos, .group = group, .head_dim = hd, .scale = m->attn_scale, .softcap = m->attn_softcap,
+            .scores = scores,
         };
         tw_active()->attend(&args);
     }

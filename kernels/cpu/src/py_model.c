@@ -79,8 +79,59 @@ static int Model_init(Model *self, PyObject *args, PyObject *kw) {
     for (int l = 0; l < m->num_layers; l++) {
         tw_layer *L = &m->layers[l];
         clear_weight(&L->qkv), clear_weight(&L->o), clear_weight(&L->gate_up), clear_weight(&L->down);
+        L->window = m->sliding_window;
     }
     return 0;
+}
+
+/* set_attention(attn_scale, attn_softcap, final_softcap, windows i32 [L], local_rope u8 [L],
+ * inv_freq_local f64 [hd/2] or None): the per-layer and soft-capping options of core/config.py
+ * (Gemma 2/3, Qwen2 layer windows); 0 means none. */
+static PyObject *Model_set_attention(Model *self, PyObject *args) {
+    tw_model *m = &self->m;
+    float scale, attn_cap, final_cap;
+    PyObject *ow, *ol, *oinv;
+    if (!PyArg_ParseTuple(args, "fffOOO", &scale, &attn_cap, &final_cap, &ow, &ol, &oinv)) return NULL;
+    if (scale <= 0.0f || attn_cap < 0.0f || final_cap < 0.0f) {
+        PyErr_SetString(PyExc_ValueError, "attention scale must be > 0 and soft caps >= 0");
+        return NULL;
+    }
+    Py_buffer w, l;
+    if (tw_py_buffer(ow, &w, "windows", 'i', 1, 0)) return NULL;
+    if (tw_py_buffer(ol, &l, "local_rope", 'B', 1, 0)) return PyBuffer_Release(&w), NULL;
+    double *local = NULL;
+    if (w.shape[0] != m->num_layers || l.shape[0] != m->num_layers) {
+        PyErr_Format(PyExc_ValueError, "windows and local_rope need one value per layer (%d)", m->num_layers);
+        goto fail;
+    }
+    if (oinv != Py_None) {
+        Py_buffer inv;
+        if (PyObject_GetBuffer(oinv, &inv, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) goto fail;
+        const int ok = inv.format && strcmp(inv.format, "d") == 0 && inv.len == (Py_ssize_t)(m->head_dim / 2 * sizeof(double));
+        if (ok && (local = tw_alloc((size_t)inv.len))) memcpy(local, inv.buf, (size_t)inv.len);
+        PyBuffer_Release(&inv);
+        if (!ok) PyErr_SetString(PyExc_ValueError, "inv_freq_local must be a float64 array of head_dim / 2 values");
+        else if (!local) PyErr_NoMemory();
+        if (!local) goto fail;
+    }
+    for (int i = 0; i < m->num_layers; i++) {
+        const int window = ((const int32_t *)w.buf)[i], uses_local = ((const uint8_t *)l.buf)[i];
+        if (window < 0 || (uses_local && !local)) {
+            PyErr_Format(PyExc_ValueError, "layer %d: bad window %d or local RoPE without inv_freq_local", i, window);
+            tw_free(local);
+            goto fail;
+        }
+        m->layers[i].window = window;
+        m->layers[i].local_rope = uses_local;
+    }
+    tw_free(m->inv_freq_local);
+    m->inv_freq_local = local;
+    m->attn_scale = scale, m->attn_softcap = attn_cap, m->final_softcap = final_cap;
+    PyBuffer_Release(&w), PyBuffer_Release(&l);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&w), PyBuffer_Release(&l);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------ weights */
@@ -194,7 +245,8 @@ static PyObject *set_rows(Model *self, PyObject *args, int int8) {
 static PyObject *Model_set_dense(Model *self, PyObject *args) { return set_rows(self, args, 0); }
 static PyObject *Model_set_int8(Model *self, PyObject *args) { return set_rows(self, args, 1); }
 
-/* set_vector(name, layer, f32 [n]): norm (layer ignored), attn_norm, mlp_norm, qkv_bias */
+/* set_vector(name, layer, f32 [n]): norm (layer ignored), attn_norm, mlp_norm, qkv_bias, q_norm, k_norm,
+ * post_attn_norm, post_mlp_norm */
 static PyObject *Model_set_vector(Model *self, PyObject *args) {
     const char *name;
     int layer;
@@ -215,6 +267,13 @@ static PyObject *Model_set_vector(Model *self, PyObject *args) {
     } else if (!strcmp(name, "qkv_bias")) {
         slot = &m->layers[layer].qkv_bias;
         n = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
+    } else if (!strcmp(name, "q_norm") || !strcmp(name, "k_norm")) {
+        slot = !strcmp(name, "q_norm") ? &m->layers[layer].q_norm : &m->layers[layer].k_norm;
+        n = m->head_dim;
+    } else if (!strcmp(name, "post_attn_norm")) {
+        slot = &m->layers[layer].post_attn_norm;
+    } else if (!strcmp(name, "post_mlp_norm")) {
+        slot = &m->layers[layer].post_mlp_norm;
     } else {
         PyErr_Format(PyExc_ValueError, "unknown vector weight '%s'", name);
         return NULL;
@@ -323,6 +382,8 @@ static PyMethodDef Model_methods[] = {
     {"set_dense", (PyCFunction)Model_set_dense, METH_VARARGS, "set_dense(name, layer, weight)"},
     {"set_int8", (PyCFunction)Model_set_int8, METH_VARARGS, "set_int8(name, layer, qweight, scales)"},
     {"set_vector", (PyCFunction)Model_set_vector, METH_VARARGS, "set_vector(name, layer, values)"},
+    {"set_attention", (PyCFunction)Model_set_attention, METH_VARARGS,
+     "set_attention(scale, attn_softcap, final_softcap, windows, local_rope, inv_freq_local)"},
     {"forward", (PyCFunction)Model_forward, METH_VARARGS,
      "forward(token_ids, positions, seq_starts, context_lens, block_tables, slot_mapping, logits_indices, logits, "
      "threads=0)"},

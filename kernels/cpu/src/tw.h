@@ -126,7 +126,8 @@ typedef struct {
     const int32_t *table;           /* the sequence's block table */
     int block_size, lo, hi;         /* visible keys: positions lo..hi */
     int group, head_dim;
-    float scale;                    /* 1 / sqrt(head_dim) as float32 */
+    float scale;                    /* 1 / sqrt(head_dim) as float32, or the model's own */
+    float softcap;                  /* scores = softcap * tanh(scores / softcap) before the softmax; 0: none */
     float *scores;                  /* [group][hi - lo + 1] scratch */
 } tw_attn_args;
 
