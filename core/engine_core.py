@@ -245,11 +245,14 @@ class EngineCore:
             except Exception as e:      # a bug in core: fail everything rather than die
                 log.exception("engine step raised; failing every request")
                 outputs = self._fail_everything(f"internal engine error: {type(e).__name__}: {e}")
-            has_outputs = len(outputs) > 0      # one __len__ per step (a StepTokens' is Python)
+            # no len(): a StepTokens' __len__ is a Python call, and this runs once per step
+            has_outputs = bool(outputs.rows or outputs.request_ids) if type(outputs) is StepTokens else bool(outputs)
             if has_outputs:
                 self._deliver(outputs)
             idle = not has_outputs and not self.num_scheduled
-        self._deliver(self._fail_everything("the engine shut down"))
+        last = self._fail_everything("the engine shut down")
+        if len(last):
+            self._deliver(last)
         if self._close_on_exit:
             self.executor.close()
             self._doorbell.close()
@@ -272,7 +275,7 @@ class EngineCore:
             self._doorbell.wait()
 
     def _deliver(self, outputs) -> None:
-        if self.on_step is not None and len(outputs):
+        if self.on_step is not None:
             try:
                 self.on_step(outputs)
             except Exception:
