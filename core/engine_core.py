@@ -5,6 +5,11 @@ Contract (net/ builds on it):
   append to an inbox under a lock, then wake the engine thread if it sleeps (`wake=False`
   and one `wake()` after a batch of submissions wakes it once). All scheduler state is
   touched by the engine thread alone (or by whoever drives `step()` directly: tests, benchmarks).
+  `add_choices` submits the n choices of one API request at once: the first leads, the
+  others wait until its prompt is computed and share its blocks through the prefix cache.
+- With `response_cache_size`, an exact repeat of a finished greedy or seeded answer is
+  replayed at the start of the next step, without the scheduler or the model
+  (core/response_cache.py).
 - `step()` runs one synchronous step: take the inbox and the cancellations, schedule,
   `executor.step(seqs)`, append tokens, detokenize, check stops, free finished requests.
   It returns one `RequestOutput` per request that produced a token or ended; with
