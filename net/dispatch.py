@@ -16,7 +16,7 @@ from collections import deque
 from orjson import dumps
 
 from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
-from . import encoders
+from . import choices, encoders
 from .busy_poll import BusyPoller
 from .errors import ApiError
 from .metrics import Metrics
@@ -28,7 +28,7 @@ class Exchange:
     """One generation request in flight: where its bytes go and how they are encoded."""
     __slots__ = ("request_id", "proto", "outbox", "stream_id", "route", "encoder", "streaming", "timeline",
                  "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
-                 "send", "encode", "prefix", "suffix", "key", "queue")
+                 "send", "encode", "prefix", "suffix", "key", "queue", "group", "index")
 
     def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
                  created, want_logprobs):
@@ -54,6 +54,8 @@ class Exchange:
         self.prefix, self.suffix = encoder.text_parts() if hasattr(encoder, "text_parts") else (None, None)
         self.key = proto.session.data_key(stream_id)            # such chunks wait in the connection's
         self.queue = proto.outbox.sends.append                  # outbox until the end of the step
+        self.group = None                   # n > 1: the ChoiceGroup of the request's choices (net/choices.py)
+        self.index = 0                      # the choice's index in it
 
 
 class Dispatcher:
@@ -78,7 +80,8 @@ class Dispatcher:
 
     def add(self, ex: "Exchange") -> None:
         self.exchanges[ex.request_id] = ex
-        ex.outbox.streams[ex.stream_id] = ex.request_id
+        if not ex.index:                    # n > 1: the stream maps to the first choice (net/choices.py)
+            ex.outbox.streams[ex.stream_id] = ex.request_id
 
     def write_step(self, step: StepTokens) -> None:
         """Write one engine step's outputs to every stream (hot path: once per step).
@@ -126,6 +129,8 @@ class Dispatcher:
                         if prefix is not None and finish is None and out.logprobs is None:
                             ex.queue((ex.key, prefix + dumps(out.text) + ex.suffix))
                         else:               # the finish chunk follows at once: this one goes first
+                            if ex.outbox.sends:     # after this stream's earlier tokens of this step
+                                ex.outbox.send_queued()     # (a replayed answer: many in one step)
                             ex.send(ex.encode(out))
                     else:
                         self._open_stream(ex)
@@ -188,6 +193,8 @@ class Dispatcher:
     def _open_stream(self, ex: Exchange) -> None:
         """Response HEADERS go out with the first token: one write, and TTFT is the first token's.
         The header tuple is the encoder's constant, so its HPACK block is built once per connection."""
+        if ex.group is not None and not ex.group.open(ex):
+            return                          # another choice's token opened the response
         ex.proto.session.start_response(ex.stream_id, 200, ex.encoder.response_headers)
         self._firsts.append(ex)
 
@@ -200,22 +207,34 @@ class Dispatcher:
     def _collect(self, ex: Exchange, out) -> None:
         ex.texts.append(out.text)
         ex.token_ids.extend(out.token_ids)
-        if ex.want_logprobs and out.logprobs is not None:
-            ex.logprobs.extend(out.logprobs)
+        if out.logprobs is not None:
+            if ex.want_logprobs:
+                ex.logprobs.extend(out.logprobs)
+            if ex.group is not None:
+                ex.group.score(ex, out.logprobs)
 
     def _finish(self, ex: Exchange, out, now: int) -> None:
         del self.exchanges[ex.request_id]
+        if ex.group is not None:
+            out = self._finish_choice(ex, out)
+            if out is None:
+                return                      # other choices of the request still run
         if not self.exchanges:
             self.busy_poll.start(now)
         ex.outbox.streams.pop(ex.stream_id, None)
         reason = out.finish_reason
         if reason == FINISH_CANCELLED:
             return
-        timings = encoders.timings_us(ex.timeline, now)
-        use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens)
-        trailers = [(b"server-timing", encoders.server_timing(timings))]
+        timings = encoders.timings_us(ex.timeline if ex.group is None else ex.group.timeline or ex.timeline, now)
+        use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        trailers = [(b"server-timing", encoders.server_timing(timings)),
+                    (b"tokenwire-cached-tokens", b"%d" % out.num_cached_tokens)]
+        timings["cached_prompt_tokens"] = out.num_cached_tokens     # the final chunk says it too
+        if ex.timeline.response_cached:
+            timings["response_cached"] = True
         error = out.error if reason == FINISH_ERROR else None
-        if ex.streaming and (ex.last_ns or error is None):
+        opened = ex.last_ns or (ex.group is not None and ex.group.opened)
+        if ex.streaming and (opened or error is None):
             if not ex.last_ns:
                 self._open_stream(ex)
             session = ex.proto.session
@@ -223,7 +242,17 @@ class Dispatcher:
             session.end_response(ex.stream_id, trailers)
         else:               # a whole response, or a stream that failed before its first token: a 500
             self._respond_whole(ex, reason, use, trailers, error)
-        self._record_finish(ex, reason, now)
+        self._record_finish(ex, reason, now, out.num_cached_tokens)
+
+    def _finish_choice(self, ex: Exchange, out):
+        """One choice of an n > 1 request ended (net/choices.py rules 2-3): a streamed one sends
+        its finish chunk unless it is the last. -> the output that ends the response, or None"""
+        last = ex.group.end(ex, out)
+        if last is None and ex.streaming and out.finish_reason != FINISH_ERROR:
+            if not ex.last_ns:
+                self._open_stream(ex)
+            ex.proto.session.send_data(ex.stream_id, ex.encoder.finish_choice(out.finish_reason))
+        return last
 
     def _respond_whole(self, ex: Exchange, reason: str, use: dict, trailers: list, error: str | None) -> None:
         session = ex.proto.session
@@ -231,13 +260,17 @@ class Dispatcher:
             exc = ApiError(500, f"the engine failed this request: {error}", code="engine_error")
             session.respond(ex.stream_id, 500, [(b"content-type", JSON)], exc.body(), trailers)
             return
-        body = encoders.whole_body(ex.route, ex.response_id, ex.created, self.model.name, "".join(ex.texts), reason,
-                                   use, ex.token_ids, ex.logprobs if ex.want_logprobs else None,
-                                   self.engine.detokenizer.token_text)
+        token_text = self.engine.detokenizer.token_text
+        if ex.group is not None:
+            body = choices.whole_body(ex.group, ex.route, ex.response_id, ex.created, self.model.name, use,
+                                      ex.want_logprobs, token_text)
+        else:
+            body = encoders.whole_body(ex.route, ex.response_id, ex.created, self.model.name, "".join(ex.texts),
+                                       reason, use, ex.token_ids, ex.logprobs if ex.want_logprobs else None, token_text)
         session.respond(ex.stream_id, 200, [(b"content-type", JSON), (b"x-request-id", ex.response_id.encode())],
                         body, trailers)
 
-    def _record_finish(self, ex: Exchange, reason: str, now: int) -> None:
+    def _record_finish(self, ex: Exchange, reason: str, now: int, num_cached_tokens: int = 0) -> None:
         m = self.metrics
         t = ex.timeline
         m.count_request(reason if reason in m.requests else "error")
@@ -245,15 +278,28 @@ class Dispatcher:
         if t.first_scheduled_ns and t.queued_ns:
             m.queue.observe_ns(t.first_scheduled_ns - t.queued_ns)
         if self.trace is not None:
-            self.trace.add(ex.request_id, ex.route, t, now)
+            self.trace.add(ex.request_id, ex.route, t, now, num_cached_tokens)
 
     # ------------------------------------------------------------ cancellation
 
     def cancel(self, proto, stream_id: int) -> None:
         request_id = proto.outbox.streams.pop(stream_id, None)
-        if request_id is not None and self.exchanges.pop(request_id, None) is not None:
-            self.engine.cancel(request_id)
-            self.metrics.count_request("cancelled")
+        ex = self.exchanges.get(request_id) if request_id is not None else None
+        if ex is None and request_id is not None:
+            ex = self._group_member(request_id)
+        if ex is None:
+            return
+        for member in (ex,) if ex.group is None else ex.group.members:
+            if self.exchanges.pop(member.request_id, None) is not None:
+                self.engine.cancel(member.request_id)
+        self.metrics.count_request("cancelled")
+
+    def _group_member(self, first_id: int):
+        """n > 1 whose first choice already ended: a choice still running, or None."""
+        for ex in self.exchanges.values():
+            if ex.group is not None and ex.group.members[0].request_id == first_id:
+                return ex
+        return None
 
     def cancel_all(self, proto) -> None:
         for stream_id in list(proto.outbox.streams):

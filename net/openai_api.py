@@ -6,9 +6,14 @@
 - `POST /generate`             tokenwire's native stream (NDJSON or binary token ids)
 
 Every parameter is type-checked here and range-checked by `SamplingParams`; a parameter
-this server does not implement (n > 1, echo, logit_bias, tools, ...) is a 400 naming it,
+this server does not implement (echo, logit_bias, tools, ...) is a 400 naming it,
 and so is any key the route does not know, so nothing is ever silently ignored. The only
 accepted no-op is `user` (an end-user id for abuse tracking; it never affects output).
+
+`n` (both OpenAI routes, 1..MAX_CHOICES) asks for n choices; `best_of` (completions, n..
+MAX_CHOICES, not streamed) samples best_of and returns the n with the highest mean token
+log-probability. Choice i of a seeded request samples with seed (seed + i) mod 2**64
+(core/sampling_params.choice_params), so it equals a single request with that seed.
 """
 
 from functools import lru_cache
@@ -22,6 +27,7 @@ from .errors import ApiError, bad_param, unsupported
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # the OpenAI completions default
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16                        # n and best_of
 
 
 class GenerationRequest(NamedTuple):
@@ -34,6 +40,8 @@ class GenerationRequest(NamedTuple):
     stream: bool
     include_usage: bool                 # stream_options.include_usage
     model: str | None                   # as the client named it (checked against the served name)
+    n: int = 1                          # choices returned
+    best_of: int = 1                    # choices sampled (>= n; completions only, not streamed)
 
 
 def parse_json(body: bytes) -> dict:
@@ -67,9 +75,6 @@ def parse_completions(body: dict) -> GenerationRequest:
     _check_common_unsupported(body)
     if _opt(body, "echo", bool, False):
         raise unsupported("echo", "echo=true is not supported")
-    best_of = _opt(body, "best_of", int, 1)
-    if best_of != 1:
-        raise unsupported("best_of", "best_of other than 1 is not supported")
     if _opt(body, "suffix", str, None):
         raise unsupported("suffix", "suffix (insertion) is not supported")
     prompt, prompt_ids = _prompt(body)
@@ -77,8 +82,14 @@ def parse_completions(body: dict) -> GenerationRequest:
     params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, COMPLETIONS_DEFAULT_MAX_TOKENS),
                        logprobs=logprobs)
     stream, include_usage = _stream(body)
+    n = _num_choices(body)
+    best_of = _opt(body, "best_of", int, n)
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad_param("best_of", f"best_of must be in [n, {MAX_CHOICES}] (n = {n}), got {best_of}")
+    if best_of > n and stream:
+        raise bad_param("best_of", "best_of > n cannot be streamed: the best choices are known only at the end")
     return GenerationRequest("completions", prompt, prompt_ids, None, params, stream, include_usage,
-                             _opt(body, "model", str, None))
+                             _opt(body, "model", str, None), n, best_of)
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -103,8 +114,9 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise bad_param("top_logprobs", "top_logprobs requires logprobs=true")
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None)
     stream, include_usage = _stream(body)
+    n = _num_choices(body)
     return GenerationRequest("chat", None, None, messages, params, stream, include_usage,
-                             _opt(body, "model", str, None))
+                             _opt(body, "model", str, None), n, n)
 
 
 def parse_generate(body: dict) -> GenerationRequest:
@@ -129,10 +141,14 @@ def _check_keys(body: dict, known: set) -> None:
             raise unsupported(key, f"unknown or unsupported parameter {key!r}")
 
 
-def _check_common_unsupported(body: dict) -> None:
+def _num_choices(body: dict) -> int:
     n = _opt(body, "n", int, 1)
-    if n != 1:
-        raise unsupported("n", f"n={n} is not supported: one choice per request (send {n} requests)")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_param("n", f"n must be in [1, {MAX_CHOICES}], got {n}")
+    return n
+
+
+def _check_common_unsupported(body: dict) -> None:
     if body.get("logit_bias"):
         raise unsupported("logit_bias", "logit_bias is not supported")
 

@@ -21,6 +21,8 @@ BENCHES = {
     "stages": ("tokenwire.bench.stages", "per-stage microbenchmarks of the request pipeline"),
     "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),
     "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
+    "prefix": ("tokenwire.bench.prefix", "prefix cache on against off: shared system prompt TTFT, multi-turn prefill"),
+    "response-cache": ("tokenwire.bench.response_cache", "TTFT of a response-cache answer against the mock engine's"),
 }
 
 

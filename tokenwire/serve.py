@@ -39,6 +39,14 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+_non_negative_int.__name__ = "non-negative integer"
 _positive_int.__name__ = "positive integer"     # argparse names the type in its error message
 _port.__name__ = "port (0-65535)"
 _non_negative_float.__name__ = "non-negative number"
@@ -66,6 +74,13 @@ def add_arguments(parser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--max-queued-requests", type=_positive_int, default=DEFAULTS.max_queued_requests,
                         help="requests waiting for the engine before 429 (default: %(default)s)")
+    parser.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                        default=DEFAULTS.enable_prefix_caching,
+                        help="recompute every prompt: no reuse of the KV blocks of a prefix seen before")
+    parser.add_argument("--response-cache-size", type=_non_negative_int, default=DEFAULTS.response_cache_size,
+                        metavar="N", help="answer a repeated greedy or seeded request (same prompt and parameters) "
+                                          "from an LRU of the last N answers without running the model "
+                                          "(default: %(default)s, off)")
     parser.add_argument("--mock-step-us", type=_non_negative_float, default=DEFAULTS.mock_step_us,
                         help="mock backend: microseconds per engine step (default: %(default)s, zero cost)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
@@ -100,6 +115,8 @@ def run(args) -> int:
                         chat_template=args.chat_template, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_queued_requests=args.max_queued_requests, mock_step_us=args.mock_step_us,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        response_cache_size=args.response_cache_size,
                         host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,
                         api_key=args.api_key, limits=limits, trace=args.trace, freeze_gc=True,
                         busy_poll_us=args.busy_poll_us)
