@@ -1,0 +1,49 @@
+"""`tokenwire export-onnx ENGINE -o DIR`: an engine directory -> its decode and prefill steps as ONNX.
+
+Writes decode.onnx, prefill.onnx, weights.bin and export.json (engine_build/onnx_export.py).
+Bad input prints one `error: ...` line and exits 2.
+"""
+
+import sys
+
+
+def add_arguments(parser) -> None:
+    from .onnx_export import ZERO_POINT_MODES
+    parser.add_argument("engine", metavar="ENGINE", help="engine directory (tokenwire build's output)")
+    parser.add_argument("-o", "--output", required=True, metavar="DIR", help="directory to write")
+    parser.add_argument("--max-len", type=int, default=None, metavar="N",
+                        help="KV cache capacity per sequence (default: the model's positions, at most 4096)")
+    parser.add_argument("--zero-points", choices=ZERO_POINT_MODES, default="offset",
+                        help="asymmetric INT4: offset (TensorRT's form, the default) or onnx (uint4 with a zero "
+                             "point input; onnxruntime runs it, TensorRT refuses it)")
+    parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from .errors import BuildError
+    out = Path(args.output)
+    try:
+        if out.exists() and not args.force:
+            raise BuildError(out, "already exists (use --force to replace it)")
+        manifest = export(args.engine, out, args.max_len, args.zero_points)
+    except (BuildError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    names = ", ".join(manifest["files"])
+    print(f"wrote {out}: {names} (max_len {manifest['max_len']}, sha256 {manifest['sha256'][:12]})", file=sys.stderr)
+    return 0
+
+
+def export(engine_dir, out, max_len=None, zero_points="offset") -> dict:
+    """Load the engine and export it; a replaced DIR is removed first."""
+    import shutil
+
+    from .engine_format import load_engine
+    from .onnx_export import OnnxExportOptions, export_engine
+    engine = load_engine(engine_dir)
+    options = OnnxExportOptions(max_len=max_len, zero_points=zero_points)
+    if out.exists():
+        shutil.rmtree(out)
+    return export_engine(engine, out, options)

@@ -1,0 +1,290 @@
+"""ONNX export of an engine's decode and prefill steps: the graph a TensorRT engine is built from.
+
+Contract:
+- `export_onnx(config, tensors, out_dir, options)` writes `decode.onnx` (one new token per
+  sequence), `prefill.onnx` (any number), `weights.bin` (the weights both graphs point at)
+  and `export.json` (what was exported, and the sha256 of each file: kernels/trt/ keys its
+  engine cache on it). The math is the numpy reference forward's (core/model.py), step for
+  step, for every family it supports: GQA, qkv bias, sliding window, Llama 3 RoPE scaling,
+  GeGLU, the embedding multiplier, tied embeddings.
+- Opset 24. Every INT4 matrix is a `DequantizeLinear` (block quantization along K, block
+  size = the engine's group size, the weight stored [K, N] so the product is `MatMul(x, W)`)
+  feeding a `MatMul`: the weight-only form TensorRT 10+ fuses into its INT4 GEMMs. TensorRT
+  accepts only a zero zero-point, so by default (`zero_points="offset"`) the weight is
+  signed int4 `q - 8` with no zero point, and an asymmetric engine's `(8 - z) * s` per group
+  becomes a second, tiny product on the group sums of x:
+  `x @ W = x @ DQ(q - 8, s) + (x @ ones_per_group) @ ((8 - z) * s)`, exact in real arithmetic.
+  `zero_points="onnx"` writes ONNX's own form instead (uint4 and a uint4 zero point), which
+  onnxruntime runs and TensorRT refuses.
+- Inputs: `input_ids`, `positions` int64 [batch, seq]; `seq_lens` int64 [batch] (tokens in the
+  cache once this step is written); `past_key.{i}`, `past_value.{i}` float32
+  [batch, Hkv, max_len, hd]. Outputs: `logits` float32 [batch, vocab] and `next_token` int32
+  [batch] (greedy) for each sequence's last token (`seq_lens - 1`), and `present_key.{i}`,
+  `present_value.{i}`. The new K/V go in with `TensorScatter` at `positions[:, 0]` (TensorRT's
+  in-place KV cache update: present and past share one buffer), so a sequence's new tokens
+  are consecutive positions. Key j is visible to a query at position p when j <= p,
+  j < seq_len (and j > p - sliding_window). Padding tokens in a prefill batch need
+  distinct positions below max_len; their logits are never read.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..core.config import ModelConfig
+from ..core.model import decode_weight, linear_shapes
+from ..core.rope import rope_cos_sin, rope_inv_freq
+from ..kernels.reference import unpack_int4
+from .onnx_graph import GraphBuilder, WeightsFile, nibble_proto, tensor_proto
+
+OPSET = 24                   # TensorScatter (24); blocked int4 DequantizeLinear (21)
+EXPORT_FORMAT = "tokenwire-onnx"
+EXPORT_VERSION = 1
+DEFAULT_MAX_LEN = 4096
+MASKED = np.float32(np.finfo(np.float32).min)   # finite: a fully masked padding row stays NaN-free
+ZERO_POINT_MODES = ("offset", "onnx")
+
+
+@dataclass(frozen=True)
+class OnnxExportOptions:
+    max_len: Optional[int] = None      # KV cache capacity and RoPE table: default min(max positions, 4096)
+    zero_points: str = "offset"        # "offset": TensorRT's form; "onnx": uint4 with a zero point input
+
+    def __post_init__(self):
+        if self.zero_points not in ZERO_POINT_MODES:
+            raise ValueError(f"zero_points must be one of {ZERO_POINT_MODES}, got {self.zero_points!r}")
+        if self.max_len is not None and self.max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {self.max_len}")
+
+
+class ModelGraph:
+    """Builds one step graph (decode or prefill) over the engine's tensors."""
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], options: OnnxExportOptions,
+                 max_len: int):
+        self.c, self.t, self.o, self.max_len = config, tensors, options, max_len
+        self.g = GraphBuilder()
+
+    # ------------------------------------------------------------ weights
+
+    def linear(self, x: str, name: str) -> str:
+        """x: [..., K] -> [..., N] = x @ W.T for the engine matrix `name` in its stored encoding."""
+        g, t = self.g, self.t
+        N, K = linear_shapes(self.c)[name]
+        if f"{name}.zeros" in t:
+            return self.int4_linear(x, name, N, K)
+        if f"{name}.qweight" in t:          # int8 rows: W[n, k] = q[n, k] * s[n]
+            q = g.weight(tensor_proto(f"{name}.q8", np.ascontiguousarray(np.asarray(t[f"{name}.qweight"]).T)))
+            s = g.weight(tensor_proto(f"{name}.s8", np.asarray(t[f"{name}.scales"], np.float32)))
+            return g.op("MatMul", x, g.op("DequantizeLinear", q, s, axis=1))
+        w = np.asarray(t[f"{name}.weight"])
+        wt = g.weight(tensor_proto(f"{name}.wT", np.ascontiguousarray(w.T)))           # [K, N]
+        return g.op("MatMul", x, wt if w.dtype == np.float32 else g.op("Cast", wt, to=TensorProto.FLOAT))
+
+    def int4_linear(self, x: str, name: str, N: int, K: int) -> str:
+        g, t = self.g, self.t
+        q = unpack_int4(np.asarray(t[f"{name}.qweight"]))[:, :K].T                 # uint8 0..15 [K, N]
+        scales = np.asarray(t[f"{name}.scales"], np.float32)                          # [N, ng]
+        zeros = np.asarray(t[f"{name}.zeros"], np.float32)                            # [N, ng]
+        num_groups = scales.shape[1]
+        block = 2 * t[f"{name}.qweight"].shape[1] // num_groups                     # G = Kp / (Kp / G)
+        s = g.weight(tensor_proto(f"{name}.scales", np.ascontiguousarray(scales.T)))  # [ng, N]
+        if self.o.zero_points == "onnx":
+            z = g.weight(nibble_proto(f"{name}.zeros", np.ascontiguousarray(zeros.T).astype(np.uint8), signed=False))
+            w = g.op("DequantizeLinear", g.weight(nibble_proto(f"{name}.q", q, signed=False)), s, z,
+                     axis=0, block_size=block)
+            return g.op("MatMul", x, w)
+        w = g.op("DequantizeLinear", g.weight(nibble_proto(f"{name}.q", q ^ 8, signed=True)), s,
+                 axis=0, block_size=block)                                            # (q - 8) * s
+        y = g.op("MatMul", x, w)
+        if np.all(zeros == 8):                                                        # symmetric: nothing to add
+            return y
+        offset = g.weight(tensor_proto(f"{name}.offset", np.ascontiguousarray(((8 - zeros) * scales).T)))
+        return g.op("Add", y, g.op("MatMul", g.op("MatMul", x, self.group_ones(K, block, num_groups)), offset))
+
+    def group_ones(self, K: int, block: int, num_groups: int) -> str:
+        """float32 [K, ng]: column g sums the x entries of group g (shared by all matrices of this K)."""
+        ones = (np.arange(K)[:, None] // block == np.arange(num_groups)[None, :]).astype(np.float32)
+        return self.g.weight(tensor_proto(f"group_ones.{K}.{block}", ones))
+
+    def embedding(self, ids: str) -> str:
+        g, t = self.g, self.t
+        if "embed.weight" in t:
+            table = g.weight(tensor_proto("embed.table", np.asarray(t["embed.weight"])))
+            x = g.op("Gather", table, ids)
+            if t["embed.weight"].dtype != np.float32:
+                x = g.op("Cast", x, to=TensorProto.FLOAT)
+        else:                                    # int8 / int4 tables: gathered from their float32 decoding
+            decoded = decode_weight(t, "embed", linear_shapes(self.c)["embed"])
+            x = g.op("Gather", g.weight(tensor_proto("embed.table", decoded)), ids)
+        if self.c.embedding_multiplier != 1.0:
+            x = g.op("Mul", x, g.const(self.c.embedding_multiplier, np.float32))
+        return x
+
+    def vector(self, name: str) -> str:
+        return self.g.weight(tensor_proto(name, np.asarray(self.t[name], np.float32)))
+
+    # ------------------------------------------------------------ layers
+
+    def rms_norm(self, x: str, name: str) -> str:
+        g = self.g
+        ms = g.op("ReduceMean", g.op("Mul", x, x), g.const([-1]), keepdims=1)
+        rms = g.op("Sqrt", g.op("Add", ms, g.const(self.c.rms_norm_eps, np.float32)))
+        return g.op("Mul", g.op("Div", x, rms), self.vector(name))
+
+    def rope(self, x: str, cos: str, sin: str) -> str:
+        """x: [B, S, H, hd]; cos/sin: [B, S, 1, hd/2] -> rotated (rotate-half layout)."""
+        g, half = self.g, self.c.head_dim // 2
+        x1, x2 = g.ops("Split", x, g.const([half, half]), num_outputs=2, axis=-1)
+        first = g.op("Sub", g.op("Mul", x1, cos), g.op("Mul", x2, sin))
+        second = g.op("Add", g.op("Mul", x2, cos), g.op("Mul", x1, sin))
+        return g.op("Concat", first, second, axis=-1)
+
+    def attention(self, i: int, x: str, step: dict) -> str:
+        g, c = self.g, self.c
+        group = c.num_heads // c.num_kv_heads
+        qkv = self.linear(self.rms_norm(x, f"layers.{i}.attn_norm"), f"layers.{i}.qkv_proj")    # [B, S, q+2kv]
+        if c.qkv_bias:
+            qkv = g.op("Add", qkv, self.vector(f"layers.{i}.qkv_bias"))
+        q, k, v = g.ops("Split", qkv, g.const([c.q_size, c.kv_size, c.kv_size]), num_outputs=3, axis=-1)
+        q = self.rope(g.op("Reshape", q, g.const([0, 0, c.num_heads, c.head_dim])), step["cos"], step["sin"])
+        k = self.rope(g.op("Reshape", k, g.const([0, 0, c.num_kv_heads, c.head_dim])), step["cos"], step["sin"])
+        v = g.op("Reshape", v, g.const([0, 0, c.num_kv_heads, c.head_dim]))
+        caches = []
+        for kind, new in (("key", k), ("value", v)):          # [B, Hkv, S, hd] into [B, Hkv, max_len, hd]
+            update = g.op("Transpose", new, perm=[0, 2, 1, 3])
+            present = g.op("TensorScatter", f"past_{kind}.{i}", update, step["write_at"], axis=-2)
+            g.rename(present, f"present_{kind}.{i}")
+            caches.append(g.op("Unsqueeze", f"present_{kind}.{i}", g.const([2])))          # [B, Hkv, 1, C, hd]
+        keys, values = caches
+        qg = g.op("Transpose", g.op("Reshape", q, g.const([0, 0, c.num_kv_heads, group, c.head_dim])),
+                  perm=[0, 2, 3, 1, 4])                                                     # [B, Hkv, group, S, hd]
+        scores = g.op("MatMul", qg, g.op("Transpose", keys, perm=[0, 1, 2, 4, 3]))           # [B, Hkv, group, S, C]
+        scores = g.op("Mul", scores, g.const(np.float32(c.head_dim ** -0.5), np.float32))
+        probs = g.op("Softmax", g.op("Where", step["mask"], scores, g.const(MASKED, np.float32)), axis=-1)
+        out = g.op("Transpose", g.op("MatMul", probs, values), perm=[0, 3, 1, 2, 4])         # [B, S, Hkv, group, hd]
+        return self.linear(g.op("Reshape", out, g.const([0, 0, c.q_size])), f"layers.{i}.o_proj")
+
+    def mlp(self, i: int, x: str) -> str:
+        g, c = self.g, self.c
+        gate_up = self.linear(self.rms_norm(x, f"layers.{i}.mlp_norm"), f"layers.{i}.gate_up_proj")
+        gate, up = g.ops("Split", gate_up, g.const([c.intermediate_size] * 2), num_outputs=2, axis=-1)
+        if c.activation == "silu":
+            act = g.op("Mul", gate, g.op("Sigmoid", gate))
+        else:
+            act = g.op("Gelu", gate, approximate="tanh")
+        return self.linear(g.op("Mul", act, up), f"layers.{i}.down_proj")
+
+    def step_inputs(self) -> dict:
+        """RoPE tables gathered at the positions, the write index and the attention mask, once per step."""
+        g, c = self.g, self.c
+        cos_table, sin_table = rope_cos_sin(rope_inv_freq(c), np.arange(self.max_len))           # [max_len, hd/2]
+        cos = g.op("Gather", g.weight(tensor_proto("rope.cos", cos_table)), "positions")        # [B, S, hd/2]
+        sin = g.op("Gather", g.weight(tensor_proto("rope.sin", sin_table)), "positions")
+        write_at = g.op("Gather", "positions", g.const(0), axis=1)                              # [B]
+        keys = g.const(np.arange(self.max_len).reshape(1, 1, 1, 1, -1))                         # [1, 1, 1, 1, C]
+        pos = g.op("Unsqueeze", "positions", g.const([1, 2, 4]))                                # [B, 1, 1, S, 1]
+        lens = g.op("Reshape", "seq_lens", g.const([-1, 1, 1, 1, 1]))
+        mask = g.op("And", g.op("LessOrEqual", keys, pos), g.op("Less", keys, lens))           # [B, 1, 1, S, C]
+        if c.sliding_window is not None:
+            mask = g.op("And", mask, g.op("Greater", keys, g.op("Sub", pos, g.const(c.sliding_window))))
+        return {"cos": g.op("Unsqueeze", cos, g.const([2])), "sin": g.op("Unsqueeze", sin, g.const([2])),
+                "write_at": write_at, "mask": mask}
+
+    def build(self, seq: Optional[int], name: str) -> onnx.ModelProto:
+        g, c = self.g, self.c
+        step = self.step_inputs()
+        x = self.embedding("input_ids")                                                          # [B, S, D]
+        for i in range(c.num_layers):
+            x = g.op("Add", x, self.attention(i, x, step))
+            x = g.op("Add", x, self.mlp(i, x))
+        last = g.op("Sub", g.op("Sub", "seq_lens", g.const(1)), step["write_at"])              # [B] row of S
+        rows = g.op("Expand", g.op("Reshape", last, g.const([-1, 1, 1])), g.const([1, 1, c.hidden_size]))
+        h = g.op("Reshape", g.op("GatherElements", x, rows, axis=1), g.const([-1, c.hidden_size]))  # [B, D]
+        head = "lm_head" if not c.tie_word_embeddings else "embed"
+        logits = self.linear(self.rms_norm(h, "norm"), head)                                   # [B, V]
+        g.rename(logits, "logits")
+        g.rename(g.op("Cast", g.op("ArgMax", "logits", axis=-1, keepdims=0), to=TensorProto.INT32), "next_token")
+        return g.model(name, self.inputs(seq), self.outputs(), OPSET, __doc__.splitlines()[0])
+
+    def inputs(self, seq: Optional[int]) -> list:
+        c, S = self.c, seq if seq is not None else "seq"
+        cache = ["batch", c.num_kv_heads, self.max_len, c.head_dim]
+        vi = helper.make_tensor_value_info
+        out = [vi("input_ids", TensorProto.INT64, ["batch", S]), vi("positions", TensorProto.INT64, ["batch", S]),
+               vi("seq_lens", TensorProto.INT64, ["batch"])]
+        for i in range(c.num_layers):
+            out += [vi(f"past_key.{i}", TensorProto.FLOAT, cache), vi(f"past_value.{i}", TensorProto.FLOAT, cache)]
+        return out
+
+    def outputs(self) -> list:
+        c = self.c
+        cache = ["batch", c.num_kv_heads, self.max_len, c.head_dim]
+        vi = helper.make_tensor_value_info
+        out = [vi("logits", TensorProto.FLOAT, ["batch", c.vocab_size]), vi("next_token", TensorProto.INT32, ["batch"])]
+        for i in range(c.num_layers):
+            out += [vi(f"present_key.{i}", TensorProto.FLOAT, cache),
+                    vi(f"present_value.{i}", TensorProto.FLOAT, cache)]
+        return out
+
+
+# ------------------------------------------------------------ files
+
+GRAPHS = {"decode": 1, "prefill": None}          # graph name -> fixed new tokens per sequence (None: any)
+
+
+def export_onnx(config: ModelConfig, tensors: Mapping[str, np.ndarray], out_dir,
+                options: OnnxExportOptions = OnnxExportOptions(), engine_info: Optional[dict] = None) -> dict:
+    """Write decode.onnx, prefill.onnx, weights.bin and export.json into out_dir. -> the export.json dict."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    max_len = options.max_len or min(config.max_position_embeddings, DEFAULT_MAX_LEN)
+    weights = WeightsFile(out / "weights.bin")
+    for name, seq in GRAPHS.items():
+        graph = ModelGraph(config, tensors, options, max_len)
+        model = graph.build(seq, f"tokenwire_{name}")
+        weights.externalize(model, graph.g.weights)
+        onnx.save_model(model, str(out / f"{name}.onnx"))
+    manifest = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "opset": OPSET, "max_len": max_len,
+                "options": asdict(options), "model": config.to_dict(), "engine": engine_info or {},
+                "graphs": {name: f"{name}.onnx" for name in GRAPHS},
+                "files": {f.name: sha256_file(f) for f in sorted(out.iterdir())
+                          if f.suffix in (".onnx", ".bin")}}
+    manifest["sha256"] = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+    (out / "export.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def export_engine(engine, out_dir, options: OnnxExportOptions = OnnxExportOptions()) -> dict:
+    """A loaded engine (engine_format.Engine) -> export_onnx, recording which engine it came from."""
+    m = engine.manifest
+    info = {"name": engine.name, "path": str(engine.path), "quantization": m.get("quantization"),
+            "source_sha256": m.get("source", {}).get("sha256")}
+    return export_onnx(engine.config, engine.tensors, out_dir, options, info)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_export(out_dir) -> dict:
+    """export.json, after checking its format and version."""
+    path = Path(out_dir) / "export.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a tokenwire ONNX export ({exc})") from None
+    if manifest.get("format") != EXPORT_FORMAT or manifest.get("version") != EXPORT_VERSION:
+        raise ValueError(f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r}, "
+                         f"this tokenwire reads {EXPORT_FORMAT!r} version {EXPORT_VERSION}")
+    return manifest
