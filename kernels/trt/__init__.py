@@ -1,0 +1,60 @@
+"""The TensorRT backend: the engine's ONNX export built into TensorRT engines and driven by hand.
+
+Folder map:
+  engine.py     the only module calling TensorRT's Python API (tensorrt, else tensorrt_rtx): build
+                from ONNX with one shape profile, cache plans on disk, contexts bound to our buffers
+  executor.py   TrtExecutor: the Executor of core/executor.py, on the CUDA backend's driver,
+                streams and pinned ring (kernels/cuda/driver.py, ring.py)
+  fake.py       the engine interface on onnxruntime over kernels/cuda/fake.py's memory (host tests)
+
+`create_executor(engine, **options)` is what `--backend trt` calls: it exports the engine to
+ONNX once (engine_build/onnx_export.py, cached beside the built plans), then builds or loads
+the plans for this GPU. TensorRT and cuda-python are imported only then.
+"""
+
+from pathlib import Path
+from typing import Optional
+
+
+def cache_dir(options_dir: Optional[str] = None) -> Path:
+    """Where exports and plans are kept: `$TOKENWIRE_CACHE_DIR/trt` unless told."""
+    from ...engine_build.resolve import cache_root
+    return Path(options_dir) if options_dir else cache_root() / "trt"
+
+
+def export_for(engine, max_len: int, root: Path) -> Path:
+    """The engine's ONNX export with KV capacity max_len, made once per engine source and capacity."""
+    from ...engine_build.onnx_export import OnnxExportOptions, export_engine, read_export
+    key = (engine.manifest.get("source", {}).get("sha256") or "unknown")[:16]
+    out = root / "onnx" / f"{engine.name.replace('/', '_')}-{key}-{max_len}"
+    try:
+        read_export(out)
+        return out
+    except ValueError:
+        pass
+    tmp = out.with_name(out.name + ".tmp")
+    export_engine(engine, tmp, OnnxExportOptions(max_len=max_len))
+    tmp.replace(out)
+    return out
+
+
+def create_executor(engine, *, max_model_len: Optional[int] = None, max_num_seqs: int = 64,
+                    max_num_batched_tokens: int = 2048, export_dir=None, driver=None, engine_fn=None, **options):
+    """An engine directory (or a loaded Engine) -> TrtExecutor. `options` are TrtOptions fields;
+    `driver` and `engine_fn` replace the GPU and TensorRT (tests pass kernels/cuda/fake.py and
+    kernels/trt/fake.py). The executor's max_model_len is the export's max_len - 1."""
+    from ...engine_build.onnx_export import read_export
+    from .engine import TrtEngine, engine_plan
+    from .executor import TrtExecutor, TrtOptions
+    if not hasattr(engine, "tensors"):
+        from ...engine_build.engine_format import load_engine
+        engine = load_engine(engine)
+    opts = TrtOptions(max_batch=max_num_seqs, max_num_tokens=max_num_batched_tokens, **options)
+    root = cache_dir(opts.cache_dir)
+    max_len = (max_model_len or min(engine.config.max_position_embeddings, 4096)) + 1   # + the scratch position
+    export_dir = Path(export_dir) if export_dir else export_for(engine, max_len, root)
+    manifest = read_export(export_dir)
+    if engine_fn is None:
+        def engine_fn(graph, profile, device):
+            return TrtEngine(engine_plan(export_dir, manifest, graph, profile, device, root / "plans"))
+    return TrtExecutor(engine.config, export_dir, opts, manifest=manifest, engine_fn=engine_fn, driver=driver)
