@@ -44,8 +44,13 @@ def create_executor(engine, *, max_model_len: Optional[int] = None, max_num_seqs
     `driver` and `engine_fn` replace the GPU and TensorRT (tests pass kernels/cuda/fake.py and
     kernels/trt/fake.py). The executor's max_model_len is the export's max_len - 1."""
     from ...engine_build.onnx_export import read_export
-    from .engine import TrtEngine, engine_plan
+    from .engine import TrtEngine, engine_plan, import_tensorrt
     from .executor import TrtExecutor, TrtOptions
+    if driver is None:                  # the GPU and TensorRT first: their absence is told before any export
+        from ..cuda.driver import CudaDriver
+        driver = CudaDriver(options.get("device", 0))
+    if engine_fn is None:
+        import_tensorrt()
     if not hasattr(engine, "tensors"):
         from ...engine_build.engine_format import load_engine
         engine = load_engine(engine)
