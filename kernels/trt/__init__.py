@@ -56,7 +56,8 @@ def create_executor(engine, *, max_model_len: Optional[int] = None, max_num_seqs
         engine = load_engine(engine)
     opts = TrtOptions(max_batch=max_num_seqs, max_num_tokens=max_num_batched_tokens, **options)
     root = cache_dir(opts.cache_dir)
-    max_len = (max_model_len or min(engine.config.max_position_embeddings, 4096)) + 1   # + the scratch position
+    # + the scratch position, rounded up to 64 positions so every KV row starts 256-byte aligned
+    max_len = -(-((max_model_len or min(engine.config.max_position_embeddings, 4096)) + 1) // 64) * 64
     export_dir = Path(export_dir) if export_dir else export_for(engine, max_len, root)
     manifest = read_export(export_dir)
     if engine_fn is None:

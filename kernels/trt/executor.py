@@ -40,6 +40,12 @@ from ..cuda.ring import RingSlot
 
 log = logging.getLogger(__name__)
 
+ALIGNMENT = 256              # bytes: every address bound to TensorRT
+
+
+def align(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
 
 @dataclass(frozen=True)
 class TrtOptions:
@@ -62,8 +68,9 @@ class TrtOptions:
 class TrtHandle(NamedTuple):
     slot: int
     number: int                         # steps launched before this one
-    out_rows: list                      # per sampled SeqStep: its row of next_token / logits
-    num_out_rows: int                   # rows copied back
+    out_at: list                        # per sampled SeqStep: ("decode", row) or ("chunk", j)
+    bucket: int                         # decode rows run (0: none)
+    num_chunks: int                     # prefill chunks run
     host_sampled: Optional[list]        # the sampled SeqSteps when core/sampling decides, else None
 
 
@@ -87,8 +94,14 @@ class TrtExecutor:
         self.drv = drv = driver
         self.compute_stream, self.copy_stream = drv.stream_create(), drv.stream_create()
         self.gpu = {"name": drv.name, "compute_capability": list(drv.compute_capability)}
-        self.cap_tokens = o.max_num_tokens + o.max_batch             # ids/positions entries per step
-        self.cap_rows = 2 * o.max_batch                               # decode bucket + one row per prefill chunk
+        # every address bound to TensorRT is 256-byte aligned: decode entries first, then one
+        # aligned stretch per prefill chunk (int64 words: 32 per 256 bytes; int32 and float32: 64)
+        self.chunk_words = align(o.max_batch, 32)                     # where chunk ids / seq_lens start
+        self.cap_tokens = self.chunk_words + o.max_num_tokens + 32 * o.max_batch
+        self.cap_lens = self.chunk_words + 32 * o.max_batch
+        self.chunk_ids = align(o.max_batch, 64)                       # where chunk next_tokens start (int32)
+        self.cap_ids = self.chunk_ids + 64 * o.max_batch
+        self.vocab_stride = align(c.vocab_size, 64)                   # chunk logits rows
         self._alloc()
         self.ring = [self._make_slot() for _ in range(o.ring_slots)]
         self.decode_engine = engine_fn("decode", self._profile(o.max_batch, 1, 1), self.gpu)
@@ -105,15 +118,19 @@ class TrtExecutor:
     def _alloc(self) -> None:
         c, o, drv = self.config, self.options, self.drv
         self.row_bytes = c.num_kv_heads * self.max_len * c.head_dim * 4            # one sequence, one layer, K or V
+        if self.row_bytes % ALIGNMENT:
+            raise ValueError(f"a KV row of {self.row_bytes} bytes is not a multiple of {ALIGNMENT}: export with a "
+                             f"max_len that is a multiple of 64")
         self.cache_bytes = o.max_batch * self.row_bytes                              # [max_batch, Hkv, max_len, hd]
         self.kv_base = drv.mem_alloc(2 * c.num_layers * self.cache_bytes)
         drv.memset_async(self.kv_base, 2 * c.num_layers * self.cache_bytes, self.copy_stream)  # finite, never NaN
-        self.meta_bytes = 8 * (2 * self.cap_tokens + self.cap_rows)
-        self.meta = drv.mem_alloc(self.meta_bytes)              # int64: ids [cap_tokens], positions, seq_lens [cap_rows]
+        self.meta_bytes = 8 * (2 * self.cap_tokens + self.cap_lens)
+        self.meta = drv.mem_alloc(self.meta_bytes)              # int64: ids [cap_tokens], positions, seq_lens [cap_lens]
         self.meta_pos = self.meta + 8 * self.cap_tokens
         self.meta_lens = self.meta_pos + 8 * self.cap_tokens
-        self.next_ids = drv.mem_alloc(4 * self.cap_rows)                           # int32 [cap_rows]
-        self.logits = drv.mem_alloc(4 * self.cap_rows * c.vocab_size)              # float32 [cap_rows, V]
+        self.next_ids = drv.mem_alloc(4 * self.cap_ids)                            # int32 [cap_ids]
+        self.logits = drv.mem_alloc(4 * o.max_batch * c.vocab_size)                # float32 [max_batch, V]: decode
+        self.chunk_logits = drv.mem_alloc(4 * o.max_batch * self.vocab_stride)     # float32 [max_batch, Vp]: chunks
 
     def cache_ptr(self, layer: int, kind: str, row: int) -> int:
         """Address of row `row` of layer `layer`'s K ("key") or V ("value") cache."""
@@ -122,7 +139,8 @@ class TrtExecutor:
 
     def _make_slot(self) -> RingSlot:
         drv = self.drv
-        out = drv.host_alloc(4 * self.cap_rows * (1 + self.config.vocab_size))    # ids, then logits rows
+        o, V = self.options, self.config.vocab_size
+        out = drv.host_alloc(4 * (self.cap_ids + o.max_batch * (V + self.vocab_stride)))  # ids, decode, chunk logits
         return RingSlot(drv.host_alloc(self.meta_bytes), out, drv.event_create(),
                         drv.event_create(blocking=self.options.wait == "block"))
 
@@ -157,18 +175,18 @@ class TrtExecutor:
         chunks = [s for s in seqs if len(s.token_ids) > 1]
         self._check(seqs)
         staged = self._stage(slot, decode, chunks)
-        bucket, out_row = staged["bucket"], staged["out_row"]
+        bucket, out_at = staged["bucket"], staged["out_at"]
         decode_context = self._decode_context(bucket) if bucket else None   # first use captures: before our copy
         self._upload(slot, staged)
         if decode_context is not None:
             self._run_decode(*decode_context)
         for j, s in enumerate(chunks):
-            self._run_prefill(s, staged["chunk_at"][j], bucket + j)
+            self._run_prefill(s, staged["chunk_at"][j], j)
         rows = [s for s in seqs if s.sample]
         host_sampled = rows if rows and needs_full_sampler(rows) else None
-        num_out = bucket + len(chunks)
-        self._finish(slot, slot_index, num_out, host_sampled is not None)
-        handle = TrtHandle(slot_index, self.num_launched, [out_row[id(s)] for s in rows], num_out, host_sampled)
+        self._finish(slot, slot_index, bucket, len(chunks), host_sampled is not None)
+        handle = TrtHandle(slot_index, self.num_launched, [out_at[id(s)] for s in rows], bucket, len(chunks),
+                           host_sampled)
         self.num_launched += 1
         return handle
 
@@ -188,10 +206,11 @@ class TrtExecutor:
                 raise ValueError(f"token id out of range [0, {c.vocab_size})")
 
     def _stage(self, slot: RingSlot, decode: Sequence[SeqStep], chunks: Sequence[SeqStep]) -> dict:
-        """Fill the slot's pinned staging: decode rows first (fixed addresses: a pure decode step
-        replays its graph), then each chunk. -> offsets and output rows."""
+        """Fill the slot's pinned staging: decode rows at the start (fixed addresses: the decode
+        graph replays), each chunk at its own aligned offset. -> offsets, and where each
+        sampled sequence's id lands: ("decode", row) or ("chunk", j)."""
         ids, pos, lens = self._staging_views(slot)
-        out_row = {}
+        out_at = {}
         bucket = 0
         if decode:
             live = {s.block_table[0]: s for s in decode}
@@ -201,24 +220,24 @@ class TrtExecutor:
             ids[:bucket], pos[:bucket], lens[:bucket] = 0, self.max_len - 1, self.max_len   # idle rows: scratch
             for row, s in live.items():
                 ids[row], pos[row], lens[row] = s.token_ids[0], s.start_pos, s.start_pos + 1
-                out_row[id(s)] = row
-        t, chunk_at = bucket, []
+                out_at[id(s)] = ("decode", row)
+        t, chunk_at = self.chunk_words, []
         for j, s in enumerate(chunks):
             n = len(s.token_ids)
             ids[t:t + n] = s.token_ids
             pos[t:t + n] = np.arange(s.start_pos, s.start_pos + n)
-            lens[bucket + j] = s.start_pos + n
+            lens[self.chunk_words + 32 * j] = s.start_pos + n
             chunk_at.append(t)
-            out_row[id(s)] = bucket + j
-            t += n
-        return {"bucket": bucket, "out_row": out_row, "chunk_at": chunk_at, "num_tokens": t,
-                "num_lens": bucket + len(chunks)}
+            out_at[id(s)] = ("chunk", j)
+            t = align(t + n, 32)
+        used = (t, self.chunk_words + 32 * len(chunks)) if chunks else (bucket, bucket)
+        return {"bucket": bucket, "out_at": out_at, "chunk_at": chunk_at, "num_tokens": used[0], "num_lens": used[1]}
 
     def _staging_views(self, slot: RingSlot) -> tuple:
         if not slot.views:
-            T, R = self.cap_tokens, self.cap_rows
+            T, L = self.cap_tokens, self.cap_lens
             words = slot.staging.view(np.int64)
-            slot.views["meta"] = (words[:T], words[T:2 * T], words[2 * T:2 * T + R])
+            slot.views["meta"] = (words[:T], words[T:2 * T], words[2 * T:2 * T + L])
         return slot.views["meta"]
 
     def _upload(self, slot: RingSlot, staged: dict) -> None:
@@ -240,7 +259,7 @@ class TrtExecutor:
         else:
             context.enqueue(self.compute_stream)
 
-    def _run_prefill(self, s: SeqStep, token_at: int, out_row: int) -> None:
+    def _run_prefill(self, s: SeqStep, token_at: int, j: int) -> None:
         """One chunk of one sequence at its KV row (shapes change per chunk: no graph)."""
         c, ctx, n, row = self.config, self.prefill_context, len(s.token_ids), s.block_table[0]
         for name in ("input_ids", "positions"):
@@ -248,30 +267,40 @@ class TrtExecutor:
         ctx.set_shape("seq_lens", (1,))
         ctx.bind("input_ids", self.meta + 8 * token_at)
         ctx.bind("positions", self.meta_pos + 8 * token_at)
-        ctx.bind("seq_lens", self.meta_lens + 8 * out_row)
+        ctx.bind("seq_lens", self.meta_lens + 8 * (self.chunk_words + 32 * j))
         for i in range(c.num_layers):
             for kind in ("key", "value"):
                 ctx.set_shape(f"past_{kind}.{i}", (1, c.num_kv_heads, self.max_len, c.head_dim))
                 ctx.bind(f"past_{kind}.{i}", self.cache_ptr(i, kind, row))
                 ctx.bind(f"present_{kind}.{i}", self.cache_ptr(i, kind, row))      # in place (KVCacheUpdate)
-        ctx.bind("logits", self.logits + 4 * out_row * c.vocab_size)
-        ctx.bind("next_token", self.next_ids + 4 * out_row)
+        ctx.bind("logits", self.chunk_logits + 4 * j * self.vocab_stride)
+        ctx.bind("next_token", self.next_ids + 4 * (self.chunk_ids + 64 * j))
         ctx.enqueue(self.compute_stream)
 
-    def _finish(self, slot: RingSlot, slot_index: int, num_rows: int, with_logits: bool) -> None:
+    def _finish(self, slot: RingSlot, slot_index: int, bucket: int, num_chunks: int, with_logits: bool) -> None:
         """Ids (and logits when sampled on the host) to the slot's pinned bytes on the copy stream."""
-        drv, copy = self.drv, self.copy_stream
+        drv, copy, V = self.drv, self.copy_stream, self.config.vocab_size
         drv.event_record(slot.done, self.compute_stream)
         drv.stream_wait_event(copy, slot.done)
-        if num_rows:
-            drv.memcpy_dtoh_async(slot.out, self.next_ids, 4 * num_rows, copy)
-            if with_logits:
-                logits_out = slot.out[4 * self.cap_rows:]
-                drv.memcpy_dtoh_async(logits_out, self.logits, 4 * num_rows * self.config.vocab_size, copy)
+        num_ids = self.chunk_ids + 64 * num_chunks if num_chunks else bucket
+        if num_ids:
+            drv.memcpy_dtoh_async(slot.out, self.next_ids, 4 * num_ids, copy)
+        if with_logits:
+            decode_out, chunk_out = self._host_logits(slot)
+            if bucket:
+                drv.memcpy_dtoh_async(decode_out, self.logits, 4 * bucket * V, copy)
+            if num_chunks:
+                drv.memcpy_dtoh_async(chunk_out, self.chunk_logits, 4 * num_chunks * self.vocab_stride, copy)
         drv.event_record(slot.ready, copy)
         if self.on_ready is not None:
             drv.launch_host_func(copy, lambda i=slot_index: self.on_ready(i))
         slot.in_flight = True
+
+    def _host_logits(self, slot: RingSlot) -> tuple:
+        """The slot's pinned logits: (decode float32 [max_batch, V], chunks float32 [max_batch, Vp])."""
+        o, V, Vp = self.options, self.config.vocab_size, self.vocab_stride
+        floats = slot.out[4 * self.cap_ids:].view(np.float32)
+        return floats[:o.max_batch * V].reshape(-1, V), floats[o.max_batch * V:].reshape(-1, Vp)
 
     def wait(self, handle: TrtHandle) -> StepOutput:
         """Block the calling (engine) thread until the step's ids are in the host ring."""
@@ -285,13 +314,14 @@ class TrtExecutor:
                 pass
         else:
             self.drv.event_synchronize(slot.ready)
-        rows = handle.out_rows
         if handle.host_sampled is None:
-            out = StepOutput(slot.out[:4 * handle.num_out_rows].view(np.int32)[rows].tolist())
+            ids = slot.out[:4 * self.cap_ids].view(np.int32)
+            out = StepOutput([int(ids[i if kind == "decode" else self.chunk_ids + 64 * i]) for kind, i in handle.out_at])
         else:
+            decode, chunks = self._host_logits(slot)
             V = self.config.vocab_size
-            logits = slot.out[4 * self.cap_rows:4 * self.cap_rows + 4 * V * handle.num_out_rows].view(np.float32)
-            out = sample(logits.reshape(-1, V)[rows], handle.host_sampled)
+            logits = np.stack([decode[i] if kind == "decode" else chunks[i, :V] for kind, i in handle.out_at])
+            out = sample(logits, handle.host_sampled)
         slot.in_flight = False
         self.num_waited += 1
         return out
@@ -371,7 +401,7 @@ class TrtExecutor:
             drv.host_free(slot.out)
             drv.event_destroy(slot.done)
             drv.event_destroy(slot.ready)
-        for ptr in (self.kv_base, self.meta, self.next_ids, self.logits):
+        for ptr in (self.kv_base, self.meta, self.next_ids, self.logits, self.chunk_logits):
             drv.mem_free(ptr)
         for stream in (self.compute_stream, self.copy_stream):
             drv.stream_destroy(stream)

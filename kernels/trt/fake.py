@@ -4,7 +4,9 @@ The engine is the same exported ONNX graph run by onnxruntime (CPU); its context
 shapes and addresses it is given and, when enqueued on a stream of kernels/cuda/fake.py's
 FakeDriver, reads its inputs from that fake device memory and writes its outputs there,
 present K/V over past K/V as TensorRT's in-place KV update does. So the executor's buffers,
-offsets, rows, ring and graphs are exercised end to end; TensorRT itself is not (see
+offsets, rows, ring and graphs are exercised end to end, and two of TensorRT's rules are
+enforced (256-byte aligned addresses; present K/V bound to the past K/V's memory). TensorRT
+itself is not exercised (see
 tests/test_trt_executor.py for the tests that need it).
 """
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 OUTPUT_TYPES = {"logits": np.float32, "next_token": np.int32}
+ALIGNMENT = 256              # bytes: what kernels/trt/executor.py promises for every bound address
 
 
 class FakeTrtEngine:
@@ -47,12 +50,17 @@ class FakeTrtContext:
     def bind(self, name: str, ptr: int) -> None:
         if name not in self.engine.inputs and name not in self.engine.outputs:
             raise KeyError(f"no tensor {name!r}")
+        if int(ptr) % ALIGNMENT:
+            raise ValueError(f"{name} bound at {int(ptr):#x}, not {ALIGNMENT}-byte aligned")
         self.addresses[name] = int(ptr)
 
     def enqueue(self, stream) -> None:
         missing = [n for n in self.engine.inputs + self.engine.outputs if n not in self.addresses]
         if missing or set(self.shapes) != set(self.engine.inputs):
             raise RuntimeError(f"enqueue with unbound tensors {missing} or unset shapes")
+        for name in self.engine.outputs:        # TensorRT's KVCacheUpdate: the output is the input's memory
+            if name.startswith("present_") and self.addresses[name] != self.addresses[name.replace("present_", "past_")]:
+                raise RuntimeError(f"{name} is not bound to its past tensor's address (in-place KV update)")
         shapes, addresses = dict(self.shapes), dict(self.addresses)     # as bound now (graphs replay these)
         self.engine.drv._enqueue(stream, lambda: self._run(shapes, addresses))
 
