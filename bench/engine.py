@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama-3.2-1b and llama-3.1-8b on cuda)")
     parser.add_argument("--batch", help="comma-separated batch sizes (default: 1,4,16 on cpu, 1,8,32,128 on cuda)")
     parser.add_argument("--threads", type=int, help="kernel threads (default: physical cores)")
-    parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS) + ["cuda"], help="(default: %(default)s)")
+    parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS) + ["cuda", "trt"],
+                        help="(default: %(default)s)")
     parser.add_argument("--activations", default="fp32,int8",
                         help="INT4 product activations, comma-separated: fp32 (exact), int8 (default: %(default)s)")
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="(default: %(default)s)")
@@ -256,6 +257,10 @@ def run(args) -> int:
     if args.backend == "cuda":
         _fill_defaults(args, batch="1,8,32,128", prompt_len=512, steps=50)
         return engine_cuda.run(args)
+    if args.backend == "trt":
+        from . import engine_trt
+        _fill_defaults(args, batch="1,8,32", prompt_len=512, steps=50)
+        return engine_trt.run(args)
     _fill_defaults(args, batch="1,4,16", prompt_len=64, steps=10)
     batches = parse_list(args.batch, "--batch")
     precisions = parse_list(args.activations, "--activations", ("fp32", "int8"))

@@ -212,3 +212,38 @@ def test_stories260k_golden_on_tensorrt(stories, tmp_path):
     assert run_greedy(ex, reference["prompt_token_ids"], len(want), row=2) == want
     ex.close()
     assert len(list(tmp_path.glob("*.plan"))) == 2            # cached: a second executor builds nothing
+
+
+# ------------------------------------------------------------ the benchmark
+
+def test_bench_engine_trt_runs_end_to_end_on_the_fake(tmp_path, monkeypatch, capsys):
+    """The rows `tokenwire bench engine --backend trt` prints; the figures themselves need a GPU."""
+    import argparse
+
+    from tokenwire.bench import engine, engine_cuda, engine_trt
+    monkeypatch.setitem(engine_cuda.SHAPES_CUDA, "tiny", dict(
+        architecture="LlamaForCausalLM", vocab_size=300, hidden_size=128, intermediate_size=256, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0))
+    parser = argparse.ArgumentParser()
+    engine.add_arguments(parser)
+    args = parser.parse_args(["--backend", "trt", "--shape", "tiny", "--batch", "1,3", "--steps", "3",
+                              "--context", "20", "--prompt-len", "16", "--json", str(tmp_path / "rows.json")])
+    drv = FakeDriver(total_memory=1 << 30)
+    assert engine_trt.run(args, driver=drv, engine_factory=lambda d: lambda g, p, dev: FakeTrtEngine(d, g, drv)) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["backend"] == "trt" and r["graph"] for r in rows)
+    assert all(r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 for r in rows)
+    assert "on TensorRT" in capsys.readouterr().out
+
+
+def test_bench_engine_trt_without_tensorrt_says_why():
+    import argparse
+
+    from tokenwire.bench import engine
+    parser = argparse.ArgumentParser()
+    engine.add_arguments(parser)
+    if tensorrt_reason() is None:
+        pytest.skip("TensorRT is importable here")
+    with pytest.raises(SystemExit, match="backend trt"):
+        engine.run(parser.parse_args(["--backend", "trt", "--shape", "llama-3.2-1b"]))

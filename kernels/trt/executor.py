@@ -97,7 +97,7 @@ class TrtExecutor:
         # every address bound to TensorRT is 256-byte aligned: decode entries first, then one
         # aligned stretch per prefill chunk (int64 words: 32 per 256 bytes; int32 and float32: 64)
         self.chunk_words = align(o.max_batch, 32)                     # where chunk ids / seq_lens start
-        self.cap_tokens = self.chunk_words + o.max_num_tokens + 32 * o.max_batch
+        self.cap_tokens = align(self.chunk_words + o.max_num_tokens + 32 * o.max_batch, 32)
         self.cap_lens = self.chunk_words + 32 * o.max_batch
         self.chunk_ids = align(o.max_batch, 64)                       # where chunk next_tokens start (int32)
         self.cap_ids = self.chunk_ids + 64 * o.max_batch
