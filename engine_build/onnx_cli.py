@@ -22,7 +22,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from .errors import BuildError
+    from ..core.errors import BuildError
     out = Path(args.output)
     try:
         if out.exists() and not args.force:
@@ -40,7 +40,7 @@ def export(engine_dir, out, max_len=None, zero_points="offset") -> dict:
     """Load the engine and export it; a replaced DIR is removed first."""
     import shutil
 
-    from .engine_format import load_engine
+    from ..kernels.engine_format import load_engine
     from .onnx_export import OnnxExportOptions, export_engine
     engine = load_engine(engine_dir)
     options = OnnxExportOptions(max_len=max_len, zero_points=zero_points)

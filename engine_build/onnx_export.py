@@ -4,7 +4,7 @@ Contract:
 - `export_onnx(config, tensors, out_dir, options)` writes `decode.onnx` (one new token per
   sequence), `prefill.onnx` (any number), `weights.bin` (the weights both graphs point at)
   and `export.json` (what was exported, and the sha256 of each file: kernels/trt/ keys its
-  engine cache on it). The math is the numpy reference forward's (core/model.py), step for
+  engine cache on it). The math is the numpy reference forward's (kernels/model.py), step for
   step, for every family it supports: GQA, qkv bias, sliding window, Llama 3 RoPE scaling,
   GeGLU, the embedding multiplier, tied embeddings.
 - Opset 24. Every INT4 matrix is a `DequantizeLinear` (block quantization along K, block
@@ -38,8 +38,9 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..core.config import ModelConfig
-from ..core.model import decode_weight, linear_shapes
-from ..core.rope import rope_cos_sin, rope_inv_freq
+from ..kernels.engine_format import linear_shapes
+from ..kernels.model import decode_weight
+from ..kernels.rope import rope_cos_sin, rope_inv_freq
 from ..kernels.reference import unpack_int4
 from .onnx_graph import GraphBuilder, WeightsFile, nibble_proto, tensor_proto
 
@@ -262,7 +263,7 @@ def export_onnx(config: ModelConfig, tensors: Mapping[str, np.ndarray], out_dir,
 
 
 def export_engine(engine, out_dir, options: OnnxExportOptions = OnnxExportOptions()) -> dict:
-    """A loaded engine (engine_format.Engine) -> export_onnx, recording which engine it came from."""
+    """A loaded engine (kernels/engine_format.Engine) -> export_onnx, recording which engine it came from."""
     m = engine.manifest
     info = {"name": engine.name, "path": str(engine.path), "quantization": m.get("quantization"),
             "source_sha256": m.get("source", {}).get("sha256")}

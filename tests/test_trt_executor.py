@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tokenwire.core.executor import SeqStep
-from tokenwire.core.model import ReferenceModel, greedy_generate, sequence_logits
+from tokenwire.kernels.model import ReferenceModel, greedy_generate, sequence_logits
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.onnx_export import OnnxExportOptions, export_onnx, read_export
 from tokenwire.engine_build.quantize import QuantOptions, quantize_model

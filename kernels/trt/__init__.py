@@ -52,7 +52,7 @@ def create_executor(engine, *, max_model_len: Optional[int] = None, max_num_seqs
     if engine_fn is None:
         import_tensorrt()
     if not hasattr(engine, "tensors"):
-        from ...engine_build.engine_format import load_engine
+        from ..engine_format import load_engine
         engine = load_engine(engine)
     opts = TrtOptions(max_batch=max_num_seqs, max_num_tokens=max_num_batched_tokens, **options)
     root = cache_dir(opts.cache_dir)

@@ -19,7 +19,7 @@ Contract:
   one pinned staging buffer and three async copies; greedy ids come back from the graph's
   ArgMax (`next_token`) into the slot's pinned bytes on the copy stream; rows that need
   temperature, penalties or logprobs bring their logits back and are sampled by
-  core/sampling.py, as the CPU backend does.
+  kernels/sampling.py, as the CPU backend does.
 - `launch(seqs) -> handle` returns without waiting; `wait(handle)` waits (spin or blocking)
   on the slot's `ready` event and reads it; `on_ready(slot)` runs from a CUDA host function.
 """
@@ -34,9 +34,9 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from ...core.executor import SeqStep, StepOutput
-from ...core.sampling import sample
 from ..cuda.meta import needs_full_sampler
 from ..cuda.ring import RingSlot
+from ..sampling import sample
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class TrtHandle(NamedTuple):
     out_at: list                        # per sampled SeqStep: ("decode", row) or ("chunk", j)
     bucket: int                         # decode rows run (0: none)
     num_chunks: int                     # prefill chunks run
-    host_sampled: Optional[list]        # the sampled SeqSteps when core/sampling decides, else None
+    host_sampled: Optional[list]        # the sampled SeqSteps when kernels/sampling decides, else None
 
 
 class TrtExecutor:
