@@ -25,10 +25,13 @@ TRT_OPS = {
     "MatMul": None, "Mul": None, "Reshape": None, "Sigmoid": None, "Softmax": None, "Sqrt": None, "Sub": None,
     "Transpose": None, "Unsqueeze": "axes must be a constant", "Split": None, "Where": None,
     "ReduceMean": "axes must be an initializer",
-    "DequantizeLinear": "x_zero_point must be zero (INT8, FP8, FP4, INT4)",
+    "DequantizeLinear": "x_zero_point must be zero (INT8, FP8, FP4, INT4); INT4 block sizes 64 or 128, along one "
+                        "of the last two dimensions (TensorRT's quantized-types guide)",
     "TensorScatter": "past_cache and update must be 4D; axis must be -2",
 }
-TRT_OPS_SOURCE = "onnx/onnx-tensorrt docs/operators.md, 'TensorRT 10.15 supports operators ... opset 9 to opset 24'"
+TRT_OPS_SOURCE = ("onnx/onnx-tensorrt docs/operators.md, 'TensorRT 10.15 supports operators ... opset 9 to opset 24'; "
+                  "INT4 block sizes: TensorRT's 'Quantization Schemes' page")
+TRT_INT4_BLOCK_SIZES = (64, 128)
 
 
 def trt_problems(model: onnx.ModelProto) -> list:
@@ -43,6 +46,8 @@ def trt_problems(model: onnx.ModelProto) -> list:
             problems.append(f"{where}: not in the TensorRT-supported set")
         elif node.op_type == "DequantizeLinear" and len(node.input) > 2 and node.input[2]:
             problems.append(f"{where}: has a zero point ({TRT_OPS['DequantizeLinear']})")
+        elif node.op_type == "DequantizeLinear" and _attr(node, "block_size") not in (None, 0, *TRT_INT4_BLOCK_SIZES):
+            problems.append(f"{where}: INT4 block size {_attr(node, 'block_size')} ({TRT_OPS['DequantizeLinear']})")
         elif node.op_type == "TensorScatter" and _attr(node, "axis") != -2:
             problems.append(f"{where}: {TRT_OPS['TensorScatter']}")
         elif node.op_type in ("ReduceMean", "Unsqueeze") and node.input[1] not in constants:

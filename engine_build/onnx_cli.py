@@ -16,6 +16,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--zero-points", choices=ZERO_POINT_MODES, default="offset",
                         help="asymmetric INT4: offset (TensorRT's form, the default) or onnx (uint4 with a zero "
                              "point input; onnxruntime runs it, TensorRT refuses it)")
+    parser.add_argument("--matmul-dtype", choices=("float32", "float16"), default="float32",
+                        help="inputs of the weight products: float32 (matches the reference forward, the default) "
+                             "or float16 (TensorRT's INT4 GEMMs take float16 activations)")
     parser.add_argument("--force", action="store_true", help="replace DIR if it exists")
 
 
@@ -27,7 +30,7 @@ def run(args) -> int:
     try:
         if out.exists() and not args.force:
             raise BuildError(out, "already exists (use --force to replace it)")
-        manifest = export(args.engine, out, args.max_len, args.zero_points)
+        manifest = export(args.engine, out, args.max_len, args.zero_points, args.matmul_dtype)
     except (BuildError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -36,14 +39,14 @@ def run(args) -> int:
     return 0
 
 
-def export(engine_dir, out, max_len=None, zero_points="offset") -> dict:
+def export(engine_dir, out, max_len=None, zero_points="offset", matmul_dtype="float32") -> dict:
     """Load the engine and export it; a replaced DIR is removed first."""
     import shutil
 
     from ..kernels.engine_format import load_engine
     from .onnx_export import OnnxExportOptions, export_engine
     engine = load_engine(engine_dir)
-    options = OnnxExportOptions(max_len=max_len, zero_points=zero_points)
+    options = OnnxExportOptions(max_len=max_len, zero_points=zero_points, matmul_dtype=matmul_dtype)
     if out.exists():
         shutil.rmtree(out)
     return export_engine(engine, out, options)

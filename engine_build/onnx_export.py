@@ -50,14 +50,19 @@ EXPORT_VERSION = 1
 DEFAULT_MAX_LEN = 4096
 MASKED = np.float32(np.finfo(np.float32).min)   # finite: a fully masked padding row stays NaN-free
 ZERO_POINT_MODES = ("offset", "onnx")
+MATMUL_DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
 
 
 @dataclass(frozen=True)
 class OnnxExportOptions:
     max_len: Optional[int] = None      # KV cache capacity and RoPE table: default min(max positions, 4096)
     zero_points: str = "offset"        # "offset": TensorRT's form; "onnx": uint4 with a zero point input
+    matmul_dtype: str = "float32"      # the weight products' inputs: float32 (the reference's) or float16
+                                       # (TensorRT's INT4 GEMMs are W4A16); everything else stays float32
 
     def __post_init__(self):
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"matmul_dtype must be one of {sorted(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
         if self.zero_points not in ZERO_POINT_MODES:
             raise ValueError(f"zero_points must be one of {ZERO_POINT_MODES}, got {self.zero_points!r}")
         if self.max_len is not None and self.max_len < 1:
@@ -70,23 +75,34 @@ class ModelGraph:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], options: OnnxExportOptions,
                  max_len: int):
         self.c, self.t, self.o, self.max_len = config, tensors, options, max_len
+        self.wtype, self.wproto = MATMUL_DTYPES[options.matmul_dtype]     # weights' float type
         self.g = GraphBuilder()
 
     # ------------------------------------------------------------ weights
 
     def linear(self, x: str, name: str) -> str:
-        """x: [..., K] -> [..., N] = x @ W.T for the engine matrix `name` in its stored encoding."""
+        """x: float32 [..., K] -> float32 [..., N] = x @ W.T for the engine matrix `name` in its stored
+        encoding; the product's inputs in matmul_dtype."""
+        g = self.g
+        if self.wtype is np.float32:
+            return self.product(x, name)
+        y = self.product(g.op("Cast", x, to=self.wproto), name)
+        return g.op("Cast", y, to=TensorProto.FLOAT)
+
+    def product(self, x: str, name: str) -> str:
         g, t = self.g, self.t
         N, K = linear_shapes(self.c)[name]
         if f"{name}.zeros" in t:
             return self.int4_linear(x, name, N, K)
         if f"{name}.qweight" in t:          # int8 rows: W[n, k] = q[n, k] * s[n]
             q = g.weight(tensor_proto(f"{name}.q8", np.ascontiguousarray(np.asarray(t[f"{name}.qweight"]).T)))
-            s = g.weight(tensor_proto(f"{name}.s8", np.asarray(t[f"{name}.scales"], np.float32)))
+            s = g.weight(tensor_proto(f"{name}.s8", np.asarray(t[f"{name}.scales"], self.wtype)))
             return g.op("MatMul", x, g.op("DequantizeLinear", q, s, axis=1))
         w = np.asarray(t[f"{name}.weight"])
+        if w.dtype == np.float32 and self.wtype is np.float16:
+            w = w.astype(np.float16)
         wt = g.weight(tensor_proto(f"{name}.wT", np.ascontiguousarray(w.T)))           # [K, N]
-        return g.op("MatMul", x, wt if w.dtype == np.float32 else g.op("Cast", wt, to=TensorProto.FLOAT))
+        return g.op("MatMul", x, wt if w.dtype == self.wtype else g.op("Cast", wt, to=self.wproto))
 
     def int4_linear(self, x: str, name: str, N: int, K: int) -> str:
         g, t = self.g, self.t
@@ -95,7 +111,7 @@ class ModelGraph:
         zeros = np.asarray(t[f"{name}.zeros"], np.float32)                            # [N, ng]
         num_groups = scales.shape[1]
         block = 2 * t[f"{name}.qweight"].shape[1] // num_groups                     # G = Kp / (Kp / G)
-        s = g.weight(tensor_proto(f"{name}.scales", np.ascontiguousarray(scales.T)))  # [ng, N]
+        s = g.weight(tensor_proto(f"{name}.scales", np.ascontiguousarray(scales.T).astype(self.wtype)))  # [ng, N]
         if self.o.zero_points == "onnx":
             z = g.weight(nibble_proto(f"{name}.zeros", np.ascontiguousarray(zeros.T).astype(np.uint8), signed=False))
             w = g.op("DequantizeLinear", g.weight(nibble_proto(f"{name}.q", q, signed=False)), s, z,
@@ -106,12 +122,13 @@ class ModelGraph:
         y = g.op("MatMul", x, w)
         if np.all(zeros == 8):                                                        # symmetric: nothing to add
             return y
-        offset = g.weight(tensor_proto(f"{name}.offset", np.ascontiguousarray(((8 - zeros) * scales).T)))
+        offset = g.weight(tensor_proto(f"{name}.offset", np.ascontiguousarray(((8 - zeros) * scales).T)
+                                       .astype(self.wtype)))
         return g.op("Add", y, g.op("MatMul", g.op("MatMul", x, self.group_ones(K, block, num_groups)), offset))
 
     def group_ones(self, K: int, block: int, num_groups: int) -> str:
         """float32 [K, ng]: column g sums the x entries of group g (shared by all matrices of this K)."""
-        ones = (np.arange(K)[:, None] // block == np.arange(num_groups)[None, :]).astype(np.float32)
+        ones = (np.arange(K)[:, None] // block == np.arange(num_groups)[None, :]).astype(self.wtype)
         return self.g.weight(tensor_proto(f"group_ones.{K}.{block}", ones))
 
     def embedding(self, ids: str) -> str:

@@ -88,6 +88,32 @@ def test_onnx_zero_points_match_the_reference_too(tmp_path, family):
     assert problems and all("zero point" in p for p in problems)
 
 
+@pytest.mark.parametrize("family", ["llama_gqa", "gemma_tied_gelu"])
+def test_float16_products_stay_close(tmp_path, family):
+    """matmul_dtype="float16" (TensorRT's W4A16 form): the weight products in half precision,
+    everything else float32; the logits stay within 1e-2 of the largest."""
+    config = CONFIGS[family]
+    tensors = engine_tensors(config, ENCODINGS["int4_g64_int8_embed"])
+    prompt = np.random.default_rng(6).integers(0, config.vocab_size, 9).tolist()
+    ort = exported(tmp_path, config, tensors, matmul_dtype="float16")
+    logits, _ = ort.prefill(0, prompt)
+    want = sequence_logits(ReferenceModel(config, tensors), prompt)[-1]
+    assert np.max(np.abs(logits - want)) <= 1e-2 * np.max(np.abs(want))
+    model = onnx.load(str(tmp_path / "decode.onnx"), load_external_data=False)
+    types = {t.name: t.data_type for t in model.graph.initializer}
+    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear" and types[n.input[0]] == onnx.TensorProto.INT4]
+    assert dq and all(types[n.input[1]] == onnx.TensorProto.FLOAT16 for n in dq)
+    assert trt_problems(model) == []
+
+
+def test_tensorrt_refuses_group_size_32(tmp_path):
+    config = CONFIGS["llama_gqa"]
+    export_onnx(config, engine_tensors(config, ENCODINGS["int4_g32_fp16_embed"]), tmp_path,
+                OnnxExportOptions(max_len=64))
+    problems = trt_problems(onnx.load(str(tmp_path / "decode.onnx"), load_external_data=False))
+    assert problems and all("block size 32" in p for p in problems)
+
+
 # ------------------------------------------------------------ 64 greedy steps
 
 def test_random_llama_64_greedy_steps(tmp_path):

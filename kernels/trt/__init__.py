@@ -22,25 +22,31 @@ def cache_dir(options_dir: Optional[str] = None) -> Path:
     return Path(options_dir) if options_dir else cache_root() / "trt"
 
 
-def export_for(engine, max_len: int, root: Path) -> Path:
-    """The engine's ONNX export with KV capacity max_len, made once per engine source and capacity."""
+def export_for(engine, max_len: int, root: Path, matmul_dtype: str = "float32") -> Path:
+    """The engine's ONNX export with KV capacity max_len, made once per engine source, capacity and dtype."""
     from ...engine_build.onnx_export import OnnxExportOptions, export_engine, read_export
     key = (engine.manifest.get("source", {}).get("sha256") or "unknown")[:16]
-    out = root / "onnx" / f"{engine.name.replace('/', '_')}-{key}-{max_len}"
+    out = root / "onnx" / f"{engine.name.replace('/', '_')}-{key}-{max_len}-{matmul_dtype}"
     try:
         read_export(out)
         return out
     except ValueError:
         pass
     tmp = out.with_name(out.name + ".tmp")
-    export_engine(engine, tmp, OnnxExportOptions(max_len=max_len))
-    tmp.replace(out)
+    export_engine(engine, tmp, OnnxExportOptions(max_len=max_len, matmul_dtype=matmul_dtype))
+    try:
+        tmp.replace(out)
+    except OSError:                     # another process placed it first
+        read_export(out)
     return out
 
 
 def create_executor(engine, *, max_model_len: Optional[int] = None, max_num_seqs: int = 64,
-                    max_num_batched_tokens: int = 2048, export_dir=None, driver=None, engine_fn=None, **options):
-    """An engine directory (or a loaded Engine) -> TrtExecutor. `options` are TrtOptions fields;
+                    max_num_batched_tokens: int = 2048, matmul_dtype: str = "float32", export_dir=None, driver=None,
+                    engine_fn=None, **options):
+    """An engine directory (or a loaded Engine) -> TrtExecutor. `matmul_dtype`: the export's weight
+    products, float32 (the reference's arithmetic) or float16 (TensorRT's W4A16 INT4 GEMMs; not yet
+    measured on a GPU). `options` are TrtOptions fields;
     `driver` and `engine_fn` replace the GPU and TensorRT (tests pass kernels/cuda/fake.py and
     kernels/trt/fake.py). The executor's max_model_len is the export's max_len - 1."""
     from ...engine_build.onnx_export import read_export
@@ -58,7 +64,7 @@ def create_executor(engine, *, max_model_len: Optional[int] = None, max_num_seqs
     root = cache_dir(opts.cache_dir)
     # + the scratch position, rounded up to 64 positions so every KV row starts 256-byte aligned
     max_len = -(-((max_model_len or min(engine.config.max_position_embeddings, 4096)) + 1) // 64) * 64
-    export_dir = Path(export_dir) if export_dir else export_for(engine, max_len, root)
+    export_dir = Path(export_dir) if export_dir else export_for(engine, max_len, root, matmul_dtype)
     manifest = read_export(export_dir)
     if engine_fn is None:
         def engine_fn(graph, profile, device):
