@@ -18,6 +18,8 @@ from typing import Sequence
 import numpy as np
 import onnx
 
+from .onnx_export import read_export
+
 # operator -> restriction the TensorRT 10.15 support matrix states (None: none that we could break)
 TRT_OPS = {
     "Add": None, "And": None, "ArgMax": None, "Cast": None, "Concat": None, "Div": None, "Expand": None,
@@ -67,7 +69,6 @@ class OrtModel:
 
     def __init__(self, export_dir, max_slots: int = 4):
         import onnxruntime as ort
-        from .onnx_export import read_export
         path = Path(export_dir)
         self.manifest = read_export(path)
         opts = ort.SessionOptions()

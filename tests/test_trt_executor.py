@@ -183,6 +183,13 @@ def test_create_executor_exports_once_and_reuses_it(tmp_path, stories260k_dir, m
     mtime = (export / "weights.bin").stat().st_mtime_ns
     create_executor(engine, max_model_len=64, max_num_seqs=2, driver=drv, engine_fn=engine_fn)
     assert sorted(exports.iterdir()) == [export] and (export / "weights.bin").stat().st_mtime_ns == mtime
+    # rows are what the memory holds: one whole context each
+    with pytest.raises(ValueError, match="lower --max-model-len"):     # no room for one context
+        create_executor(engine, max_model_len=64, driver=FakeDriver(total_memory=1 << 18), engine_fn=engine_fn)
+    small = create_executor(engine, max_model_len=64, max_num_seqs=256, driver=FakeDriver(total_memory=8 << 20),
+                            engine_fn=engine_fn)
+    per_row = 2 * 5 * 4 * 128 * 8 * 4                           # layers, kv heads, positions, head dim, fp32
+    assert 1 <= small.num_blocks < 256 and small.num_blocks * per_row <= 8 << 20
 
 
 # ------------------------------------------------------------ real TensorRT
@@ -269,3 +276,21 @@ def test_stories260k_int4_on_tensorrt_matches_the_reference(stories, tmp_path, m
     ex.close()
     agree = sum(a == b for a, b in zip(got, want))
     assert got == want if matmul_dtype == "float32" else agree >= 48, (agree, got, want)
+
+
+def test_serve_backend_trt_without_the_gpu_stack_says_why(tmp_path, stories260k_dir, monkeypatch):
+    """`tokenwire serve --backend trt` where cuda-python or TensorRT is missing: a ValueError naming
+    what is missing (the server logs it), and nothing exported."""
+    from collections import deque
+
+    from tokenwire.cli import main
+    from tokenwire.net.model_loader import load_model
+    if tensorrt_reason() is None:
+        pytest.skip("TensorRT is importable here")
+    monkeypatch.setenv("TOKENWIRE_CACHE_DIR", str(tmp_path / "cache"))
+    engine = tmp_path / "engine"
+    assert main(["build", str(stories260k_dir / "stories260K.bin"), "-o", str(engine), "--quiet", "--no-eval",
+                 "--algorithm", "rtn"]) == 0
+    with pytest.raises(ValueError, match="the trt backend is not available: .*(cuda-python|TensorRT)"):
+        load_model(str(engine), "trt", step_times=deque())
+    assert not (tmp_path / "cache" / "trt").exists()

@@ -9,16 +9,21 @@ Folder map:
 
 `create_executor(engine, **options)` is what `--backend trt` calls: it exports the engine to
 ONNX once (engine_build/onnx_export.py, cached beside the built plans), then builds or loads
-the plans for this GPU. TensorRT and cuda-python are imported only then.
+the plans for this GPU. TensorRT, cuda-python and onnx are imported only then.
 """
 
 from pathlib import Path
 from typing import Optional
 
+from ...engine_build.resolve import cache_root
+from ..cuda.driver import CudaDriver
+from ..engine_format import load_engine
+from .engine import TrtEngine, engine_plan, import_tensorrt
+from .executor import TrtExecutor, TrtOptions
+
 
 def cache_dir(options_dir: Optional[str] = None) -> Path:
     """Where exports and plans are kept: `$TOKENWIRE_CACHE_DIR/trt` unless told."""
-    from ...engine_build.resolve import cache_root
     return Path(options_dir) if options_dir else cache_root() / "trt"
 
 
@@ -41,6 +46,21 @@ def export_for(engine, max_len: int, root: Path, matmul_dtype: str = "float32") 
     return out
 
 
+def kv_rows(driver, engine, max_len: int, max_num_seqs: int, memory_fraction: float = 0.8) -> int:
+    """KV rows (sequences at once) that fit: each row holds a whole context of max_len positions, so
+    the count is what `memory_fraction` of the free memory, less twice the weights (the plans hold
+    them; TensorRT's scratch), allows, capped at max_num_seqs. Too little for one row raises."""
+    c = engine.config
+    per_row = 2 * c.num_layers * c.num_kv_heads * max_len * c.head_dim * 4
+    weights = sum(t.nbytes for t in engine.tensors.values())
+    free, _ = driver.mem_get_info()
+    rows = min(max_num_seqs, int(free * memory_fraction - 2 * weights) // per_row)
+    if rows < 1:
+        raise ValueError(f"one sequence of {max_len} positions needs {per_row / 2**20:.0f} MiB of KV cache and "
+                         f"{free / 2**20:.0f} MiB are free beside the weights: lower --max-model-len")
+    return rows
+
+
 def create_executor(engine, *, max_model_len: Optional[int] = None, max_num_seqs: int = 64,
                     max_num_batched_tokens: int = 2048, matmul_dtype: str = "float32", export_dir=None, driver=None,
                     engine_fn=None, **options):
@@ -49,21 +69,18 @@ def create_executor(engine, *, max_model_len: Optional[int] = None, max_num_seqs
     measured on a GPU). `options` are TrtOptions fields;
     `driver` and `engine_fn` replace the GPU and TensorRT (tests pass kernels/cuda/fake.py and
     kernels/trt/fake.py). The executor's max_model_len is the export's max_len - 1."""
-    from ...engine_build.onnx_export import read_export
-    from .engine import TrtEngine, engine_plan, import_tensorrt
-    from .executor import TrtExecutor, TrtOptions
+    from ...engine_build.onnx_export import read_export          # onnx: an optional dependency
     if driver is None:                  # the GPU and TensorRT first: their absence is told before any export
-        from ..cuda.driver import CudaDriver
         driver = CudaDriver(options.get("device", 0))
     if engine_fn is None:
         import_tensorrt()
     if not hasattr(engine, "tensors"):
-        from ..engine_format import load_engine
         engine = load_engine(engine)
-    opts = TrtOptions(max_batch=max_num_seqs, max_num_tokens=max_num_batched_tokens, **options)
-    root = cache_dir(opts.cache_dir)
     # + the scratch position, rounded up to 64 positions so every KV row starts 256-byte aligned
     max_len = -(-((max_model_len or min(engine.config.max_position_embeddings, 4096)) + 1) // 64) * 64
+    rows = kv_rows(driver, engine, max_len, max_num_seqs)
+    opts = TrtOptions(max_batch=rows, max_num_tokens=max_num_batched_tokens, **options)
+    root = cache_dir(opts.cache_dir)
     export_dir = Path(export_dir) if export_dir else export_for(engine, max_len, root, matmul_dtype)
     manifest = read_export(export_dir)
     if engine_fn is None:

@@ -34,6 +34,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from ...core.executor import SeqStep, StepOutput
+from ..cuda.driver import CudaDriver
 from ..cuda.meta import needs_full_sampler
 from ..cuda.ring import RingSlot
 from ..sampling import sample
@@ -88,10 +89,7 @@ class TrtExecutor:
         self.block_size = self.max_len - 1          # the scheduler's block: one per sequence
         self.num_blocks = o.max_batch
         self.on_ready = on_ready
-        if driver is None:
-            from ..cuda.driver import CudaDriver
-            driver = CudaDriver(o.device)
-        self.drv = drv = driver
+        self.drv = drv = driver if driver is not None else CudaDriver(o.device)
         self.compute_stream, self.copy_stream = drv.stream_create(), drv.stream_create()
         self.gpu = {"name": drv.name, "compute_capability": list(drv.compute_capability)}
         # every address bound to TensorRT is 256-byte aligned: decode entries first, then one

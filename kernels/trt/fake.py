@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...engine_build.onnx_export import read_export
+
 OUTPUT_TYPES = {"logits": np.float32, "next_token": np.int32}
 ALIGNMENT = 256              # bytes: what kernels/trt/executor.py promises for every bound address
 
@@ -21,7 +23,6 @@ ALIGNMENT = 256              # bytes: what kernels/trt/executor.py promises for 
 class FakeTrtEngine:
     def __init__(self, export_dir, graph: str, drv):
         import onnxruntime as ort
-        from ...engine_build.onnx_export import read_export
         manifest = read_export(export_dir)
         opts = ort.SessionOptions()
         opts.add_session_config_entry("session.disable_quant_qdq", "1")
