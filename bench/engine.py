@@ -43,7 +43,7 @@ from ..core.sampling_params import SamplingParams
 from ..kernels import cpu
 from ..kernels.cpu.model import CpuModel
 from ..kernels.forward_batch import build_forward_batch
-from . import engine_cuda
+from . import engine_cuda, engine_trt
 from .engine_cuda import add_cuda_arguments
 from .shapes import all_shapes, random_engine, shape_config
 
@@ -258,7 +258,6 @@ def run(args) -> int:
         _fill_defaults(args, batch="1,8,32,128", prompt_len=512, steps=50)
         return engine_cuda.run(args)
     if args.backend == "trt":
-        from . import engine_trt
         _fill_defaults(args, batch="1,8,32", prompt_len=512, steps=50)
         return engine_trt.run(args)
     _fill_defaults(args, batch="1,4,16", prompt_len=64, steps=10)

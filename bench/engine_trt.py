@@ -10,11 +10,25 @@ launch; and prefill tokens/s for one chunk of --prompt-len tokens. Run it beside
 `--backend cuda` on the same GPU to compare the two backends.
 """
 
+import json
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
+
+from ..core.config import ModelConfig
+from ..core.executor import SeqStep
+from ..core.sampling_params import SamplingParams
+from ..kernels.cuda.driver import CudaDriver, CudaUnavailable
+from ..kernels.trt import cache_dir
+from ..kernels.trt.engine import TrtEngine, TrtUnavailable, engine_plan, import_tensorrt
+from ..kernels.trt.executor import TrtExecutor, TrtOptions
+from ..kernels.trt.onnx_export import OnnxExportOptions, export_onnx, read_export
+from .engine_cuda import copy_bandwidth, parse_batches
+from .shapes import all_shapes, random_engine
 
 WARMUP_STEPS = 3
 
@@ -25,8 +39,6 @@ def weight_bytes(tensors: dict) -> int:
 
 
 def decode_steps(batch: int, context: int, step: int, vocab_size: int):
-    from ..core.executor import SeqStep
-    from ..core.sampling_params import SamplingParams
     greedy = SamplingParams(temperature=0.0)
     return [SeqStep(i, [(7 * i + step) % vocab_size], context + step, [i], True, greedy, 0, [], [])
             for i in range(batch)]
@@ -50,8 +62,6 @@ def time_decode(ex, batch: int, context: int, num_steps: int) -> dict:
 
 
 def time_prefill(ex, prompt_len: int, reps: int = 3) -> float:
-    from ..core.executor import SeqStep
-    from ..core.sampling_params import SamplingParams
     ids = list(np.random.default_rng(0).integers(0, ex.config.vocab_size, prompt_len))
     seqs = [SeqStep(0, ids, 0, [0], True, SamplingParams(temperature=0.0), 0, [], [])]
     ex.step(seqs)                                                    # warm-up
@@ -64,13 +74,6 @@ def time_prefill(ex, prompt_len: int, reps: int = 3) -> float:
 
 
 def build_executor(shape: str, args, export_dir, driver=None, engine_factory=None):
-    from ..core.config import ModelConfig
-    from ..engine_build.onnx_export import OnnxExportOptions, export_onnx, read_export
-    from ..kernels.trt import cache_dir
-    from ..kernels.trt.engine import TrtEngine, engine_plan
-    from ..kernels.trt.executor import TrtExecutor, TrtOptions
-    from .engine import random_engine
-    from .engine_cuda import all_shapes, parse_batches
     config = ModelConfig.from_dict(all_shapes()[shape])
     tensors = random_engine(config, args.group_size, args.embedding)
     max_len = -(-(args.context + WARMUP_STEPS + args.steps + max(args.prompt_len, 1) + 1) // 64) * 64
@@ -87,7 +90,6 @@ def build_executor(shape: str, args, export_dir, driver=None, engine_factory=Non
 
 
 def run_shape(shape: str, args, drv, roofline: float, engine_factory=None) -> list:
-    from .engine_cuda import parse_batches
     with tempfile.TemporaryDirectory(prefix="tokenwire-trt-bench-") as export_dir:
         config, weights, ex = build_executor(shape, args, export_dir, drv, engine_factory)
         try:
@@ -120,13 +122,7 @@ def run_shape(shape: str, args, drv, roofline: float, engine_factory=None) -> li
 
 def run(args, driver=None, engine_factory=None) -> int:
     """Entry point (the hook bench/engine.py calls for --backend trt)."""
-    import json
-    import sys
-    from pathlib import Path
 
-    from ..kernels.cuda.driver import CudaDriver, CudaUnavailable
-    from ..kernels.trt.engine import TrtUnavailable, import_tensorrt
-    from .engine_cuda import copy_bandwidth
     for name in ("context", "steps", "prompt_len"):
         if getattr(args, name) < 1:
             raise SystemExit(f"tokenwire bench engine: --{name.replace('_', '-')} must be >= 1")

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..core.errors import BuildError
 from ..kernels.engine_format import read_manifest
 from .build import BuildOptions, build_engine, format_report, open_source
+from .onnx_cli import export as export_onnx
 from .quantize import (
     ALGORITHMS,
     DEFAULT_GROUP_SIZE,
@@ -77,8 +78,7 @@ def _build(args) -> int:
     manifest = read_manifest(out)
     say(format_report(manifest["report"]))
     if args.export_onnx:
-        from .onnx_cli import export
-        export(out, Path(args.export_onnx))
+        export_onnx(out, Path(args.export_onnx))
         say(f"wrote the ONNX export to {args.export_onnx}")
     say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     return 0

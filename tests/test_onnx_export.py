@@ -12,8 +12,8 @@ import pytest
 
 from tokenwire.cli import main
 from tokenwire.kernels.model import ReferenceModel, greedy_generate, sequence_logits
-from tokenwire.engine_build.onnx_check import TRT_OPS, OrtModel, trt_problems
-from tokenwire.engine_build.onnx_export import OnnxExportOptions, export_onnx, read_export
+from tokenwire.kernels.trt.onnx_check import TRT_OPS, OrtModel, trt_problems
+from tokenwire.kernels.trt.onnx_export import OnnxExportOptions, export_onnx, read_export
 from tokenwire.engine_build.quantize import QuantOptions, quantize_model
 
 pytest.importorskip("onnxruntime")

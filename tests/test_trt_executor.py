@@ -17,7 +17,7 @@ import pytest
 from tokenwire.core.executor import SeqStep
 from tokenwire.kernels.model import ReferenceModel, greedy_generate, sequence_logits
 from tokenwire.core.sampling_params import SamplingParams
-from tokenwire.engine_build.onnx_export import OnnxExportOptions, export_onnx, read_export
+from tokenwire.kernels.trt.onnx_export import OnnxExportOptions, export_onnx, read_export
 from tokenwire.engine_build.quantize import QuantOptions, quantize_model
 from tokenwire.kernels.cuda.fake import FakeDriver
 
@@ -161,6 +161,8 @@ def test_bad_steps_are_refused_with_their_problem_named(stories):
 
 def test_create_executor_exports_once_and_reuses_it(tmp_path, stories260k_dir, monkeypatch):
     from tokenwire.cli import main
+    from tokenwire.core.options import EngineOptions
+    from tokenwire.kernels.engine_format import load_engine
     from tokenwire.kernels.trt import create_executor
     monkeypatch.setenv("TOKENWIRE_CACHE_DIR", str(tmp_path / "cache"))
     engine = tmp_path / "engine"
@@ -174,19 +176,21 @@ def test_create_executor_exports_once_and_reuses_it(tmp_path, stories260k_dir, m
         made.append((graph, profile, device))
         [export] = sorted(exports.iterdir())
         return FakeTrtEngine(export, graph, drv)
-    ex = create_executor(engine, max_model_len=64, max_num_seqs=2, driver=drv, engine_fn=engine_fn)
+    engine = load_engine(engine)
+    two = EngineOptions(max_num_seqs=2)
+    ex = create_executor(engine, two, 64, driver=drv, engine_fn=engine_fn)
     assert ex.block_size == 127 and ex.num_blocks == 2           # 64 + scratch, rounded up to 64 positions
     [export] = sorted(exports.iterdir())
     assert read_export(export)["max_len"] == 128
     assert [m[0] for m in made] == ["decode", "prefill"] and made[0][2]["name"] == "Fake GPU"
     assert made[0][1]["input_ids"] == ((1, 1), (2, 1), (2, 1))
     mtime = (export / "weights.bin").stat().st_mtime_ns
-    create_executor(engine, max_model_len=64, max_num_seqs=2, driver=drv, engine_fn=engine_fn)
+    create_executor(engine, two, 64, driver=drv, engine_fn=engine_fn)
     assert sorted(exports.iterdir()) == [export] and (export / "weights.bin").stat().st_mtime_ns == mtime
     # rows are what the memory holds: one whole context each
     with pytest.raises(ValueError, match="lower --max-model-len"):     # no room for one context
-        create_executor(engine, max_model_len=64, driver=FakeDriver(total_memory=1 << 18), engine_fn=engine_fn)
-    small = create_executor(engine, max_model_len=64, max_num_seqs=256, driver=FakeDriver(total_memory=8 << 20),
+        create_executor(engine, two, 64, driver=FakeDriver(total_memory=1 << 18), engine_fn=engine_fn)
+    small = create_executor(engine, EngineOptions(max_num_seqs=256), 64, driver=FakeDriver(total_memory=8 << 20),
                             engine_fn=engine_fn)
     per_row = 2 * 5 * 4 * 128 * 8 * 4                           # layers, kv heads, positions, head dim, fp32
     assert 1 <= small.num_blocks < 256 and small.num_blocks * per_row <= 8 << 20
@@ -226,8 +230,8 @@ def test_bench_engine_trt_runs_end_to_end_on_the_fake(tmp_path, monkeypatch, cap
     """The rows `tokenwire bench engine --backend trt` prints; the figures themselves need a GPU."""
     import argparse
 
-    from tokenwire.bench import engine, engine_cuda, engine_trt
-    monkeypatch.setitem(engine_cuda.SHAPES_CUDA, "tiny", dict(
+    from tokenwire.bench import engine, engine_trt, shapes
+    monkeypatch.setitem(shapes.SHAPES_CUDA, "tiny", dict(
         architecture="LlamaForCausalLM", vocab_size=300, hidden_size=128, intermediate_size=256, num_layers=2,
         num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-5,
         rope_theta=10000.0))
@@ -281,10 +285,9 @@ def test_stories260k_int4_on_tensorrt_matches_the_reference(stories, tmp_path, m
 def test_serve_backend_trt_without_the_gpu_stack_says_why(tmp_path, stories260k_dir, monkeypatch):
     """`tokenwire serve --backend trt` where cuda-python or TensorRT is missing: a ValueError naming
     what is missing (the server logs it), and nothing exported."""
-    from collections import deque
-
     from tokenwire.cli import main
-    from tokenwire.net.model_loader import load_model
+    from tokenwire.core.options import EngineOptions
+    from tokenwire.runtime import build_engine
     if tensorrt_reason() is None:
         pytest.skip("TensorRT is importable here")
     monkeypatch.setenv("TOKENWIRE_CACHE_DIR", str(tmp_path / "cache"))
@@ -292,5 +295,5 @@ def test_serve_backend_trt_without_the_gpu_stack_says_why(tmp_path, stories260k_
     assert main(["build", str(stories260k_dir / "stories260K.bin"), "-o", str(engine), "--quiet", "--no-eval",
                  "--algorithm", "rtn"]) == 0
     with pytest.raises(ValueError, match="the trt backend is not available: .*(cuda-python|TensorRT)"):
-        load_model(str(engine), "trt", step_times=deque())
+        build_engine(EngineOptions(model=str(engine), backend="trt"))
     assert not (tmp_path / "cache" / "trt").exists()

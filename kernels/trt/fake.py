@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...engine_build.onnx_export import read_export
+from .onnx_export import read_export
 
 OUTPUT_TYPES = {"logits": np.float32, "next_token": np.int32}
 ALIGNMENT = 256              # bytes: what kernels/trt/executor.py promises for every bound address

@@ -11,23 +11,28 @@ Contract:
 - 4-bit tensors are packed the way ONNX stores INT4/UINT4: two per byte in row-major
   order, the first element in the low nibble.
 
-Only the `onnx` package is needed (no torch, no runtime).
+Only the `onnx` package is needed (no torch, no runtime). It is an optional dependency, loaded
+by `load_onnx()` when a graph is built, so importing the TensorRT backend costs nothing.
 """
 
 from pathlib import Path
 from typing import Dict, Sequence, Tuple
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
 INLINE_LIMIT = 1024          # bytes: constants at most this size live inside the .onnx file
 ALIGNMENT = 64               # each weight starts at a multiple of this in the weights file
+NUMPY_TYPES = {np.float32: "FLOAT", np.float16: "FLOAT16", np.int64: "INT64", np.int32: "INT32", np.int8: "INT8",
+               np.uint8: "UINT8", np.bool_: "BOOL"}     # numpy type -> onnx.TensorProto's name for it
 
-NUMPY_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
-               np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32,
-               np.dtype(np.int8): TensorProto.INT8, np.dtype(np.uint8): TensorProto.UINT8,
-               np.dtype(np.bool_): TensorProto.BOOL}
+
+def load_onnx():
+    """The onnx package (optional: pip install onnx), or ValueError saying so."""
+    try:
+        import onnx
+    except ImportError:
+        raise ValueError("the ONNX export needs the onnx package: pip install onnx") from None
+    return onnx
 
 
 def pack_nibbles(values: np.ndarray) -> bytes:
@@ -38,22 +43,28 @@ def pack_nibbles(values: np.ndarray) -> bytes:
     return (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8).tobytes()
 
 
-def tensor_proto(name: str, array: np.ndarray) -> TensorProto:
+def tensor_proto(name: str, array: np.ndarray):
+    """A numpy array -> onnx.TensorProto (raw bytes)."""
+    onnx = load_onnx()
     array = np.asarray(array)             # (np.ascontiguousarray would make a scalar 1-D)
-    return helper.make_tensor(name, NUMPY_TYPES[array.dtype], array.shape, array.tobytes(order="C"), raw=True)
+    kind = getattr(onnx.TensorProto, NUMPY_TYPES[array.dtype.type])
+    return onnx.helper.make_tensor(name, kind, array.shape, array.tobytes(order="C"), raw=True)
 
 
-def nibble_proto(name: str, values: np.ndarray, signed: bool) -> TensorProto:
+def nibble_proto(name: str, values: np.ndarray, signed: bool):
     """values: uint8 holding two's-complement nibbles (signed) or 0..15 (unsigned), any shape."""
-    kind = TensorProto.INT4 if signed else TensorProto.UINT4
-    return helper.make_tensor(name, kind, values.shape, pack_nibbles(values), raw=True)
+    onnx = load_onnx()
+    kind = onnx.TensorProto.INT4 if signed else onnx.TensorProto.UINT4
+    return onnx.helper.make_tensor(name, kind, values.shape, pack_nibbles(values), raw=True)
 
 
 class GraphBuilder:
     def __init__(self):
+        self.onnx = load_onnx()
+        self.types = self.onnx.TensorProto           # element type codes: self.types.FLOAT, ...
         self.nodes = []
-        self.constants: Dict[str, TensorProto] = {}   # inline: shapes, axes, scalars
-        self.weights: Dict[str, TensorProto] = {}     # external: everything the engine stores
+        self.constants: Dict[str, object] = {}        # inline TensorProtos: shapes, axes, scalars
+        self.weights: Dict[str, object] = {}          # external TensorProtos: everything the engine stores
         self.num_names = 0
 
     def fresh(self, hint: str) -> str:
@@ -68,7 +79,7 @@ class GraphBuilder:
             self.constants[name] = tensor_proto(name, array)
         return name
 
-    def weight(self, proto: TensorProto) -> str:
+    def weight(self, proto) -> str:
         """A weight tensor, by its (engine-derived) name; added once."""
         self.weights.setdefault(proto.name, proto)
         return proto.name
@@ -78,7 +89,8 @@ class GraphBuilder:
 
     def ops(self, op_type: str, *inputs: str, num_outputs: int, name_hint: str = "", **attrs) -> list:
         outputs = [self.fresh(name_hint or op_type) for _ in range(num_outputs)]
-        self.nodes.append(helper.make_node(op_type, list(inputs), outputs, name=self.fresh(f"n_{op_type}"), **attrs))
+        self.nodes.append(self.onnx.helper.make_node(op_type, list(inputs), outputs, name=self.fresh(f"n_{op_type}"),
+                                                     **attrs))
         return outputs
 
     def rename(self, value: str, name: str) -> None:
@@ -91,7 +103,12 @@ class GraphBuilder:
                 if inp == value:
                     node.input[i] = name
 
-    def model(self, name: str, inputs: Sequence, outputs: Sequence, opset: int, doc: str) -> onnx.ModelProto:
+    def value_info(self, name: str, kind: str, dims: Sequence):
+        """A graph input or output: `kind` is a TensorProto type name ("FLOAT", "INT64", ...)."""
+        return self.onnx.helper.make_tensor_value_info(name, getattr(self.types, kind), list(dims))
+
+    def model(self, name: str, inputs: Sequence, outputs: Sequence, opset: int, doc: str):
+        helper = self.onnx.helper
         graph = helper.make_graph(self.nodes, name, list(inputs), list(outputs),
                                   initializer=list(self.weights.values()) + list(self.constants.values()),
                                   doc_string=doc)
@@ -109,8 +126,9 @@ class WeightsFile:
         self.path.write_bytes(b"")
         self.size = 0
 
-    def externalize(self, model: onnx.ModelProto, names) -> None:
+    def externalize(self, model, names) -> None:
         """Move the named initializers' bytes into the file (once each) and point `model` at them."""
+        external = load_onnx().TensorProto.EXTERNAL
         names = set(names)
         with self.path.open("ab") as f:
             for tensor in model.graph.initializer:
@@ -127,7 +145,7 @@ class WeightsFile:
                 offset, length = self.placed[tensor.name]
                 assert length == len(raw), f"weight {tensor.name} differs between graphs"
                 tensor.ClearField("raw_data")
-                tensor.data_location = TensorProto.EXTERNAL
+                tensor.data_location = external
                 del tensor.external_data[:]
                 for key, value in (("location", self.path.name), ("offset", str(offset)), ("length", str(length))):
                     entry = tensor.external_data.add()

@@ -34,15 +34,13 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper
 
-from ..core.config import ModelConfig
-from ..kernels.engine_format import linear_shapes
-from ..kernels.model import decode_weight
-from ..kernels.rope import rope_cos_sin, rope_inv_freq
-from ..kernels.reference import unpack_int4
-from .onnx_graph import GraphBuilder, WeightsFile, nibble_proto, tensor_proto
+from ...core.config import ModelConfig
+from ..engine_format import linear_shapes
+from ..model import decode_weight
+from ..reference import unpack_int4
+from ..rope import rope_cos_sin, rope_inv_freq
+from .onnx_graph import GraphBuilder, WeightsFile, load_onnx, nibble_proto, tensor_proto
 
 OPSET = 24                   # TensorScatter (24); blocked int4 DequantizeLinear (21)
 EXPORT_FORMAT = "tokenwire-onnx"
@@ -50,7 +48,7 @@ EXPORT_VERSION = 1
 DEFAULT_MAX_LEN = 4096
 MASKED = np.float32(np.finfo(np.float32).min)   # finite: a fully masked padding row stays NaN-free
 ZERO_POINT_MODES = ("offset", "onnx")
-MATMUL_DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
+MATMUL_DTYPES = {"float32": (np.float32, "FLOAT"), "float16": (np.float16, "FLOAT16")}  # numpy, TensorProto name
 
 
 @dataclass(frozen=True)
@@ -75,8 +73,9 @@ class ModelGraph:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], options: OnnxExportOptions,
                  max_len: int):
         self.c, self.t, self.o, self.max_len = config, tensors, options, max_len
-        self.wtype, self.wproto = MATMUL_DTYPES[options.matmul_dtype]     # weights' float type
         self.g = GraphBuilder()
+        self.wtype, wname = MATMUL_DTYPES[options.matmul_dtype]        # weights' float type
+        self.wproto, self.float = getattr(self.g.types, wname), self.g.types.FLOAT
 
     # ------------------------------------------------------------ weights
 
@@ -87,7 +86,7 @@ class ModelGraph:
         if self.wtype is np.float32:
             return self.product(x, name)
         y = self.product(g.op("Cast", x, to=self.wproto), name)
-        return g.op("Cast", y, to=TensorProto.FLOAT)
+        return g.op("Cast", y, to=self.float)
 
     def product(self, x: str, name: str) -> str:
         g, t = self.g, self.t
@@ -137,7 +136,7 @@ class ModelGraph:
             table = g.weight(tensor_proto("embed.table", np.asarray(t["embed.weight"])))
             x = g.op("Gather", table, ids)
             if t["embed.weight"].dtype != np.float32:
-                x = g.op("Cast", x, to=TensorProto.FLOAT)
+                x = g.op("Cast", x, to=self.float)
         else:                                    # int8 / int4 tables: gathered from their float32 decoding
             decoded = decode_weight(t, "embed", linear_shapes(self.c)["embed"])
             x = g.op("Gather", g.weight(tensor_proto("embed.table", decoded)), ids)
@@ -215,7 +214,7 @@ class ModelGraph:
         return {"cos": g.op("Unsqueeze", cos, g.const([2])), "sin": g.op("Unsqueeze", sin, g.const([2])),
                 "write_at": write_at, "mask": mask}
 
-    def build(self, seq: Optional[int], name: str) -> onnx.ModelProto:
+    def build(self, seq: Optional[int], name: str):
         g, c = self.g, self.c
         step = self.step_inputs()
         x = self.embedding("input_ids")                                                          # [B, S, D]
@@ -228,27 +227,24 @@ class ModelGraph:
         head = "lm_head" if not c.tie_word_embeddings else "embed"
         logits = self.linear(self.rms_norm(h, "norm"), head)                                   # [B, V]
         g.rename(logits, "logits")
-        g.rename(g.op("Cast", g.op("ArgMax", "logits", axis=-1, keepdims=0), to=TensorProto.INT32), "next_token")
+        g.rename(g.op("Cast", g.op("ArgMax", "logits", axis=-1, keepdims=0), to=g.types.INT32), "next_token")
         return g.model(name, self.inputs(seq), self.outputs(), OPSET, __doc__.splitlines()[0])
 
     def inputs(self, seq: Optional[int]) -> list:
-        c, S = self.c, seq if seq is not None else "seq"
+        c, S, vi = self.c, seq if seq is not None else "seq", self.g.value_info
         cache = ["batch", c.num_kv_heads, self.max_len, c.head_dim]
-        vi = helper.make_tensor_value_info
-        out = [vi("input_ids", TensorProto.INT64, ["batch", S]), vi("positions", TensorProto.INT64, ["batch", S]),
-               vi("seq_lens", TensorProto.INT64, ["batch"])]
+        out = [vi("input_ids", "INT64", ["batch", S]), vi("positions", "INT64", ["batch", S]),
+               vi("seq_lens", "INT64", ["batch"])]
         for i in range(c.num_layers):
-            out += [vi(f"past_key.{i}", TensorProto.FLOAT, cache), vi(f"past_value.{i}", TensorProto.FLOAT, cache)]
+            out += [vi(f"past_key.{i}", "FLOAT", cache), vi(f"past_value.{i}", "FLOAT", cache)]
         return out
 
     def outputs(self) -> list:
-        c = self.c
+        c, vi = self.c, self.g.value_info
         cache = ["batch", c.num_kv_heads, self.max_len, c.head_dim]
-        vi = helper.make_tensor_value_info
-        out = [vi("logits", TensorProto.FLOAT, ["batch", c.vocab_size]), vi("next_token", TensorProto.INT32, ["batch"])]
+        out = [vi("logits", "FLOAT", ["batch", c.vocab_size]), vi("next_token", "INT32", ["batch"])]
         for i in range(c.num_layers):
-            out += [vi(f"present_key.{i}", TensorProto.FLOAT, cache),
-                    vi(f"present_value.{i}", TensorProto.FLOAT, cache)]
+            out += [vi(f"present_key.{i}", "FLOAT", cache), vi(f"present_value.{i}", "FLOAT", cache)]
         return out
 
 
@@ -268,7 +264,7 @@ def export_onnx(config: ModelConfig, tensors: Mapping[str, np.ndarray], out_dir,
         graph = ModelGraph(config, tensors, options, max_len)
         model = graph.build(seq, f"tokenwire_{name}")
         weights.externalize(model, graph.g.weights)
-        onnx.save_model(model, str(out / f"{name}.onnx"))
+        load_onnx().save_model(model, str(out / f"{name}.onnx"))
     manifest = {"format": EXPORT_FORMAT, "version": EXPORT_VERSION, "opset": OPSET, "max_len": max_len,
                 "options": asdict(options), "model": config.to_dict(), "engine": engine_info or {},
                 "graphs": {name: f"{name}.onnx" for name in GRAPHS},
