@@ -85,7 +85,7 @@ def build_executor(shape: str, args, export_dir, driver=None, engine_factory=Non
         def engine_fn(graph, profile, device):
             return TrtEngine(engine_plan(export_dir, manifest, graph, profile, device, cache_dir() / "plans"))
     options = TrtOptions(max_batch=max(parse_batches(args.batch)), max_num_tokens=max(args.prompt_len, 1))
-    return config, weight_bytes(tensors), TrtExecutor(config, export_dir, options, manifest=manifest,
+    return config, weight_bytes(tensors), TrtExecutor(config, options, manifest=manifest,
                                                       engine_fn=engine_fn, driver=driver)
 
 

@@ -45,7 +45,7 @@ def stories(stories260k_dir, tmp_path_factory):
 def make_executor(config, export_dir, drv=None, **options):
     drv = drv or FakeDriver()
     options = {"max_batch": 4, "max_num_tokens": 64, **options}
-    return TrtExecutor(config, export_dir, TrtOptions(**options), manifest=read_export(export_dir),
+    return TrtExecutor(config, TrtOptions(**options), manifest=read_export(export_dir),
                        engine_fn=lambda graph, profile, device: FakeTrtEngine(export_dir, graph, drv), driver=drv)
 
 
@@ -217,7 +217,7 @@ def test_stories260k_golden_on_tensorrt(stories, tmp_path):
 
     def engine_fn(graph, profile, device):
         return TrtEngine(engine_plan(exports["fp"], manifest, graph, profile, device, tmp_path))
-    ex = TrtExecutor(src.config, exports["fp"], TrtOptions(max_batch=4, max_num_tokens=64), manifest=manifest,
+    ex = TrtExecutor(src.config, TrtOptions(max_batch=4, max_num_tokens=64), manifest=manifest,
                      engine_fn=engine_fn)
     assert run_greedy(ex, reference["prompt_token_ids"], len(want), row=2) == want
     ex.close()
@@ -274,7 +274,7 @@ def test_stories260k_int4_on_tensorrt_matches_the_reference(stories, tmp_path, m
 
     def engine_fn(graph, profile, device):
         return TrtEngine(engine_plan(export, manifest, graph, profile, device, tmp_path / "plans"))
-    ex = TrtExecutor(src.config, export, TrtOptions(max_batch=4, max_num_tokens=64), manifest=manifest,
+    ex = TrtExecutor(src.config, TrtOptions(max_batch=4, max_num_tokens=64), manifest=manifest,
                      engine_fn=engine_fn)
     got = run_greedy(ex, prompt, 64, row=1, chunk=3)
     ex.close()

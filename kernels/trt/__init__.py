@@ -96,6 +96,6 @@ def create_executor(engine, options: EngineOptions, max_model_len: Optional[int]
         if engine_fn is None:
             def engine_fn(graph, profile, device):
                 return TrtEngine(engine_plan(export_dir, manifest, graph, profile, device, root / "plans"))
-        return TrtExecutor(engine.config, export_dir, opts, manifest=manifest, engine_fn=engine_fn, driver=driver)
+        return TrtExecutor(engine.config, opts, manifest=manifest, engine_fn=engine_fn, driver=driver)
     except (CudaError, TrtUnavailable, TrtError) as exc:
         raise ValueError(f"the trt backend is not available: {exc}") from None

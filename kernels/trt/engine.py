@@ -54,7 +54,8 @@ def import_tensorrt():
 
 def plan_key(manifest: dict, graph: str, profile: Dict[str, Tuple], trt, device: dict) -> str:
     """What makes a cached plan valid: the export, the graph, the shapes, TensorRT and the GPU."""
-    what = {"export": manifest["sha256"], "graph": graph, "profile": {k: list(map(list, v)) for k, v in profile.items()},
+    shapes = {k: list(map(list, v)) for k, v in profile.items()}
+    what = {"export": manifest["sha256"], "graph": graph, "profile": shapes,
             "tensorrt": [trt.__name__, trt.__version__], "gpu": device}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
 

@@ -1,10 +1,10 @@
 """The TensorRT backend's Executor (core/executor.py): SeqSteps in, sampled ids out, TensorRT driving the model.
 
 Contract:
-- `TrtExecutor(config, export_dir, options)` takes the GPU through the CUDA backend's driver
+- `TrtExecutor(config, options, manifest=, engine_fn=)` takes the GPU through the CUDA backend's driver
   (kernels/cuda/driver.py), makes a compute and a copy stream, loads (building once, cached:
   kernels/trt/engine.py) a decode and a prefill engine from the ONNX export
-  (engine_build/onnx_export.py), and allocates every buffer once: the KV cache, step inputs,
+  (kernels/trt/onnx_export.py), and allocates every buffer once: the KV cache, step inputs,
   logits and ids, and a pinned host ring of `ring_slots` slots (kernels/cuda/ring.py's
   RingSlot). TensorRT writes into those buffers only (`set_tensor_address`).
 - KV cache: one row of `max_len` positions per sequence, [max_batch, Hkv, max_len, hd] per
@@ -27,7 +27,6 @@ Contract:
 import logging
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -76,13 +75,12 @@ class TrtHandle(NamedTuple):
 
 
 class TrtExecutor:
-    def __init__(self, config: ModelConfig, export_dir, options: TrtOptions = TrtOptions(), *, manifest: dict,
+    def __init__(self, config: ModelConfig, options: TrtOptions = TrtOptions(), *, manifest: dict,
                  engine_fn: Callable, driver=None, on_ready: Optional[Callable[[int], None]] = None):
         """`engine_fn(graph, profile, device)` -> an engine with `.context()` (kernels/trt/engine.py's
         TrtEngine over engine_plan; tests pass kernels/trt/fake.py's)."""
         o = self.options = options
         self.config = c = config
-        self.export_dir = Path(export_dir)
         self.max_len = manifest["max_len"]
         if self.max_len < 2:
             raise ValueError("the export's max_len must be >= 2 (one position is the scratch slot)")
@@ -123,7 +121,7 @@ class TrtExecutor:
         self.kv_base = drv.mem_alloc(2 * c.num_layers * self.cache_bytes)
         drv.memset_async(self.kv_base, 2 * c.num_layers * self.cache_bytes, self.copy_stream)  # finite, never NaN
         self.meta_bytes = 8 * (2 * self.cap_tokens + self.cap_lens)
-        self.meta = drv.mem_alloc(self.meta_bytes)              # int64: ids [cap_tokens], positions, seq_lens [cap_lens]
+        self.meta = drv.mem_alloc(self.meta_bytes)      # int64: ids [cap_tokens], positions, seq_lens [cap_lens]
         self.meta_pos = self.meta + 8 * self.cap_tokens
         self.meta_lens = self.meta_pos + 8 * self.cap_tokens
         self.next_ids = drv.mem_alloc(4 * self.cap_ids)                            # int32 [cap_ids]
@@ -314,7 +312,8 @@ class TrtExecutor:
             self.drv.event_synchronize(slot.ready)
         if handle.host_sampled is None:
             ids = slot.out[:4 * self.cap_ids].view(np.int32)
-            out = StepOutput([int(ids[i if kind == "decode" else self.chunk_ids + 64 * i]) for kind, i in handle.out_at])
+            at = [i if kind == "decode" else self.chunk_ids + 64 * i for kind, i in handle.out_at]
+            out = StepOutput(ids[at].tolist())
         else:
             decode, chunks = self._host_logits(slot)
             V = self.config.vocab_size

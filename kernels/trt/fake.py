@@ -60,7 +60,8 @@ class FakeTrtContext:
         if missing or set(self.shapes) != set(self.engine.inputs):
             raise RuntimeError(f"enqueue with unbound tensors {missing} or unset shapes")
         for name in self.engine.outputs:        # TensorRT's KVCacheUpdate: the output is the input's memory
-            if name.startswith("present_") and self.addresses[name] != self.addresses[name.replace("present_", "past_")]:
+            past = name.replace("present_", "past_")
+            if name.startswith("present_") and self.addresses[name] != self.addresses[past]:
                 raise RuntimeError(f"{name} is not bound to its past tensor's address (in-place KV update)")
         shapes, addresses = dict(self.shapes), dict(self.addresses)     # as bound now (graphs replay these)
         self.engine.drv._enqueue(stream, lambda: self._run(shapes, addresses))
