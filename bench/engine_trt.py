@@ -2,7 +2,7 @@
 
 The same measurement as bench/engine_cuda.py, through kernels/trt/: per shape, a random-weight
 INT4 engine of that exact shape (bench/engine.py's `random_engine`) is exported to ONNX
-(engine_build/onnx_export.py, into a temporary directory), built into TensorRT engines (plans
+(kernels/trt/onnx_export.py, into a temporary directory), built into TensorRT engines (plans
 cached as kernels/trt/engine.py says), and driven by TrtExecutor. Printed per batch size:
 decode tokens/s (median wall step, launch + wait), weight bytes read per step / step time and
 its fraction of the device-to-device copy roofline measured in the same run, host time per

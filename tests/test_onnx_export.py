@@ -1,4 +1,4 @@
-"""The ONNX export (engine_build/onnx_export.py) run by onnxruntime on the CPU against the numpy
+"""The ONNX export (kernels/trt/onnx_export.py) run by onnxruntime on the CPU against the numpy
 reference forward: logits to 1e-3 relative and greedy tokens equal for 64 steps, on
 stories260K and on random models of every family and encoding; onnx.checker with full
 checking; no operator outside the set TensorRT supports; the `export-onnx` command."""

@@ -4,7 +4,7 @@ Contract:
 - `import_tensorrt()` -> the `tensorrt` module, else `tensorrt_rtx` (TensorRT for RTX, same
   Python API), else `TrtUnavailable` naming both.
 - `engine_plan(export_dir, graph, profile, device, cache_dir)` -> a serialized engine for one
-  graph of an ONNX export (engine_build/onnx_export.py), built once and cached on disk under
+  graph of an ONNX export (kernels/trt/onnx_export.py), built once and cached on disk under
   a key of the export's sha256, the graph, the shape profile, the TensorRT flavour and
   version, and the GPU (name and compute capability). Built with the ONNX parser into a
   strongly typed network (the export's float32 and int4 types are what TensorRT runs;
