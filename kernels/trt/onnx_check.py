@@ -23,7 +23,7 @@ from .onnx_export import read_export
 # operator -> restriction the TensorRT 10.15 support matrix states (None: none that we could break)
 TRT_OPS = {
     "Add": None, "And": None, "ArgMax": None, "Cast": None, "Concat": None, "Div": None, "Expand": None,
-    "Gather": None, "GatherElements": None, "Gelu": None, "Greater": None, "Less": None, "LessOrEqual": None,
+    "Gather": None, "GatherElements": None, "Gelu": None, "Gemm": None, "Greater": None, "Less": None, "LessOrEqual": None,
     "MatMul": None, "Mul": None, "Reshape": None, "Sigmoid": None, "Softmax": None, "Sqrt": None, "Sub": None,
     "Transpose": None, "Unsqueeze": "axes must be a constant", "Split": None, "Where": None,
     "ReduceMean": "axes must be an initializer",

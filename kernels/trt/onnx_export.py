@@ -98,6 +98,9 @@ class ModelGraph:
             s = g.weight(tensor_proto(f"{name}.s8", np.asarray(t[f"{name}.scales"], self.wtype)))
             return g.op("MatMul", x, g.op("DequantizeLinear", q, s, axis=1))
         w = np.asarray(t[f"{name}.weight"])
+        if name == "embed":                 # tied classifier: the gather table itself, [V, D] read transposed
+            table = g.weight(tensor_proto("embed.table", w))
+            return g.op("Gemm", x, table if w.dtype == self.wtype else g.op("Cast", table, to=self.wproto), transB=1)
         if w.dtype == np.float32 and self.wtype is np.float16:
             w = w.astype(np.float16)
         wt = g.weight(tensor_proto(f"{name}.wT", np.ascontiguousarray(w.T)))           # [K, N]
