@@ -25,7 +25,7 @@ TRT_OPS = {
     "Add": None, "And": None, "ArgMax": None, "Cast": None, "Concat": None, "Div": None, "Expand": None,
     "Gather": None, "GatherElements": None, "Gelu": None, "Gemm": None, "Greater": None, "Less": None, "LessOrEqual": None,
     "MatMul": None, "Mul": None, "Reshape": None, "Sigmoid": None, "Softmax": None, "Sqrt": None, "Sub": None,
-    "Transpose": None, "Unsqueeze": "axes must be a constant", "Split": None, "Where": None,
+    "Tanh": None, "Transpose": None, "Unsqueeze": "axes must be a constant", "Split": None, "Where": None,
     "ReduceMean": "axes must be an initializer",
     "DequantizeLinear": "x_zero_point must be zero (INT8, FP8, FP4, INT4); INT4 block sizes 64 or 128, along one "
                         "of the last two dimensions (TensorRT's quantized-types guide)",

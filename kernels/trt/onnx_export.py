@@ -5,8 +5,10 @@ Contract:
   sequence), `prefill.onnx` (any number), `weights.bin` (the weights both graphs point at)
   and `export.json` (what was exported, and the sha256 of each file: kernels/trt/ keys its
   engine cache on it). The math is the numpy reference forward's (kernels/model.py), step for
-  step, for every family it supports: GQA, qkv bias, sliding window, Llama 3 RoPE scaling,
-  GeGLU, the embedding multiplier, tied embeddings.
+  step, for every family it supports: GQA, qkv bias, sliding windows (per layer), Llama 3 RoPE
+  scaling and GGUF frequency factors, per-layer RoPE bases, per-head q/k norms, post-attention
+  and post-MLP norms, the softmax scale, attention and final logit soft-capping, GeGLU, the
+  embedding multiplier, tied embeddings.
 - Opset 24. Every INT4 matrix is a `DequantizeLinear` (block quantization along K, block
   size = the engine's group size, the weight stored [K, N] so the product is `MatMul(x, W)`)
   feeding a `MatMul`: the weight-only form TensorRT 10+ fuses into its INT4 GEMMs. TensorRT
@@ -173,9 +175,13 @@ class ModelGraph:
         if c.qkv_bias:
             qkv = g.op("Add", qkv, self.vector(f"layers.{i}.qkv_bias"))
         q, k, v = g.ops("Split", qkv, g.const([c.q_size, c.kv_size, c.kv_size]), num_outputs=3, axis=-1)
-        q = self.rope(g.op("Reshape", q, g.const([0, 0, c.num_heads, c.head_dim])), step["cos"], step["sin"])
-        k = self.rope(g.op("Reshape", k, g.const([0, 0, c.num_kv_heads, c.head_dim])), step["cos"], step["sin"])
+        q = g.op("Reshape", q, g.const([0, 0, c.num_heads, c.head_dim]))                  # [B, S, Hq, hd]
+        k = g.op("Reshape", k, g.const([0, 0, c.num_kv_heads, c.head_dim]))               # [B, S, Hkv, hd]
         v = g.op("Reshape", v, g.const([0, 0, c.num_kv_heads, c.head_dim]))
+        if c.qk_norm:                                                                       # per head, over hd
+            q, k = self.rms_norm(q, f"layers.{i}.q_norm"), self.rms_norm(k, f"layers.{i}.k_norm")
+        cos, sin = step["rope"][c.layer_rope_theta(i)]
+        q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         caches = []
         for kind, new in (("key", k), ("value", v)):          # [B, Hkv, S, hd] into [B, Hkv, max_len, hd]
             update = g.op("Transpose", new, perm=[0, 2, 1, 3])
@@ -186,10 +192,20 @@ class ModelGraph:
         qg = g.op("Transpose", g.op("Reshape", q, g.const([0, 0, c.num_kv_heads, group, c.head_dim])),
                   perm=[0, 2, 3, 1, 4])                                                     # [B, Hkv, group, S, hd]
         scores = g.op("MatMul", qg, g.op("Transpose", keys, perm=[0, 1, 2, 4, 3]))           # [B, Hkv, group, S, C]
-        scores = g.op("Mul", scores, g.const(np.float32(c.head_dim ** -0.5), np.float32))
-        probs = g.op("Softmax", g.op("Where", step["mask"], scores, g.const(MASKED, np.float32)), axis=-1)
+        scores = self.softcap(g.op("Mul", scores, g.const(np.float32(c.softmax_scale), np.float32)),
+                              c.attn_logit_softcap)
+        mask = step["masks"][c.layer_window(i)]
+        probs = g.op("Softmax", g.op("Where", mask, scores, g.const(MASKED, np.float32)), axis=-1)
         out = g.op("Transpose", g.op("MatMul", probs, values), perm=[0, 3, 1, 2, 4])         # [B, S, Hkv, group, hd]
-        return self.linear(g.op("Reshape", out, g.const([0, 0, c.q_size])), f"layers.{i}.o_proj")
+        o = self.linear(g.op("Reshape", out, g.const([0, 0, c.q_size])), f"layers.{i}.o_proj")
+        return self.rms_norm(o, f"layers.{i}.post_attn_norm") if c.post_norms else o
+
+    def softcap(self, x: str, cap: Optional[float]) -> str:
+        """Gemma 2's cap * tanh(x / cap); x itself when cap is None."""
+        if cap is None:
+            return x
+        g, c32 = self.g, self.g.const(np.float32(cap), np.float32)
+        return g.op("Mul", g.op("Tanh", g.op("Div", x, c32)), c32)
 
     def mlp(self, i: int, x: str) -> str:
         g, c = self.g, self.c
@@ -199,23 +215,29 @@ class ModelGraph:
             act = g.op("Mul", gate, g.op("Sigmoid", gate))
         else:
             act = g.op("Gelu", gate, approximate="tanh")
-        return self.linear(g.op("Mul", act, up), f"layers.{i}.down_proj")
+        y = self.linear(g.op("Mul", act, up), f"layers.{i}.down_proj")
+        return self.rms_norm(y, f"layers.{i}.post_mlp_norm") if c.post_norms else y
 
     def step_inputs(self) -> dict:
-        """RoPE tables gathered at the positions, the write index and the attention mask, once per step."""
+        """Once per step: the RoPE tables of each base gathered at the positions (theta -> cos, sin:
+        [B, S, 1, hd/2]), the write index, and the attention mask of each window (None: whole context)."""
         g, c = self.g, self.c
-        cos_table, sin_table = rope_cos_sin(rope_inv_freq(c), np.arange(self.max_len))           # [max_len, hd/2]
-        cos = g.op("Gather", g.weight(tensor_proto("rope.cos", cos_table)), "positions")        # [B, S, hd/2]
-        sin = g.op("Gather", g.weight(tensor_proto("rope.sin", sin_table)), "positions")
+        rope = {}
+        for theta in sorted({c.layer_rope_theta(i) for i in range(c.num_layers)}):
+            tables = rope_cos_sin(rope_inv_freq(c, theta), np.arange(self.max_len))             # [max_len, hd/2]
+            rope[theta] = tuple(g.op("Unsqueeze", g.op("Gather", g.weight(tensor_proto(f"rope.{kind}.{theta:g}", t)),
+                                                       "positions"), g.const([2])) for kind, t in zip(("cos", "sin"),
+                                                                                                     tables))
         write_at = g.op("Gather", "positions", g.const(0), axis=1)                              # [B]
         keys = g.const(np.arange(self.max_len).reshape(1, 1, 1, 1, -1))                         # [1, 1, 1, 1, C]
         pos = g.op("Unsqueeze", "positions", g.const([1, 2, 4]))                                # [B, 1, 1, S, 1]
         lens = g.op("Reshape", "seq_lens", g.const([-1, 1, 1, 1, 1]))
-        mask = g.op("And", g.op("LessOrEqual", keys, pos), g.op("Less", keys, lens))           # [B, 1, 1, S, C]
-        if c.sliding_window is not None:
-            mask = g.op("And", mask, g.op("Greater", keys, g.op("Sub", pos, g.const(c.sliding_window))))
-        return {"cos": g.op("Unsqueeze", cos, g.const([2])), "sin": g.op("Unsqueeze", sin, g.const([2])),
-                "write_at": write_at, "mask": mask}
+        causal = g.op("And", g.op("LessOrEqual", keys, pos), g.op("Less", keys, lens))          # [B, 1, 1, S, C]
+        masks = {}
+        for window in {c.layer_window(i) for i in range(c.num_layers)}:
+            masks[window] = causal if window is None else \
+                g.op("And", causal, g.op("Greater", keys, g.op("Sub", pos, g.const(window))))
+        return {"rope": rope, "write_at": write_at, "masks": masks}
 
     def build(self, seq: Optional[int], name: str):
         g, c = self.g, self.c
@@ -228,7 +250,7 @@ class ModelGraph:
         rows = g.op("Expand", g.op("Reshape", last, g.const([-1, 1, 1])), g.const([1, 1, c.hidden_size]))
         h = g.op("Reshape", g.op("GatherElements", x, rows, axis=1), g.const([-1, c.hidden_size]))  # [B, D]
         head = "lm_head" if not c.tie_word_embeddings else "embed"
-        logits = self.linear(self.rms_norm(h, "norm"), head)                                   # [B, V]
+        logits = self.softcap(self.linear(self.rms_norm(h, "norm"), head), c.final_logit_softcap)    # [B, V]
         g.rename(logits, "logits")
         g.rename(g.op("Cast", g.op("ArgMax", "logits", axis=-1, keepdims=0), to=g.types.INT32), "next_token")
         return g.model(name, self.inputs(seq), self.outputs(), OPSET, __doc__.splitlines()[0])
