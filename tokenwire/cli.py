@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "serve": ("tokenwire.serve", "serve a model over HTTP/2 (and HTTP/1.1)"),
     "build": ("tokenwire.engine_build.cli", "build an INT4 engine directory from a checkpoint"),
+    "export-onnx": ("tokenwire.engine_build.onnx_cli", "export an engine's decode and prefill steps as ONNX (TensorRT)"),
 }
 # `tokenwire bench NAME`
 BENCHES = {
