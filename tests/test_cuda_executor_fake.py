@@ -222,25 +222,21 @@ def test_launch_returns_before_the_work_runs_and_the_ring_wraps():
     ex.wait(h)
 
 
-def test_host_callback_marks_each_step_ready():
-    c = tiny_config()
-    t = tiny_engine(c)
-    ready = []
-    ex = CudaExecutor(c, t, CudaOptions(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64), driver=FakeDriver(),
-                      image_fn=NO_IMAGE, on_ready=ready.append)
-    run_greedy(ex, [3, 4, 5], 5)
-    assert ready == [0, 1, 2, 3, 0]
-
-
-def test_blocking_wait_uses_the_event_not_a_stream_sync():
+@pytest.mark.parametrize("wait", ["spin", "block"])
+def test_wait_is_one_event_synchronize_and_no_host_callback(wait):
+    """The engine thread waits in cuEventSynchronize (GIL released, kernels/cuda/driver.py),
+    never in a Python loop over cuEventQuery, and no Python runs in a CUDA host callback."""
     c = tiny_config()
     t = tiny_engine(c)
     drv = FakeDriver(deferred=True)
-    ex = make(c, t, driver=drv, wait="block")
+    ex = make(c, t, driver=drv, wait=wait)
+    assert all(e.blocking == (wait == "block") for s in ex.ring for e in (s.ready,))
     before = len(drv.calls)
     run_greedy(ex, [3, 4, 5], 3)
     called = [m for m, _ in drv.calls[before:]]
-    assert called.count("event_synchronize") == 3 and "stream_synchronize" not in called
+    assert called.count("event_synchronize") == 3
+    assert "event_query" not in called and "stream_synchronize" not in called
+    assert not hasattr(drv, "launch_host_func") and not hasattr(ex.drv, "launch_host_func")
 
 
 def test_pdl_is_passed_to_every_launch_and_needs_sm90():

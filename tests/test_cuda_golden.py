@@ -7,10 +7,10 @@
 - Seeded sampling with every rule gives the CPU executor's tokens (same seeds, same counters).
 - Tiny random models of each family (GQA/MQA, qkv bias, GeGLU, sliding window, tied
   embeddings) follow the numpy reference.
-- The ring's host callback runs on a driver thread, not the caller's.
+- On a mismatch the golden test prints the top-2 logit gap (CPU reference) at the first differing
+  token: a near-tie there is accumulation order (tensor cores vs numpy), not a kernel bug.
 """
 
-import threading
 
 import numpy as np
 import pytest
@@ -120,17 +120,3 @@ def test_tiny_families_follow_the_reference(overrides, engine):
         assert run_greedy(ex, prompt, 30) == want
     finally:
         ex.close()
-
-
-def test_ring_callback_runs_off_the_callers_thread(stories):
-    from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
-    config, tensors, want = stories
-    seen = []
-    ex = CudaExecutor(config, tensors, CudaOptions(num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64),
-                      on_ready=lambda slot: seen.append((slot, threading.get_ident())))
-    try:
-        assert run_greedy(ex, PROMPT, 6) == want[:6]
-    finally:
-        ex.close()
-    assert [s for s, _ in seen] == [0, 1, 2, 3, 0, 1]
-    assert threading.get_ident() not in {t for _, t in seen}
