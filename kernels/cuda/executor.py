@@ -35,8 +35,8 @@ from ...core.executor import SeqStep, StepOutput
 from .build import kernel_image
 from .device import Device
 from .driver import CudaDriver
-from .forward import (LARGE_SPLIT, KVCache, StepGeometry, decode_splits, launch_forward, launch_sampler,
-                      make_activations, matmul_workspace, plan_activations, queries_per_item)
+from .forward import (LARGE_SPLIT, KVCache, StepGeometry, decode_splits, launch_step, make_activations,
+                      matmul_workspace, plan_activations, queries_per_item)
 from .kernels import MAX_TOP_LOGPROBS
 from .meta import (check_eager, count_items, decode_layout, eager_layout, fill_decode, fill_eager, fill_sampling,
                    needs_full_sampler)
@@ -60,7 +60,8 @@ class CudaOptions:
     capture_at_start: bool = True           # capture the greedy decode graphs in __init__
     matmul: str = "auto"                    # "tc" (sm_80+), "simt", or auto
     activations: str = "exact"              # INT4 tensor-core products: "exact" (hi/lo fp16 pair) or "fp16"
-    pdl: bool = False                       # programmatic dependent launch (sm_90)
+    pdl: Optional[bool] = None              # programmatic dependent launch; None: on where the GPU has it (sm_90+)
+    fused: bool = True                      # the fused decoder kernels (forward.py); False: the unfused reference
     split_size: int = 512                   # keys per attention split (multiple of 32)
     ring_slots: int = 4
     max_penalty_tokens: int = 1 << 18       # distinct prompt+output tokens of penalized rows per step
@@ -101,7 +102,8 @@ class CudaExecutor:
         if c.head_dim > 256 or c.head_dim % 2:
             raise ValueError(f"the CUDA attention kernels take an even head_dim up to 256, the model has {c.head_dim}")
         self.drv = drv = driver if driver is not None else CudaDriver(o.device)
-        self.dev = Device(drv, image_fn, pdl=o.pdl, max_head_dim=c.head_dim)
+        pdl = o.pdl if o.pdl is not None else tuple(drv.compute_capability) >= (9, 0)
+        self.dev = Device(drv, image_fn, pdl=pdl, max_head_dim=c.head_dim)
         self.matmul = ("tc" if self.dev.tensor_cores else "simt") if o.matmul == "auto" else o.matmul
         self.block_size = o.block_size
         self.max_model_len = o.max_model_len or min(c.max_position_embeddings, 8192)
@@ -112,7 +114,7 @@ class CudaExecutor:
         # attention splits of each decode graph, and of eager steps (max_model_len / split_size)
         self.decode_splits = {b: decode_splits(c, b, self.max_model_len, self.dev.num_sms) for b in self.buckets}
         self.eager_splits = -(-self.max_model_len // o.split_size)
-        self.weights = upload_weights(self.dev, c, tensors, self.matmul, self.max_model_len)
+        self.weights = upload_weights(self.dev, c, tensors, self.matmul, self.max_model_len, fused=o.fused)
         self.acts = self._alloc_activations()
         self.meta_bytes, self.meta = self._alloc_meta()
         self.kv = self._alloc_kv()
@@ -296,9 +298,7 @@ class CudaExecutor:
                                 self.acts.ws_entries // (T * self.config.num_heads)))
         g = self._geometry(layout.ptrs(self.meta), T, len(rows), ld_bt, num_items, splits,
                            items=None, logits_rows=True)
-        launch_forward(self.dev, c, self.weights, self.acts, self.kv, g, stream)
-        if rows:
-            launch_sampler(self.dev, c, self.acts, g, "full" if full else "greedy", stream)
+        launch_step(self.dev, c, self.weights, self.acts, self.kv, g, "full" if full else "greedy", stream, o.fused)
 
     def _forget_tables(self, seqs: Sequence[SeqStep]) -> None:
         """A prefilled sequence may hold new blocks (recompute after preemption): no graph
@@ -361,13 +361,11 @@ class CudaExecutor:
                     self._limits)
         fill_sampling(views, [], o.max_penalty_tokens)
         drv.memcpy_htod_async(self.meta, pad, layout.used_bytes(True, 0), stream)
-        launch_forward(self.dev, self.config, self.weights, self.acts, self.kv, g, stream)
-        launch_sampler(self.dev, self.config, self.acts, g, mode, stream)
+        launch_step(self.dev, self.config, self.weights, self.acts, self.kv, g, mode, stream, o.fused)
         drv.stream_synchronize(stream)                      # once per bucket, at capture time
         drv.begin_capture(stream)
         try:
-            launch_forward(self.dev, self.config, self.weights, self.acts, self.kv, g, stream)
-            launch_sampler(self.dev, self.config, self.acts, g, mode, stream)
+            launch_step(self.dev, self.config, self.weights, self.acts, self.kv, g, mode, stream, o.fused)
         finally:
             graph = drv.end_capture(stream)
         self.graphs[(bucket, mode)] = graph
