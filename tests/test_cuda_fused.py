@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tokenwire.core.config import ModelConfig
-from tokenwire.core.rope import rope_cos_sin, rope_inv_freq
+from tokenwire.kernels.rope import rope_cos_sin, rope_inv_freq
 from tokenwire.engine_build.quantize import quantize_int4
 from tokenwire.kernels.cuda.forward import launch_matmul, launch_matmul_fused, launch_rmsnorm
 from tokenwire.kernels.cuda.layout import glu_row_order, round_up, rope_row_order

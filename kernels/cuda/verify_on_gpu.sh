@@ -64,7 +64,7 @@ setup_env() {
   if ! "$PY" -c "import tokenwire.kernels.cuda" 2>/dev/null; then
     pkg="$(mktemp -d)/tokenwire"
     mkdir -p "$pkg" && cp "$REPO"/tokenwire/*.py "$pkg"/
-    for d in core kernels net engine_build bench importers; do [ -d "$REPO/$d" ] && ln -s "$REPO/$d" "$pkg/$d"; done
+    for d in core kernels net engine_build bench; do [ -d "$REPO/$d" ] && ln -s "$REPO/$d" "$pkg/$d"; done
     export PYTHONPATH="$(dirname "$pkg")${PYTHONPATH:+:$PYTHONPATH}"
   fi
   # the golden test reads ../shared/models (tests/conftest.py)
