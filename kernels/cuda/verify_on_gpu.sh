@@ -2,22 +2,25 @@
 # Verify and measure the CUDA backend on a GPU machine in one go.
 #
 #   kernels/cuda/verify_on_gpu.sh prepare    # here, on the development machine (no GPU needed)
-#   kernels/cuda/verify_on_gpu.sh run        # there, in the repository root, with .gpu/ carried along
-#                                            # (= `tests` then `bench`; each alone if one call must stay short)
-#   kernels/cuda/verify_on_gpu.sh serve      # there: `serve --backend cuda` + `bench load` (needs .gpu/wheels)
+#   kernels/cuda/verify_on_gpu.sh run        # there, in the repository root, with .gpu/ carried along:
+#                                            # GPU tests, then bench fused and unfused (about 9 minutes at most)
+#   kernels/cuda/verify_on_gpu.sh tests      # there: the GPU tests alone
+#   kernels/cuda/verify_on_gpu.sh bench      # there: the benchmarks alone (fused, unfused, fused fp16)
+#   kernels/cuda/verify_on_gpu.sh serve      # there: `serve --backend cuda` driven by `bench load`
 #   kernels/cuda/verify_on_gpu.sh sanitize   # there: the kernel tests under compute-sanitizer memcheck
 #
-# prepare: builds the sm_90 cubin with nvcc into .gpu/cuda-cache (the runtime finds it by source hash;
-#   without it the GPU machine compiles with NVRTC at first use), copies the stories260K checkpoint
-#   into .gpu/shared/models (the golden test needs it; ../shared does not travel), downloads the cp312
-#   manylinux wheels serving needs and the GPU image lacks (h2, hpack, hyperframe, orjson) into
-#   .gpu/wheels, (.gitignore keeps .gpu/ out of git). Then call the device tool with
-#   carry [".gpu"] and the command `bash kernels/cuda/verify_on_gpu.sh run`.
-# run: GPU tests (every kernel against numpy; stories260K golden and batched/sampled decode against
-#   the CPU backend), then `bench engine --backend cuda` on llama-3.2-1b and llama-3.1-8b shapes,
-#   fused (the default) and unfused. Every phase runs under its own `timeout`, far inside the GPU
-#   machine's 10-minute limit per command, and writes its log under $OUT as it goes; the key
-#   figures are printed last, so the end of the output (all a truncated reply keeps) holds them.
+# prepare: builds the sm_90 cubin with nvcc into .gpu/cuda-cache (the runtime finds it by source
+#   hash; without it the GPU machine compiles with NVRTC at first use), copies the stories260K
+#   checkpoint into .gpu/shared/models (the golden test needs it; ../shared does not travel), and
+#   downloads the cp312 manylinux wheels serving needs and the GPU image lacks (h2, hpack,
+#   hyperframe, orjson) into .gpu/wheels; .gitignore keeps .gpu/ out of git. Then call the device
+#   tool with carry [".gpu"] and the command `bash kernels/cuda/verify_on_gpu.sh run`.
+# run: GPU tests (every kernel against numpy, each fused kernel against its unfused sequence;
+#   stories260K golden and batched/sampled decode against the CPU backend), then `bench engine
+#   --backend cuda` on llama-3.2-1b and llama-3.1-8b shapes, fused (the default) and unfused.
+#   Every phase runs under its own `timeout`, together inside the GPU machine's 10-minute limit
+#   per command, and writes its log under $OUT as it goes; the key figures are printed last, so
+#   the end of the output (what a truncated reply keeps) holds them.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
@@ -26,10 +29,9 @@ OUT="${OUT:-$GPU_DIR/out}"
 PY="${PYTHON:-python3}"
 mode="${1:-run}"
 # seconds per phase: together they stay under the 600 s a device-tool command may run
-T_TESTS="${T_TESTS:-140}"
+T_TESTS="${T_TESTS:-150}"
 T_BENCH="${T_BENCH:-110}"
 T_SERVE="${T_SERVE:-240}"
-WHEELS=(h2 hpack hyperframe orjson)
 
 prepare() {
   mkdir -p "$GPU_DIR/shared/models" "$GPU_DIR/cuda-cache" "$GPU_DIR/wheels"
@@ -37,6 +39,7 @@ prepare() {
   src="$REPO/../shared/models/stories260K"
   [ -d "$src" ] && cp -r "$src" "$GPU_DIR/shared/models/" && echo "copied stories260K into .gpu/shared/models"
   setup_env
+  rm -f "$GPU_DIR"/cuda-cache/kernels-*                     # cubins of older sources: dead weight to carry
   timeout 900 "$PY" -m tokenwire.kernels.cuda.build --arch sm_90 --compiler nvcc --cache-dir "$GPU_DIR/cuda-cache" \
     || echo "no prebuilt cubin: the GPU machine will compile with NVRTC"
   # the GPU image has Python 3.12 and none of these; pure-Python ones come as py3 wheels, orjson as cp312
@@ -61,7 +64,9 @@ setup_env() {
       "$GPU_DIR"/wheels/*.whl && export PYTHONPATH="/tmp/tw-site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   # `tokenwire.*` without pip: a package folder whose subpackages link to the repository folders
-  if ! "$PY" -c "import tokenwire.kernels.cuda" 2>/dev/null; then
+  # (also when another checkout's tokenwire is installed: it must be this repository's code)
+  if ! "$PY" -c "import os, sys, tokenwire.kernels.cuda as m
+sys.exit(not os.path.realpath(m.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep))" "$REPO" 2>/dev/null; then
     pkg="$(mktemp -d)/tokenwire"
     mkdir -p "$pkg" && cp "$REPO"/tokenwire/*.py "$pkg"/
     for d in core kernels net engine_build bench; do [ -d "$REPO/$d" ] && ln -s "$REPO/$d" "$pkg/$d"; done
@@ -105,7 +110,7 @@ phase() {
 
 run_tests() {
   phase gpu-kernels "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -m gpu --timeout 120 \
-    -o addopts="-ra --strict-markers" tests/test_cuda_kernels.py
+    -o addopts="-ra --strict-markers" tests/test_cuda_kernels.py tests/test_cuda_fused.py
   phase gpu-golden "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -m gpu --timeout 120 \
     -o addopts="-ra --strict-markers" tests/test_cuda_golden.py
 }
