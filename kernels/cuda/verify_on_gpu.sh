@@ -123,14 +123,14 @@ run_bench() {
 
 serve_and_load() {
   # `serve --backend cuda` (the embedded default model, or $SERVE_MODEL) driven by `bench load`
-  "$PY" -m tokenwire serve --backend cuda --port 8123 ${SERVE_MODEL:+--model "$SERVE_MODEL"} > "$OUT/server.log" 2>&1 &
+  "$PY" -m tokenwire serve --backend "${SERVE_BACKEND:-cuda}" --port 8123 ${SERVE_MODEL:+--model "$SERVE_MODEL"} > "$OUT/server.log" 2>&1 &
   local server=$!
   for _ in $(seq 120); do
     "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=1)" 2>/dev/null && break
     kill -0 $server 2>/dev/null || { echo "the server exited:"; tail -20 "$OUT/server.log"; return 1; }
     sleep 1
   done
-  "$PY" -m tokenwire bench load --url http://127.0.0.1:8123 --concurrency 1,8,64 --server-pid $server \
+  "$PY" -m tokenwire bench load --url http://127.0.0.1:8123/v1/completions --concurrency 1,8,64 --server-pid $server \
     --json "$OUT/serve-load.json"
   local rc=$?
   kill $server; wait $server 2>/dev/null
@@ -166,9 +166,10 @@ case "$mode" in
     summary
     ;;
   serve)
+    SERVE_MODEL="${SERVE_MODEL:-}" SERVE_BACKEND="${SERVE_BACKEND:-cuda}"
     setup_env; report_env
     : > "$OUT/summary.log"
-    export -f serve_and_load; export PY OUT
+    export -f serve_and_load; export PY OUT SERVE_MODEL SERVE_BACKEND
     phase serve-load "$T_SERVE" bash -c serve_and_load
     summary
     ;;
