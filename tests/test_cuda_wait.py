@@ -12,10 +12,11 @@ import shutil
 import subprocess
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
-from tokenwire.kernels.cuda.driver import NativeEventSync
+from tokenwire.kernels.cuda.driver import CudaDriver, CudaError, NativeEventSync
 
 STUB = r"""
 #include <time.h>
@@ -72,3 +73,25 @@ def test_event_synchronize_releases_the_gil(libcuda_stub):
 
 def test_an_error_code_comes_back(libcuda_stub):
     assert NativeEventSync(libcuda_stub)(0x99) == 400
+
+
+def test_the_driver_waits_through_ctypes_and_names_errors(libcuda_stub):
+    """CudaDriver.event_synchronize goes to the ctypes call (never cuda-python's wrapper, which
+    holds the GIL in older releases) and turns an error code into a CudaError naming the call."""
+    def wrapper_not_used(event):
+        raise AssertionError("cuda-python's cuEventSynchronize was called")
+
+    class Event:                                    # cuda-python handles give their address through int()
+        def __init__(self, address):
+            self.address = address
+
+        def __int__(self):
+            return self.address
+    drv = CudaDriver.__new__(CudaDriver)
+    drv.cu = SimpleNamespace(cuEventSynchronize=wrapper_not_used, CUresult=lambda code: code,
+                             cuGetErrorName=lambda err: (0, b"CUDA_ERROR_INVALID_HANDLE"),
+                             cuGetErrorString=lambda err: (0, b"invalid resource handle"))
+    drv._native_sync = NativeEventSync(libcuda_stub)
+    drv.event_synchronize(Event(0x1234))
+    with pytest.raises(CudaError, match="cuEventSynchronize failed: CUDA_ERROR_INVALID_HANDLE"):
+        drv.event_synchronize(Event(0x99))
