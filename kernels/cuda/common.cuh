@@ -51,7 +51,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
-// ------------------------------------------------------------------ gated activations (core/model.py)
+// ------------------------------------------------------------------ gated activations (kernels/model.py)
 
 __device__ __forceinline__ float act_silu(float x) { return x / (1.0f + expf(-x)); }
 
