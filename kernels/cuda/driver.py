@@ -18,14 +18,16 @@ Waiting without the GIL: `event_synchronize` calls libcuda's cuEventSynchronize 
 thread's wait for a step never holds the GIL whichever cuda-python is installed. (cuda-python's
 own wrappers release it only in releases carrying NVIDIA/cuda-python#914 (August 2025,
 backported to 12.9.x in #922: "Python bindings in every module ... now have the GIL released before
-calling the underlying C APIs"; older ones hold it for the whole wait.) No Python ever runs in a
-CUDA host callback: there is no cuLaunchHostFunc here at all (a Python callable behind one takes
-the GIL on the driver's callback thread, cuda-python#517, and ctypes callbacks do the same).
+calling the underlying C APIs"; older ones hold it for the whole wait.) CudaExecutor runs no Python
+in a CUDA host callback: a Python callable behind cuLaunchHostFunc takes the GIL on the
+driver's callback thread (cuda-python#517; ctypes callbacks do the same). `launch_host_func`
+stays for kernels/trt, which still uses it.
 """
 
 import ctypes
 import logging
-from typing import Sequence
+import threading
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -56,6 +58,7 @@ def import_driver():
 
 # C types of kernel parameters, by the one-letter codes of kernels/cuda/kernels.py
 CTYPES = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
+HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 LIBCUDA = "libcuda.so.1"
 
 
@@ -92,6 +95,10 @@ class CudaDriver:
         except (OSError, AttributeError) as exc:  # cuInit worked, so libcuda is loaded: not expected
             log.warning("cuEventSynchronize through ctypes unavailable (%s): waits use cuda-python's wrapper", exc)
             self._native_sync = None
+        self._callbacks = {}                      # host-function key -> Python callable (kernels/trt only)
+        self._next_key = 0
+        self._host_fn_lock = threading.Lock()
+        self._trampoline = HOST_FN(self._run_host_fn)
 
     # ------------------------------------------------------------ errors and device facts
 
@@ -208,6 +215,28 @@ class CudaDriver:
 
     def event_elapsed_ms(self, start, end) -> float:
         return float(self._check("cuEventElapsedTime", self.cu.cuEventElapsedTime(start, end)))
+
+    def launch_host_func(self, stream, fn: Callable[[], None]) -> None:
+        """Run `fn` on a driver thread once the stream reaches this point. `fn` must not call
+        CUDA; it should only hand off (e.g. loop.call_soon_threadsafe or an eventfd write).
+        CudaExecutor never uses this (a Python callable here takes the GIL on the driver's
+        thread); kernels/trt still does."""
+        with self._host_fn_lock:
+            self._next_key += 1
+            key = self._next_key
+            self._callbacks[key] = fn
+        host_fn = self.cu.CUhostFn(ctypes.cast(self._trampoline, ctypes.c_void_p).value)
+        self._check("cuLaunchHostFunc", self.cu.cuLaunchHostFunc(stream, host_fn, key))
+
+    def _run_host_fn(self, user_data) -> None:
+        """The one C callback for every host function (it lives as long as the driver)."""
+        with self._host_fn_lock:
+            fn = self._callbacks.pop(int(user_data or 0), None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:                     # never let an exception unwind into the driver
+                log.exception("CUDA host callback failed")
 
     # ------------------------------------------------------------ modules and launches
 

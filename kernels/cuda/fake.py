@@ -209,6 +209,10 @@ class FakeDriver:
             raise FakeError("event_elapsed_ms on events created without timing")
         return (end.time - start.time) * 1e3
 
+    def launch_host_func(self, stream, fn):
+        self._log("launch_host_func")
+        self._enqueue(stream, fn)
+
     # ------------------------------------------------------------ kernels and graphs
 
     def module_load(self, image):
