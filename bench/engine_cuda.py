@@ -65,7 +65,10 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-tokens", type=int, default=2048, help="tokens in the timed prefill step (default: %(default)s)")
     g.add_argument("--kv-dtype", default="float32", choices=("float32", "float16"), help="(default: %(default)s)")
     g.add_argument("--max-model-len", type=int, default=2048, help="(default: %(default)s)")
-    g.add_argument("--pdl", action="store_true", help="programmatic dependent launch between kernels (sm_90)")
+    g.add_argument("--no-pdl", action="store_true",
+                   help="no programmatic dependent launch between kernels (default: on where the GPU has it, sm_90+)")
+    g.add_argument("--unfused", action="store_true",
+                   help="the unfused reference kernels (10 per layer) instead of the fused decoder (5 per layer)")
     g.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
     g.add_argument("--int4-activations", default="exact", choices=("exact", "fp16"),
                    help="INT4 tensor-core activations: exact (hi/lo fp16 pair) or fp16 (default: %(default)s)")
@@ -231,8 +234,9 @@ def build_executor(shape: str, args, driver=None, image_fn=None):
     per_seq = blocks_per_seq(args.context, args.steps)
     num_blocks = max(max(batches) * per_seq, -(-args.max_model_len // BLOCK_SIZE), args.prefill_tokens // BLOCK_SIZE + 64)
     options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=max(batches),
-                          max_num_batched_tokens=args.prefill_tokens, max_model_len=args.max_model_len, kv_dtype=args.kv_dtype,
-                          pdl=args.pdl, matmul=args.matmul, activations=args.int4_activations, timing_events=True,
+                          max_num_batched_tokens=args.prefill_tokens, max_model_len=args.max_model_len,
+                          kv_dtype=args.kv_dtype, pdl=False if args.no_pdl else None, fused=not args.unfused,
+                          matmul=args.matmul, activations=args.int4_activations, timing_events=True,
                           graph_batch_sizes=tuple(batches))
     kwargs = {"driver": driver} if driver is not None else {}
     if image_fn is not None:
@@ -248,7 +252,7 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
         print(f"\n== {shape}: {c.num_layers} layers, hidden {c.hidden_size}, intermediate {c.intermediate_size}, "
               f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
               f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.int4_activations} "
-              f"activations), pdl {dev.pdl}")
+              f"activations), pdl {dev.pdl}, {'fused' if ex.options.fused else 'unfused'} kernels")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
               f"= {weights / roofline * 1e3:.3f} ms per step")
@@ -267,6 +271,7 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
                    "achieved_bytes_per_s": weights / t["step_s"], "roofline_fraction": weights / roofline / t["step_s"],
                    "host_us_per_step": t["host_us"], "ring_us_gpu": t["ring_gpu_us"], "ring_us_host": t["ring_host_us"],
                    "graph": t["graph"], "kv_bytes_per_step": kv, "context": args.context, "pdl": dev.pdl,
+                   "fused": ex.options.fused,
                    "group_size": args.group_size, "embedding": args.embedding, "kv_dtype": args.kv_dtype,
                    "activations": args.int4_activations}
             print(f"   {batch:>5} {row['decode_tokens_per_s']:>13.1f} {row['decode_step_ms']:>8.3f} "

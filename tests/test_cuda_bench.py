@@ -31,7 +31,12 @@ def test_bench_rows_and_profile(tmp_path, monkeypatch, capsys):
             assert r[key] > 0, key
         assert r["graph"] is True
     text = capsys.readouterr().out
-    assert "profile, one eager decode step" in text and "int4_mm_tc_x4 (qkv_proj)" in text
+    assert "profile, one eager decode step" in text and "int4_mm_tc_x4_rope_f32 (qkv_proj)" in text
+    assert "fused kernels" in text and all(r["fused"] for r in rows)
+    args.unfused, args.no_pdl, args.json = True, True, None
+    assert engine_cuda.run(args, driver=FakeDriver(total_memory=1 << 30), image_fn=lambda arch: b"fake") == 0
+    text = capsys.readouterr().out
+    assert "int4_mm_tc_x4 (qkv_proj)" in text and "rope_kv_append_f32" in text and "unfused kernels" in text
 
 
 def test_bench_rejects_bad_numbers():

@@ -17,6 +17,9 @@ from tokenwire.kernels.cuda import build
 from tokenwire.kernels.cuda.kernels import SPECS
 
 PTX_TYPES = {"p": {".u64", ".b64", ".s64"}, "i": {".u32", ".s32", ".b32"}, "f": {".f32"}}
+# one nvcc build of every kernel (the fused decoder's 37 among them) for two targets: about 2 minutes
+# on two idle cores, 5 on a busy shared machine, past the suite's 300 s per test
+pytestmark = pytest.mark.timeout(900)
 
 
 @pytest.fixture(scope="module")

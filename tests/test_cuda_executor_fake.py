@@ -222,25 +222,20 @@ def test_launch_returns_before_the_work_runs_and_the_ring_wraps():
     ex.wait(h)
 
 
-def test_host_callback_marks_each_step_ready():
-    c = tiny_config()
-    t = tiny_engine(c)
-    ready = []
-    ex = CudaExecutor(c, t, CudaOptions(num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64), driver=FakeDriver(),
-                      image_fn=NO_IMAGE, on_ready=ready.append)
-    run_greedy(ex, [3, 4, 5], 5)
-    assert ready == [0, 1, 2, 3, 0]
-
-
-def test_blocking_wait_uses_the_event_not_a_stream_sync():
+@pytest.mark.parametrize("wait", ["spin", "block"])
+def test_wait_is_one_event_synchronize_and_no_host_callback(wait):
+    """The engine thread waits in cuEventSynchronize (GIL released, kernels/cuda/driver.py),
+    never in a Python loop over cuEventQuery, and no Python runs in a CUDA host callback."""
     c = tiny_config()
     t = tiny_engine(c)
     drv = FakeDriver(deferred=True)
-    ex = make(c, t, driver=drv, wait="block")
+    ex = make(c, t, driver=drv, wait=wait)
+    assert all(e.blocking == (wait == "block") for s in ex.ring for e in (s.ready,))
     before = len(drv.calls)
     run_greedy(ex, [3, 4, 5], 3)
     called = [m for m, _ in drv.calls[before:]]
-    assert called.count("event_synchronize") == 3 and "stream_synchronize" not in called
+    assert called.count("event_synchronize") == 3
+    assert not {"event_query", "stream_synchronize", "launch_host_func"} & set(called)
 
 
 def test_pdl_is_passed_to_every_launch_and_needs_sm90():
@@ -344,3 +339,78 @@ def test_a_tied_fp16_embedding_is_the_classifier_in_place():
     assert ex.weights.lm_head.w == ex.weights.embed.table and ex.weights.lm_head.kind == "dense_f16"
     prompt = [5, 9, 13, 2, 77]
     assert run_greedy(ex, prompt, 6) == greedy_generate(ReferenceModel(c, t, block_size=16, num_blocks=64), prompt, 6)
+
+
+# ------------------------------------------------------------------ the fused decoder (forward.py)
+
+def one_decode_step_kernels(ex, drv, prompt=(3, 4, 5, 6, 7)) -> list:
+    """The kernels one greedy decode step runs (a graph replay), after a prefill."""
+    first = run_greedy(ex, list(prompt), 1)[0]
+    before = len(drv.launches)
+    ex.step([SeqStep(0, [first], len(prompt), [0], True, GREEDY, 0, list(prompt), [first])])
+    return drv.launches[before:]
+
+
+def test_fused_decode_is_five_kernels_per_layer():
+    c = tiny_config(head_dim=32, num_layers=3)
+    drv = FakeDriver()
+    ex = make(c, tiny_engine(c), driver=drv, max_model_len=64)
+    assert ex.options.fused and ex.dev.pdl                  # both on by default (the fake is sm_90)
+    assert all(l.qkv.rows == "rope" and l.gate_up.rows == "glu" for l in ex.weights.layers)
+    kernels = one_decode_step_kernels(ex, drv)
+    layer = ["int4_mm_tc_x4_rope_f32", "attention_paged_fused_f32", "int4_mm_tc_x4", "int4_mm_tc_x4_silu",
+             "int4_mm_tc_x4"]
+    assert kernels == ["embed_f16"] + layer * 3 + ["int4_mm_tc_x4_argmax"]
+
+
+def test_unfused_reference_is_ten_kernels_per_layer():
+    c = tiny_config(head_dim=32, num_layers=3)
+    drv = FakeDriver()
+    ex = make(c, tiny_engine(c), driver=drv, fused=False, pdl=False, max_model_len=64)
+    assert all(l.qkv.rows == "plain" and l.gate_up.rows == "plain" for l in ex.weights.layers)
+    kernels = one_decode_step_kernels(ex, drv)
+    layer = ["rmsnorm", "int4_mm_tc_x4", "rope_kv_append_f32", "attention_paged_f32", "attention_combine",
+             "int4_mm_tc_x4", "rmsnorm", "int4_mm_tc_x4", "glu_silu", "int4_mm_tc_x4"]
+    assert kernels == ["embed_f16"] + layer * 3 + ["rmsnorm", "int4_mm_tc_x4", "argmax_rows"]
+
+
+@pytest.mark.parametrize("overrides,options", [
+    (dict(head_dim=32), {}),                                          # RoPE pairs 16 rows apart: a real reorder
+    (dict(head_dim=64, qkv_bias=True), dict(kv_dtype="float16")),     # the bias follows the rows
+    (dict(head_dim=32, activation="gelu_tanh", num_kv_heads=1), dict(activations="fp16")),
+    (dict(head_dim=48, sliding_window=12), dict(use_graphs=False)),   # eager steps fuse too
+])
+def test_fused_decoder_matches_the_reference_and_the_unfused_kernels(overrides, options):
+    c = tiny_config(**overrides)
+    t = tiny_engine(c)
+    prompt = list(np.random.default_rng(2).integers(3, c.vocab_size, 40))
+    want = greedy_generate(ReferenceModel(c, t, block_size=16, num_blocks=64), prompt, 20)
+    drv = FakeDriver()
+    assert run_greedy(make(c, t, driver=drv, **options), prompt, 20) == want
+    assert any(k.endswith("_rope_f32") or k.endswith("_rope_f16") for k in drv.launches)
+    assert run_greedy(make(c, t, fused=False, **options), prompt, 20) == want
+
+
+def test_shapes_without_a_fused_order_take_the_unfused_kernels():
+    c = tiny_config(head_dim=8, intermediate_size=100)               # hd % 16 and I % 8 rule the reorders out
+    t = tiny_engine(c)
+    drv = FakeDriver()
+    ex = make(c, t, driver=drv)
+    assert all(l.qkv.rows == "plain" and l.gate_up.rows == "plain" for l in ex.weights.layers)
+    prompt = [5, 9, 13, 2, 77]
+    assert run_greedy(ex, prompt, 6) == greedy_generate(ReferenceModel(c, t, block_size=16, num_blocks=64), prompt, 6)
+    kernels = set(drv.launches)
+    assert {"rope_kv_append_f32", "glu_silu", "attention_paged_fused_f32", "int4_mm_tc_x4_argmax"} <= kernels
+    assert not any(k.endswith(("_rope_f32", "_silu")) and k.startswith("int4") for k in kernels)
+
+
+def test_sampling_steps_keep_the_full_sampler():
+    c = tiny_config(head_dim=32)
+    drv = FakeDriver()
+    ex = make(c, tiny_engine(c), driver=drv)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    ex.step([SeqStep(0, [3, 4, 5], 0, [0], True, params, 7, [3, 4, 5], [])])
+    before = len(drv.launches)
+    ex.step([SeqStep(0, [6], 3, [0], True, params, 7, [3, 4, 5], [6])])
+    kernels = drv.launches[before:]
+    assert kernels[-5:] == ["rmsnorm", "int4_mm_tc_x4", "apply_penalties", "sample_tokens", "compute_logprobs"]

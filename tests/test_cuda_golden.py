@@ -2,19 +2,22 @@
 
 - stories260K (the real trained checkpoint, INT4): greedy continuation of "Once upon a time"
   identical to the CPU executor token for token for 120 tokens, with decode graphs, without
-  them (eager), with programmatic dependent launch, and on the SIMT kernels.
+  them (eager), with and without programmatic dependent launch, fused (the default) and
+  unfused, and on the SIMT kernels.
 - Eight prompts decoded together (one graph bucket, padded) give what each gives alone.
 - Seeded sampling with every rule gives the CPU executor's tokens (same seeds, same counters).
 - Tiny random models of each family (GQA/MQA, qkv bias, GeGLU, sliding window, tied
   embeddings) follow the numpy reference.
-- The ring's host callback runs on a driver thread, not the caller's.
+- On a mismatch the golden test prints the top-2 logit gap (CPU reference) at the first differing
+  token: a near-tie there is accumulation order (tensor cores vs numpy), not a kernel bug.
 """
 
-import threading
 
 import numpy as np
 import pytest
 
+from tokenwire.core.executor import SeqStep
+from tokenwire.kernels.forward_batch import build_forward_batch
 from tokenwire.kernels.model import ReferenceModel, greedy_generate
 from tokenwire.kernels.model_runner import ModelRunner
 from tokenwire.core.sampling_params import SamplingParams
@@ -36,6 +39,28 @@ def stories(stories260k_dir):
     return source.config, tensors, run_greedy(cpu, PROMPT, 120)
 
 
+def reference_logits(config, tensors, ids) -> np.ndarray:
+    """The numpy reference's logits for the token after `ids` (one prefill of them all)."""
+    model = ReferenceModel(config, tensors, block_size=16, num_blocks=128)
+    step = SeqStep(0, list(ids), 0, list(range(-(-len(ids) // 16))), True, GREEDY, 0, [], [])
+    return model.forward(build_forward_batch([step], 16))[0]
+
+
+def explain_mismatch(config, tensors, prompt, got, want) -> str:
+    """Where two greedy continuations part, and the reference's top-2 logit gap there: a gap near
+    float32 rounding is accumulation order (tensor cores vs numpy), not a kernel bug."""
+    i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if i == min(len(got), len(want)):
+        return f"lengths differ: {len(got)} vs {len(want)} tokens"
+    logits = reference_logits(config, tensors, list(prompt) + list(want[:i]))
+    top2 = np.argsort(-logits, kind="stable")[:2]
+    gap = float(logits[top2[0]] - logits[top2[1]])
+    return (f"first differing token at {i}: cuda {got[i]}, cpu {want[i]}; reference top-2 {top2.tolist()} "
+            f"logits {logits[top2[0]]:.6f} / {logits[top2[1]]:.6f}, top-2 gap {gap:.3g} "
+            f"(relative {gap / max(abs(float(logits[top2[0]])), 1e-30):.3g}); cuda's token's reference logit "
+            f"{float(logits[got[i]]):.6f}")
+
+
 def cuda(config, tensors, **options):
     from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
     opts = dict(num_blocks=128, max_num_seqs=16, max_num_batched_tokens=256)
@@ -43,19 +68,19 @@ def cuda(config, tensors, **options):
     return CudaExecutor(config, tensors, CudaOptions(**opts))
 
 
-@pytest.mark.parametrize("options", [{}, dict(use_graphs=False), dict(pdl=True), dict(matmul="simt"),
-                                     dict(split_size=32)])
+@pytest.mark.parametrize("options", [{}, dict(use_graphs=False), dict(pdl=False), dict(matmul="simt"),
+                                     dict(split_size=32), dict(fused=False), dict(fused=False, pdl=False)])
 def test_stories260k_greedy_matches_the_cpu_backend(stories, options):
     config, tensors, want = stories
-    if options.get("pdl"):
-        from tokenwire.kernels.cuda.driver import CudaDriver
-        if CudaDriver(0).compute_capability < (9, 0):
-            pytest.skip("programmatic dependent launch needs sm_90")
     ex = cuda(config, tensors, **options)
     try:
-        assert run_greedy(ex, PROMPT, 120) == want
+        got = run_greedy(ex, PROMPT, 120)
     finally:
         ex.close()
+    if got != want:
+        message = explain_mismatch(config, tensors, PROMPT, got, want)
+        print(message)
+        pytest.fail(message)
 
 
 def test_batched_decode_matches_each_sequence_alone(stories):
@@ -120,17 +145,3 @@ def test_tiny_families_follow_the_reference(overrides, engine):
         assert run_greedy(ex, prompt, 30) == want
     finally:
         ex.close()
-
-
-def test_ring_callback_runs_off_the_callers_thread(stories):
-    from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
-    config, tensors, want = stories
-    seen = []
-    ex = CudaExecutor(config, tensors, CudaOptions(num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64),
-                      on_ready=lambda slot: seen.append((slot, threading.get_ident())))
-    try:
-        assert run_greedy(ex, PROMPT, 6) == want[:6]
-    finally:
-        ex.close()
-    assert [s for s, _ in seen] == [0, 1, 2, 3, 0, 1]
-    assert threading.get_ident() not in {t for _, t in seen}

@@ -281,9 +281,12 @@ ATTENTION_CASES = [  # Hq, Hkv, hd, block_size, window, split_size, chunk, soft 
 ]
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("Hq,Hkv,hd,bs,window,split,chunk,cap", ATTENTION_CASES)
-def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk, cap):
+def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk, cap, fused):
+    """fused: attention_paged_fused_* (the combine folded into the last split) against the same
+    numpy reference; launched twice, since its split counters must re-arm themselves."""
     from tokenwire.kernels.cuda.forward import heads_per_block
     c = config(Hq, Hkv, hd, window)
     rng = np.random.default_rng(Hq + hd + bs + chunk)
@@ -322,16 +325,24 @@ def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk, cap)
                 max_splits=splits, num_heads=Hq, num_kv_heads=Hkv, head_dim=hd, block_size=bs, heads_per_block=hpb,
                 sliding_window=window or 0, scale=float(np.float32(hd ** -0.5)), softcap=cap or 0.0,
                 split_size=split or (1 << 30))
-    gpu.launch(f"attention_paged_{cache}", (len(items), Hkv * (Hq // Hkv // hpb), splits), 128,
-               smem=attention_smem_bytes(hd), **args)
-    if splits > 1:
-        gpu.launch("attention_combine", (T, Hq), 128, ws_ml=ws_ml, ws_acc=ws_acc, num_splits=splits,
-                   max_splits=splits, out=out, ldo=Hq * hd, num_heads=Hq, head_dim=hd)
-    got = gpu.download(out, np.float32, (T, Hq * hd))
-    for t0, nq, s, n, p in want_rows:
-        want = one_sequence_attention(q[t0:t0 + nq], kc.astype(np.float32), vc.astype(np.float32), tables[s], n, p,
-                                      window, np.float32(hd ** -0.5), cap)
-        assert_close(got[t0:t0 + nq], want, rtol=2e-5)
+    grid = (len(items), Hkv * (Hq // Hkv // hpb), splits)
+    counters = gpu.zeros(4 * grid[0] * grid[1])
+    for _ in range(2 if fused else 1):
+        gpu.drv.memset_async(out, T * Hq * hd * 4, gpu.stream)
+        if fused:
+            gpu.launch(f"attention_paged_fused_{cache}", grid, 128, smem=attention_smem_bytes(hd), counters=counters,
+                       **args)
+        else:
+            gpu.launch(f"attention_paged_{cache}", grid, 128, smem=attention_smem_bytes(hd), **args)
+            if splits > 1:
+                gpu.launch("attention_combine", (T, Hq), 128, ws_ml=ws_ml, ws_acc=ws_acc, num_splits=splits,
+                           max_splits=splits, out=out, ldo=Hq * hd, num_heads=Hq, head_dim=hd)
+        got = gpu.download(out, np.float32, (T, Hq * hd))
+        for t0, nq, s, n, p in want_rows:
+            want = one_sequence_attention(q[t0:t0 + nq], kc.astype(np.float32), vc.astype(np.float32), tables[s], n,
+                                          p, window, np.float32(hd ** -0.5), cap)
+            assert_close(got[t0:t0 + nq], want, rtol=2e-5)
+    assert not gpu.download(counters, np.int32, grid[0] * grid[1]).any(), "split counters not re-armed"
 
 
 def test_rmsnorm_accumulates_into_the_residual(gpu):

@@ -3,15 +3,17 @@
 Folder map (one concern per file):
   *.cu, common.cuh   the kernels; kernels.py lists each one's host-side signature
   build.py           NVRTC at first use (or nvcc ahead of time) -> cubin, cached by source hash + arch
-  driver.py          the thin typed wrapper over cuda.bindings.driver (the only module calling it)
+  driver.py          the thin typed wrapper over cuda.bindings.driver (the only module calling it; the
+                     step wait goes through ctypes so it never holds the GIL)
   fake.py            the same interface without a GPU (host-side tests); fake_kernels.py: the numpy twins
   device.py          one GPU: streams, the loaded module, launches by keyword
-  layout.py          the tensor-core weight layout (numpy twin of the device repack)
+  layout.py          the tensor-core weight layout (numpy twin of the device repack), fused kernels' row orders
   weights.py         engine tensors -> device memory, once
   meta.py            a step's metadata, packed for one async copy; ring.py: the pinned output ring
-  forward.py         the model and the sampler as launch sequences (eager or captured)
+  forward.py         the model and the sampler as launch sequences (eager or captured): five fused kernels
+                     per decode layer by default, the ten unfused ones kept as their reference
   executor.py        CudaExecutor: the Executor of core/executor.py
-  verify_on_gpu.sh   one command for a GPU machine: build, tests, golden, benchmark
+  verify_on_gpu.sh   one command for a GPU machine: build, tests, golden, benchmark, serving
 
 `create_executor(engine, options)` is the "cuda" row of kernels.BACKENDS. cuda-python is
 imported only when an executor is made, so CPU-only installs never need it.

@@ -3,13 +3,6 @@
 // out: [T, ldo] fp32, columns [0, I).  grid (ceil(I / 256), T), block 256.
 #include "common.cuh"
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
-
-__device__ __forceinline__ float gelu_tanh(float x) {
-    const float k = 0.7978845608028654f;                   // sqrt(2 / pi)
-    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
-}
-
 template <bool GELU>
 __device__ __forceinline__ void glu(const float* __restrict__ gate_up, int ldg, float* __restrict__ out, int ldo, int I) {
     pdl_wait();
@@ -17,7 +10,7 @@ __device__ __forceinline__ void glu(const float* __restrict__ gate_up, int ldg, 
     if (i >= I) return;
     const float* row = gate_up + (size_t)t * ldg;
     const float g = row[i], u = row[I + i];
-    out[(size_t)t * ldo + i] = (GELU ? gelu_tanh(g) : silu(g)) * u;
+    out[(size_t)t * ldo + i] = (GELU ? act_gelu_tanh(g) : act_silu(g)) * u;
 }
 
 extern "C" __global__ void glu_silu(const float* __restrict__ gate_up, int ldg, float* __restrict__ out, int ldo, int I) {

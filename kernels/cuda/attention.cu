@@ -13,6 +13,10 @@
 //                 ws_ml float2 [T, Hq, max_splits] (running max, sum) and ws_acc [T, Hq, max_splits, hd]
 //                 and attention_combine merges them.
 //
+// attention_paged_fused_*: the same, with attention_combine folded into the last split to finish:
+// each block of a split grid writes its partials, and the last of an (item, head chunk)'s splits
+// to arrive (counters[item, chunk], re-armed after) merges them into `out` in split order.
+//
 // grid (num_items, Hkv * head_chunks, num_splits), block 128 (4 warps).
 // A block owns one KV head and `heads_per_block` of its query heads, for up to 16
 // (query, head) pairs; the keys of its split come through shared memory 32 at a time,
@@ -30,14 +34,37 @@
 __device__ __forceinline__ float load_cache(const float* p) { return *p; }
 __device__ __forceinline__ float load_cache(const f16_t* p) { return f16_to_f32(*p); }
 
-template <typename CT>
+// Merge the splits of (token t, head h): out = sum_z acc_z e^(m_z - M) / sum_z l_z e^(m_z - M).
+// Splits that saw no key carry m = -inf, l = 0 and drop out. Threads stride over the head's dims.
+__device__ __forceinline__ void combine_splits(const float2* ws_ml, const float* ws_acc, int num_splits, int max_splits,
+                                               float* out, int ldo, int num_heads, int head_dim, int t, int h,
+                                               int first, int stride) {
+    const size_t base = ((size_t)t * num_heads + h) * max_splits;
+    float m_max = -TW_INF;
+    for (int z = 0; z < num_splits; ++z) m_max = fmaxf(m_max, __ldcg(&ws_ml[base + z].x));
+    float denom = 0.0f;
+    for (int z = 0; z < num_splits; ++z) {
+        const float2 ml = __ldcg(ws_ml + base + z);
+        if (ml.y > 0.0f) denom += ml.y * expf(ml.x - m_max);
+    }
+    for (int d = first; d < head_dim; d += stride) {
+        float v = 0.0f;
+        for (int z = 0; z < num_splits; ++z) {
+            const float2 ml = __ldcg(ws_ml + base + z);
+            if (ml.y > 0.0f) v += __ldcg(ws_acc + (base + z) * head_dim + d) * expf(ml.x - m_max);
+        }
+        out[(size_t)t * ldo + h * head_dim + d] = v / denom;
+    }
+}
+
+template <typename CT, bool COMBINE = false>
 __device__ __forceinline__ void attention_paged(
     const float* __restrict__ q, int ldq, const CT* __restrict__ k_cache, const CT* __restrict__ v_cache,
     const int* __restrict__ block_tables, int ld_bt, const int* __restrict__ positions,
     const int* __restrict__ items, float* __restrict__ out, int ldo,
     float2* __restrict__ ws_ml, float* __restrict__ ws_acc, int max_splits,
     int num_heads, int num_kv_heads, int head_dim, int block_size, int heads_per_block,
-    int sliding_window, float scale, float softcap, int split_size) {
+    int sliding_window, float scale, float softcap, int split_size, int* __restrict__ counters = nullptr) {
     extern __shared__ float smem[];
     float* qs = smem;                                                 // [16 pairs][hd]
     float* ks = qs + ATT_PAIRS * head_dim;                            // [32 keys][hd + 1] (padded: no bank conflicts)
@@ -154,6 +181,19 @@ __device__ __forceinline__ void attention_paged(
             }
         }
     }
+    if (!COMBINE || gridDim.z == 1) return;
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    int* counter = counters + blockIdx.x * gridDim.y + blockIdx.y;
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == (int)gridDim.z - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (int p = warp; p < num_pairs; p += ATT_WARPS)                 // attention_combine's sum, per pair
+        combine_splits(ws_ml, ws_acc, gridDim.z, max_splits, out, ldo, num_heads, head_dim,
+                       t0 + p / heads_per_block, head0 + p % heads_per_block, lane, 32);
+    if (threadIdx.x == 0) *counter = 0;                               // re-armed for the next launch
 }
 
 #define ATT_ARGS(CT) const float* __restrict__ q, int ldq, const CT* __restrict__ k_cache, \
@@ -167,28 +207,18 @@ __device__ __forceinline__ void attention_paged(
 
 extern "C" __global__ void __launch_bounds__(128) attention_paged_f32(ATT_ARGS(float)) { attention_paged<float>(ATT_PASS); }
 extern "C" __global__ void __launch_bounds__(128) attention_paged_f16(ATT_ARGS(f16_t)) { attention_paged<f16_t>(ATT_PASS); }
+extern "C" __global__ void __launch_bounds__(128) attention_paged_fused_f32(ATT_ARGS(float), int* __restrict__ counters) {
+    attention_paged<float, true>(ATT_PASS, counters);
+}
+extern "C" __global__ void __launch_bounds__(128) attention_paged_fused_f16(ATT_ARGS(f16_t), int* __restrict__ counters) {
+    attention_paged<f16_t, true>(ATT_PASS, counters);
+}
 
-// Merge the splits of each (token, head): out = sum_z acc_z e^(m_z - M) / sum_z l_z e^(m_z - M).
-// Splits that saw no key carry m = -inf, l = 0 and drop out. grid (T, Hq), block 128.
+// The unfused merge (the reference of the fused kernels' last split). grid (T, Hq), block 128.
 extern "C" __global__ void __launch_bounds__(128) attention_combine(
     const float2* __restrict__ ws_ml, const float* __restrict__ ws_acc, int num_splits, int max_splits,
     float* __restrict__ out, int ldo, int num_heads, int head_dim) {
     pdl_wait();
-    const int t = blockIdx.x, h = blockIdx.y;
-    const size_t base = ((size_t)t * num_heads + h) * max_splits;
-    float m_max = -TW_INF;
-    for (int z = 0; z < num_splits; ++z) m_max = fmaxf(m_max, ws_ml[base + z].x);
-    float denom = 0.0f;
-    for (int z = 0; z < num_splits; ++z) {
-        const float2 ml = ws_ml[base + z];
-        if (ml.y > 0.0f) denom += ml.y * expf(ml.x - m_max);
-    }
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float v = 0.0f;
-        for (int z = 0; z < num_splits; ++z) {
-            const float2 ml = ws_ml[base + z];
-            if (ml.y > 0.0f) v += ws_acc[(base + z) * head_dim + d] * expf(ml.x - m_max);
-        }
-        out[(size_t)t * ldo + h * head_dim + d] = v / denom;
-    }
+    combine_splits(ws_ml, ws_acc, num_splits, max_splits, out, ldo, num_heads, head_dim, blockIdx.x, blockIdx.y,
+                   threadIdx.x, blockDim.x);
 }

@@ -13,6 +13,10 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 #define TW_INF __int_as_float(0x7f800000)
+
+// std::conditional without <type_traits> (rule 1)
+template <bool B, typename T, typename F> struct tw_select { typedef T type; };
+template <typename T, typename F> struct tw_select<false, T, F> { typedef F type; };
 #define FULL_MASK 0xffffffffu
 
 // ------------------------------------------------------------------ fp16 conversion
@@ -45,6 +49,15 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+}
+
+// ------------------------------------------------------------------ gated activations (kernels/model.py)
+
+__device__ __forceinline__ float act_silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float act_gelu_tanh(float x) {
+    const float k = 0.7978845608028654f;                   // sqrt(2 / pi)
+    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
 }
 
 // ------------------------------------------------------------------ reductions

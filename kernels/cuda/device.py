@@ -7,8 +7,10 @@ Contract:
   kernel of kernels/cuda/kernels.py once.
 - `launch(name, grid, block, stream, smem=0, **args)` binds keyword arguments to the
   kernel's parameter list (an unknown or missing name raises) and launches, with
-  programmatic dependent launch when the device was made with `pdl=True` (sm_90+; off by
-  default until measured on a GPU: every kernel already waits with griddepcontrol.wait).
+  programmatic dependent launch when the device was made with `pdl=True` (sm_90+; the
+  executor turns it on wherever the GPU has it: every kernel waits with griddepcontrol.wait
+  before it reads what an earlier kernel wrote, and the INT4 products signal their dependents
+  as soon as their last weight load is issued).
 """
 
 from typing import Callable
@@ -43,7 +45,8 @@ class Device:
     def raise_smem_limits(self, max_head_dim: int) -> None:
         """Kernels whose dynamic shared memory may pass the default 48 KB."""
         att = attention_smem_bytes(max_head_dim)
-        for name in ("attention_paged_f32", "attention_paged_f16"):
+        for name in ("attention_paged_f32", "attention_paged_f16", "attention_paged_fused_f32",
+                     "attention_paged_fused_f16"):
             self.drv.function_set_max_dynamic_smem(self.functions[name], att)
         self.drv.function_set_max_dynamic_smem(self.functions["sample_tokens"], sample_smem_bytes())
 

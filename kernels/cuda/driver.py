@@ -12,6 +12,16 @@ Contract:
 
 cuda-python is imported lazily (`cuda.bindings.driver`, or `cuda.cuda` before 12.6), so a
 CPU-only install never needs it.
+
+Waiting without the GIL: `event_synchronize` calls libcuda's cuEventSynchronize through ctypes
+(`NativeEventSync`), and ctypes releases the GIL around every foreign call, so the engine
+thread's wait for a step never holds the GIL whichever cuda-python is installed. (cuda-python's
+own wrappers release it only in releases carrying NVIDIA/cuda-python#914 (August 2025,
+backported to 12.9.x in #922: "Python bindings in every module ... now have the GIL released before
+calling the underlying C APIs"; older ones hold it for the whole wait.) CudaExecutor runs no Python
+in a CUDA host callback: a Python callable behind cuLaunchHostFunc takes the GIL on the
+driver's callback thread (cuda-python#517; ctypes callbacks do the same). `launch_host_func`
+stays for kernels/trt, which still uses it.
 """
 
 import ctypes
@@ -49,6 +59,20 @@ def import_driver():
 # C types of kernel parameters, by the one-letter codes of kernels/cuda/kernels.py
 CTYPES = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+LIBCUDA = "libcuda.so.1"
+
+
+class NativeEventSync:
+    """cuEventSynchronize(handle) -> CUresult as an int, called through ctypes.CDLL: the GIL is
+    released for the whole wait (ctypes drops it around foreign calls; PyDLL would not)."""
+
+    def __init__(self, library: str = LIBCUDA):
+        self._fn = ctypes.CDLL(library).cuEventSynchronize
+        self._fn.argtypes = [ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, handle: int) -> int:
+        return self._fn(handle)
 
 
 class CudaDriver:
@@ -66,7 +90,12 @@ class CudaDriver:
         self.device = self._check("cuDeviceGet", cu.cuDeviceGet(device_index))
         self.context = self._check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self.device))
         self.make_current()
-        self._callbacks = {}                      # host-function key -> Python callable
+        try:
+            self._native_sync = NativeEventSync()
+        except (OSError, AttributeError) as exc:  # cuInit worked, so libcuda is loaded: not expected
+            log.warning("cuEventSynchronize through ctypes unavailable (%s): waits use cuda-python's wrapper", exc)
+            self._native_sync = None
+        self._callbacks = {}                      # host-function key -> Python callable (kernels/trt only)
         self._next_key = 0
         self._host_fn_lock = threading.Lock()
         self._trampoline = HOST_FN(self._run_host_fn)
@@ -175,14 +204,23 @@ class CudaDriver:
         return True
 
     def event_synchronize(self, event) -> None:
-        self._check("cuEventSynchronize", self.cu.cuEventSynchronize(event))
+        """Block the calling thread until the event completed, without holding the GIL: in the
+        driver spinning (an event made without `blocking`) or asleep (with `blocking`)."""
+        if self._native_sync is None:
+            self._check("cuEventSynchronize", self.cu.cuEventSynchronize(event))
+            return
+        err = self._native_sync(int(event))
+        if err:
+            self._check("cuEventSynchronize", (self.cu.CUresult(err),))
 
     def event_elapsed_ms(self, start, end) -> float:
         return float(self._check("cuEventElapsedTime", self.cu.cuEventElapsedTime(start, end)))
 
     def launch_host_func(self, stream, fn: Callable[[], None]) -> None:
         """Run `fn` on a driver thread once the stream reaches this point. `fn` must not call
-        CUDA; it should only hand off (e.g. loop.call_soon_threadsafe or an eventfd write)."""
+        CUDA; it should only hand off (e.g. loop.call_soon_threadsafe or an eventfd write).
+        CudaExecutor never uses this (a Python callable here takes the GIL on the driver's
+        thread); kernels/trt still does."""
         with self._host_fn_lock:
             self._next_key += 1
             key = self._next_key

@@ -10,10 +10,14 @@ Contract:
   the slot's pinned staging to the device in one async copy; a decode step (one token per
   sequence, all sampling) replays the CUDA graph of its batch-size bucket, any other step
   launches the kernels eagerly; sampling runs on the device; the ids are copied
-  asynchronously (copy stream) into the slot's pinned buffer and an event marks them ready,
-  and `on_ready(slot)` is called from a CUDA host function when given.
+  asynchronously (copy stream) into the slot's pinned buffer and an event marks them ready.
 - `wait(handle) -> StepOutput` waits for that event on the calling thread (the engine
   thread; never the event loop's) and reads the slot. `step(seqs)` is launch + wait.
+  The wait is one cuEventSynchronize with the GIL released (kernels/cuda/driver.py): the
+  driver spins for it (wait="spin", the lowest wake-up latency) or sleeps (wait="block");
+  no Python polls the event and none runs in a CUDA host callback, so the event loop thread
+  keeps the GIL while the GPU works. The engine thread's own hand-off to the loop (EngineCore's
+  on_step, the server's eventfd Doorbell) follows the wait.
 - Ring slots are used in order; at most `ring_slots` steps may be launched and not yet
   waited, and they must be waited in launch order.
 """
@@ -31,8 +35,8 @@ from ...core.executor import SeqStep, StepOutput
 from .build import kernel_image
 from .device import Device
 from .driver import CudaDriver
-from .forward import (LARGE_SPLIT, KVCache, StepGeometry, decode_splits, launch_forward, launch_sampler,
-                      make_activations, matmul_workspace, plan_activations, queries_per_item)
+from .forward import (LARGE_SPLIT, KVCache, StepGeometry, decode_splits, launch_step, make_activations,
+                      matmul_workspace, plan_activations, queries_per_item)
 from .kernels import MAX_TOP_LOGPROBS
 from .meta import (check_eager, count_items, decode_layout, eager_layout, fill_decode, fill_eager, fill_sampling,
                    needs_full_sampler)
@@ -56,11 +60,12 @@ class CudaOptions:
     capture_at_start: bool = True           # capture the greedy decode graphs in __init__
     matmul: str = "auto"                    # "tc" (sm_80+), "simt", or auto
     activations: str = "exact"              # INT4 tensor-core products: "exact" (hi/lo fp16 pair) or "fp16"
-    pdl: bool = False                       # programmatic dependent launch (sm_90)
+    pdl: Optional[bool] = None              # programmatic dependent launch; None: on where the GPU has it (sm_90+)
+    fused: bool = True                      # the fused decoder kernels (forward.py); False: the unfused reference
     split_size: int = 512                   # keys per attention split (multiple of 32)
     ring_slots: int = 4
     max_penalty_tokens: int = 1 << 18       # distinct prompt+output tokens of penalized rows per step
-    wait: str = "spin"                      # "spin": poll the event; "block": sleep in the driver
+    wait: str = "spin"                      # in cuEventSynchronize, GIL released: "spin" in the driver, or "block" (sleep)
     timing_events: bool = False             # events that can be timed (benchmarks)
     device: int = 0
 
@@ -91,26 +96,25 @@ class StepHandle(NamedTuple):
 
 class CudaExecutor:
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], options: CudaOptions = CudaOptions(),
-                 driver=None, image_fn: Callable[[str], bytes] = kernel_image,
-                 on_ready: Optional[Callable[[int], None]] = None):
+                 driver=None, image_fn: Callable[[str], bytes] = kernel_image):
         o = self.options = options
         self.config = c = config
         if c.head_dim > 256 or c.head_dim % 2:
             raise ValueError(f"the CUDA attention kernels take an even head_dim up to 256, the model has {c.head_dim}")
         self.drv = drv = driver if driver is not None else CudaDriver(o.device)
-        self.dev = Device(drv, image_fn, pdl=o.pdl, max_head_dim=c.head_dim)
+        pdl = o.pdl if o.pdl is not None else tuple(drv.compute_capability) >= (9, 0)
+        self.dev = Device(drv, image_fn, pdl=pdl, max_head_dim=c.head_dim)
         self.matmul = ("tc" if self.dev.tensor_cores else "simt") if o.matmul == "auto" else o.matmul
         self.block_size = o.block_size
         self.max_model_len = o.max_model_len or min(c.max_position_embeddings, 8192)
         self.max_blocks = -(-self.max_model_len // o.block_size)         # block table width
         self.max_tokens = max(o.max_num_batched_tokens, o.max_num_seqs)
-        self.on_ready = on_ready
         self.qpi = queries_per_item(c)
         self.buckets = self._buckets()
         # attention splits of each decode graph, and of eager steps (max_model_len / split_size)
         self.decode_splits = {b: decode_splits(c, b, self.max_model_len, self.dev.num_sms) for b in self.buckets}
         self.eager_splits = -(-self.max_model_len // o.split_size)
-        self.weights = upload_weights(self.dev, c, tensors, self.matmul, self.max_model_len)
+        self.weights = upload_weights(self.dev, c, tensors, self.matmul, self.max_model_len, fused=o.fused)
         self.acts = self._alloc_activations()
         self.meta_bytes, self.meta = self._alloc_meta()
         self.kv = self._alloc_kv()
@@ -228,7 +232,7 @@ class CudaExecutor:
             self._launch_decode(slot, seqs, bucket)
         elif seqs:
             self._launch_eager(slot, seqs, rows)
-        self._finish(slot, slot_index, len(rows), logprobs is not None)
+        self._finish(slot, len(rows), logprobs is not None)
         handle = StepHandle(slot_index, self.num_launched, len(rows), logprobs, bool(bucket), start_ns)
         self.num_launched += 1
         self._last_handle = handle
@@ -294,9 +298,7 @@ class CudaExecutor:
                                 self.acts.ws_entries // (T * self.config.num_heads)))
         g = self._geometry(layout.ptrs(self.meta), T, len(rows), ld_bt, num_items, splits,
                            items=None, logits_rows=True)
-        launch_forward(self.dev, c, self.weights, self.acts, self.kv, g, stream)
-        if rows:
-            launch_sampler(self.dev, c, self.acts, g, "full" if full else "greedy", stream)
+        launch_step(self.dev, c, self.weights, self.acts, self.kv, g, "full" if full else "greedy", stream, o.fused)
 
     def _forget_tables(self, seqs: Sequence[SeqStep]) -> None:
         """A prefilled sequence may hold new blocks (recompute after preemption): no graph
@@ -305,7 +307,7 @@ class CudaExecutor:
         for slot in self.ring:
             slot.row_keys = [None if k is not None and k != "pad" and k[0] in ids else k for k in slot.row_keys]
 
-    def _finish(self, slot: RingSlot, slot_index: int, num_rows: int, logprobs: bool) -> None:
+    def _finish(self, slot: RingSlot, num_rows: int, logprobs: bool) -> None:
         """Ids to the slot's pinned buffer on the copy stream, then the events (hot path)."""
         drv, compute, copy = self.drv, self.dev.compute_stream, self.dev.copy_stream
         drv.event_record(slot.done, compute)
@@ -313,8 +315,6 @@ class CudaExecutor:
         if num_rows:
             drv.memcpy_dtoh_async(slot.out, self.acts.tokens, self._out_bytes(num_rows, logprobs), copy)
         drv.event_record(slot.ready, copy)
-        if self.on_ready is not None:
-            drv.launch_host_func(copy, lambda i=slot_index: self.on_ready(i))
         slot.in_flight = True
 
     def wait(self, handle: StepHandle) -> StepOutput:
@@ -323,11 +323,7 @@ class CudaExecutor:
             raise RuntimeError(f"steps must be waited in launch order: expected step {self.num_waited}, got {handle.number}")
         self._bind_thread()
         slot = self.ring[handle.slot]
-        if self.options.wait == "spin":
-            while not self.drv.event_query(slot.ready):
-                pass
-        else:
-            self.drv.event_synchronize(slot.ready)
+        self.drv.event_synchronize(slot.ready)          # GIL released for the whole wait
         out = read_step(slot, handle.num_rows, handle.logprobs, self._out_offsets)
         slot.in_flight = False
         self.num_waited += 1
@@ -365,13 +361,11 @@ class CudaExecutor:
                     self._limits)
         fill_sampling(views, [], o.max_penalty_tokens)
         drv.memcpy_htod_async(self.meta, pad, layout.used_bytes(True, 0), stream)
-        launch_forward(self.dev, self.config, self.weights, self.acts, self.kv, g, stream)
-        launch_sampler(self.dev, self.config, self.acts, g, mode, stream)
+        launch_step(self.dev, self.config, self.weights, self.acts, self.kv, g, mode, stream, o.fused)
         drv.stream_synchronize(stream)                      # once per bucket, at capture time
         drv.begin_capture(stream)
         try:
-            launch_forward(self.dev, self.config, self.weights, self.acts, self.kv, g, stream)
-            launch_sampler(self.dev, self.config, self.acts, g, mode, stream)
+            launch_step(self.dev, self.config, self.weights, self.acts, self.kv, g, mode, stream, o.fused)
         finally:
             graph = drv.end_capture(stream)
         self.graphs[(bucket, mode)] = graph

@@ -12,8 +12,8 @@ import numpy as np
 
 from .. import sampling as ref_sampling
 from ..reference import dequantize_int4
-from .kernels import MAX_TOP_LOGPROBS, MM_KERNELS
-from .layout import TcShape, dequantize_tc, pack_tc, round_up
+from .kernels import FUSED_EPILOGUES, MAX_TOP_LOGPROBS, MM_KERNELS
+from .layout import TcShape, dequantize_tc, glu_row_order, pack_tc, rope_row_order, round_up
 
 
 def _f32(d, ptr, rows, ld):
@@ -28,6 +28,14 @@ def _store(d, y, ldy, out: np.ndarray, accumulate):
 
 def _int4_tc(d, grid, x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate,
              ws, counters, tokens, fp16):
+    out = _int4_tc_product(d, grid, _f32(d, x, M, ldx)[:, :num_units * 128], M, qw, sz, num_units, group_size,
+                           units_per_split, bias, N, ws, counters, tokens, fp16, ldx)
+    _store(d, y, ldy, out, accumulate)
+
+
+def _int4_tc_product(d, grid, xs, M, qw, sz, num_units, group_size, units_per_split, bias, N, ws, counters, tokens,
+                     fp16, ldx) -> np.ndarray:
+    """x W^T (+ bias) [M, N] in the weights' device row order, after the launch checks."""
     Np, Kp = round_up(N, 128), num_units * 128
     assert grid[0] * 128 == Np and grid[1] * tokens >= M, f"grid {grid} does not cover M={M} N={N}"
     assert grid[2] * units_per_split >= num_units > (grid[2] - 1) * units_per_split, f"K splits {grid}"
@@ -41,13 +49,42 @@ def _int4_tc(d, grid, x, ldx, M, qw, sz, num_units, group_size, units_per_split,
         shape = TcShape(N, Kp, group_size, Np, Kp, Np // 16, Kp // 64, Kp // group_size, num_units)
         w = d._weights_cache[key] = dequantize_tc(d.view(qw, np.uint32, shape.qw_words),
                                                    d.view(sz, np.uint32, shape.sz_words), shape)
-    xs = _f32(d, x, M, ldx)[:, :Kp]
     if fp16:
         xs = xs.astype(np.float16).astype(np.float32)
     out = xs @ w.T
     if bias:
         out = out + d.view(bias, np.float32, N)
-    _store(d, y, ldy, out.astype(np.float32), accumulate)
+    return out.astype(np.float32)
+
+
+def _int4_tc_fused(d, grid, x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate,
+                   ws, counters, norm_w, norm_dim, eps, positions, slot_mapping, cos_sin, max_positions, q_out, ldq,
+                   k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, out_tokens,
+                   tokens, fp16, epilogue):
+    """int4_matmul.cu's fused kernels: RMSNorm prologue, then the epilogue on the device-order rows."""
+    assert not accumulate, "the fused products never accumulate"
+    Kp = num_units * 128
+    src = _f32(d, x, M, ldx)[:, :norm_dim]
+    xs = np.zeros((M, Kp), dtype=np.float32)
+    xs[:, :norm_dim] = src / np.sqrt(np.mean(src * src, axis=-1, keepdims=True) + np.float32(eps)) \
+        * d.view(norm_w, np.float32, norm_dim)
+    out = _int4_tc_product(d, grid, xs, M, qw, sz, num_units, group_size, units_per_split, bias, N, ws, counters,
+                           tokens, fp16, ldx)
+    if epilogue == "argmax":
+        assert not d.view(argmax_keys, np.uint64, M).any(), "argmax keys not re-armed"
+        assert not d.view(argmax_counters, np.int32, grid[1]).any(), "argmax counters not re-armed"
+        _store(d, y, ldy, out, False)
+        d.view(out_tokens, np.int32, M)[:] = np.argmax(out, axis=1)
+        return
+    logical = np.empty_like(out)
+    if epilogue in ("silu", "gelu"):
+        I = N // 2
+        logical[:, glu_row_order(I)] = out
+        _f32(d, y, M, ldy)[:, :I] = _glu_act(logical[:, :I], epilogue == "gelu") * logical[:, I:2 * I]
+        return
+    logical[:, rope_row_order(N // head_dim, head_dim)] = out
+    _rope_rows(d, logical, M, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, k_cache, v_cache,
+               num_heads, num_kv_heads, head_dim, np.float32 if epilogue == "rope_f32" else np.float16)
 
 
 def _int4_repack_tc(d, grid, qweight, scales, zeros, N, Kb, num_src_groups, qw, sz, num_tiles, num_chunks, num_groups):
@@ -130,39 +167,47 @@ def _logit_softcap(d, grid, logits, ldl, vocab_size, cap):
     rows[:, :vocab_size] = np.float32(cap) * np.tanh(rows[:, :vocab_size] / np.float32(cap))
 
 
+def _glu_act(g, gelu):
+    if gelu:
+        return 0.5 * g * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (g + np.float32(0.044715) * g * g * g)))
+    return g / (1.0 + np.exp(-g))
+
+
 def _glu(gelu):
     def run(d, grid, gate_up, ldg, out, ldo, I):
         T = grid[1]
         assert grid[0] * 256 >= I
         gu = _f32(d, gate_up, T, ldg)
-        g, u = gu[:, :I], gu[:, I:2 * I]
-        if gelu:
-            act = 0.5 * g * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (g + np.float32(0.044715) * g * g * g)))
-        else:
-            act = g / (1.0 + np.exp(-g))
-        _f32(d, out, T, ldo)[:, :I] = act * u
+        _f32(d, out, T, ldo)[:, :I] = _glu_act(gu[:, :I], gelu) * gu[:, I:2 * I]
     return run
+
+
+def _rope_rows(d, rows, T, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, k_cache, v_cache,
+               num_heads, num_kv_heads, head_dim, cache_dtype):
+    """RoPE of the Q and K heads of `rows` [T, >= (Hq + 2 Hkv) hd] into q_out and the K cache, V into its cache."""
+    half = head_dim // 2
+    pos = np.clip(d.view(positions, np.int32, T), 0, max_positions - 1)
+    slots = d.view(slot_mapping, np.int32, T)
+    cs = d.view(cos_sin, np.float32, max_positions * half * 2).reshape(max_positions, half, 2)[pos]
+    c, s = cs[:, None, :, 0], cs[:, None, :, 1]
+    qk = rows[:, :(num_heads + num_kv_heads) * head_dim].reshape(T, -1, head_dim)
+    x1, x2 = qk[..., :half], qk[..., half:]
+    rot = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    _f32(d, q_out, T, ldq)[:, :num_heads * head_dim] = rot[:, :num_heads].reshape(T, -1)
+    per_slot = num_kv_heads * head_dim
+    num_slots = int(slots.max()) + 1
+    kc = d.view(k_cache, cache_dtype, num_slots * per_slot).reshape(num_slots, per_slot)
+    vc = d.view(v_cache, cache_dtype, num_slots * per_slot).reshape(num_slots, per_slot)
+    kc[slots] = rot[:, num_heads:].reshape(T, -1)
+    vc[slots] = rows[:, (num_heads + num_kv_heads) * head_dim:(num_heads + 2 * num_kv_heads) * head_dim]
 
 
 def _rope(cache_dtype):
     def run(d, grid, qkv, ldqkv, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, k_cache, v_cache,
             num_heads, num_kv_heads, head_dim):
-        T, half = grid[0], head_dim // 2
-        pos = np.clip(d.view(positions, np.int32, T), 0, max_positions - 1)
-        slots = d.view(slot_mapping, np.int32, T)
-        cs = d.view(cos_sin, np.float32, max_positions * half * 2).reshape(max_positions, half, 2)[pos]
-        c, s = cs[:, None, :, 0], cs[:, None, :, 1]
-        rows = _f32(d, qkv, T, ldqkv)
-        qk = rows[:, :(num_heads + num_kv_heads) * head_dim].reshape(T, -1, head_dim)
-        x1, x2 = qk[..., :half], qk[..., half:]
-        rot = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-        _f32(d, q_out, T, ldq)[:, :num_heads * head_dim] = rot[:, :num_heads].reshape(T, -1)
-        per_slot = num_kv_heads * head_dim
-        num_slots = int(slots.max()) + 1
-        kc = d.view(k_cache, cache_dtype, num_slots * per_slot).reshape(num_slots, per_slot)
-        vc = d.view(v_cache, cache_dtype, num_slots * per_slot).reshape(num_slots, per_slot)
-        kc[slots] = rot[:, num_heads:].reshape(T, -1)
-        vc[slots] = rows[:, (num_heads + num_kv_heads) * head_dim:(num_heads + 2 * num_kv_heads) * head_dim]
+        T = grid[0]
+        _rope_rows(d, _f32(d, qkv, T, ldqkv), T, positions, slot_mapping, cos_sin, max_positions, q_out, ldq,
+                   k_cache, v_cache, num_heads, num_kv_heads, head_dim, cache_dtype)
     return run
 
 
@@ -209,6 +254,22 @@ def _attention(cache_dtype):
                             w = (t * num_heads + h) * max_splits + z
                             d.view(ws_ml, np.float32, 2 * (w + 1))[2 * w:2 * w + 2] = (m[i], l[i])
                             d.view(ws_acc, np.float32, (w + 1) * head_dim)[w * head_dim:] = acc[i]
+    return run
+
+
+def _attention_fused(cache_dtype):
+    """attention_paged_fused_*: the split kernel, then (folded into its last split) the combine."""
+    plain = _attention(cache_dtype)
+
+    def run(d, grid, counters, **args):
+        num_items, chunks, num_splits = grid
+        assert not d.view(counters, np.int32, num_items * chunks).any(), "attention split counters not re-armed"
+        plain(d, grid, **args)
+        if num_splits > 1:
+            it = d.view(args["items"], np.int32, 3 * num_items).reshape(-1, 3)
+            T = int((it[:, 1] + it[:, 2]).max())
+            _combine(d, (T, args["num_heads"], 1), args["ws_ml"], args["ws_acc"], num_splits, args["max_splits"],
+                     args["out"], args["ldo"], args["num_heads"], args["head_dim"])
     return run
 
 
@@ -291,6 +352,10 @@ def _logprobs(d, grid, logits, ldl, vocab_size, iparams, tokens, token_logprob, 
 EMULATORS = {
     **{name: (lambda tokens, fp16: lambda d, g, **k: _int4_tc(d, g, **k, tokens=tokens, fp16=fp16))(t, mode == "fp16")
        for mode, kernels in MM_KERNELS.items() for t, name in kernels},
+    **{f"{name}_{epi}": (lambda tokens, fp16, epi: lambda d, g, **k: _int4_tc_fused(
+        d, g, **{n: v for n, v in k.items() if n != "tokens"}, out_tokens=k["tokens"], tokens=tokens, fp16=fp16,
+        epilogue=epi))(t, mode == "fp16", epi)
+       for mode, kernels in MM_KERNELS.items() for t, name in kernels for epi in FUSED_EPILOGUES},
     "int4_mm_simt": _int4_mm_simt,
     "int4_repack_tc": _int4_repack_tc,
     "dense_mm_f32": _dense(np.float32),
@@ -309,6 +374,8 @@ EMULATORS = {
     "rope_kv_append_f16": _rope(np.float16),
     "attention_paged_f32": _attention(np.float32),
     "attention_paged_f16": _attention(np.float16),
+    "attention_paged_fused_f32": _attention_fused(np.float32),
+    "attention_paged_fused_f16": _attention_fused(np.float16),
     "attention_combine": _combine,
     "apply_penalties": _penalties,
     "argmax_rows": _argmax,

@@ -10,6 +10,12 @@ Contract:
   same code runs eager prefill steps and is captured into the decode CUDA graphs.
 - `launch_sampler(dev, acts, geom, mode, stream)` enqueues sampling ("greedy": argmax only;
   "full": penalties, every sampling rule, logprobs) into `acts.tokens` etc.
+- `launch_step(..., mode, fused)` is both. With `fused` (the default of CudaOptions) a decode
+  layer is five kernels: qkv with RMSNorm folded into its prologue and RoPE + the KV append
+  into its epilogue, attention with the split combine folded into its last split, o,
+  gate_up with RMSNorm before and silu(g)*u (or GeGLU) after, down; a greedy step's argmax is
+  folded into lm_head (with the final norm). Weights whose row order or kind does not allow a
+  fusion (weights.py `rows`) take the unfused kernels, which stay as the fused ones' reference.
 Shapes follow kernels/model.py: h [T, D] residual stream, qkv [T, Hq*hd + 2 Hkv*hd], ...
 """
 
@@ -61,6 +67,9 @@ class Activations(NamedTuple):
     mm_ws: int                      # fp32 partials of K-split INT4 products (matmul_workspace)
     mm_counters: int                # int32 arrival counters of those products, zero between launches
     mm_mode: str                    # "exact" (fp32-level) or "fp16" activations in INT4 products
+    am_keys: int = 0                # u64 [R] the argmax epilogue's best keys, zero between launches
+    am_counters: int = 0            # int32 [R] its arrival counters per token tile, zero between launches
+    att_counters: int = 0           # int32 [T * Hq] the fused attention's split counters, zero between launches
 
 
 class StepGeometry(NamedTuple):
@@ -98,7 +107,9 @@ def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, ws_entries:
             ("top_ids", max_rows, MAX_TOP_LOGPROBS, 4), ("top_logprobs", max_rows, MAX_TOP_LOGPROBS, 8),
             ("ws_ml", max(ws_entries, 1), 2, 4),
             ("ws_acc", max(ws_entries, 1), c.head_dim, 4),
-            ("mm_ws", max(mm_ws_floats, 1), 1, 4), ("mm_counters", max(mm_counters, 1), 1, 4)]
+            ("mm_ws", max(mm_ws_floats, 1), 1, 4), ("mm_counters", max(mm_counters, 1), 1, 4),
+            ("am_keys", max_rows, 1, 8), ("am_counters", max_rows, 1, 4),
+            ("att_counters", max(max_tokens, max_rows) * c.num_heads, 1, 4)]
     plan, offset = {}, 0
     for name, n, width, itemsize in rows:
         plan[name] = (offset, width)
@@ -117,7 +128,7 @@ def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, ws_e
                        p["attn"], ld["attn"], p["gu"], ld["gu"], p["act"], ld["act"], p["hn"], ld["hn"],
                        p["logits"], p["plogits"], ld["logits"], p["tokens"], p["token_logprob"],
                        p["top_ids"], p["top_logprobs"], p["ws_ml"], p["ws_acc"], p["mm_ws"], p["mm_counters"],
-                       mm_mode)
+                       mm_mode, p["am_keys"], p["am_counters"], p["att_counters"])
 
 
 def heads_per_block(c: ModelConfig) -> int:
@@ -195,6 +206,25 @@ def launch_matmul(dev, lin: Linear, x: int, ldx: int, M: int, y: int, ldy: int, 
                    w=lin.w, ldw=round_up(lin.K, 8), row_scales=lin.aux)
 
 
+# the fused products' extra parameters (kernels.py _MATMUL_FUSED), all unused
+_FUSED_NONE = dict(positions=0, slot_mapping=0, cos_sin=0, max_positions=0, q_out=0, ldq=0, k_cache=0, v_cache=0,
+                   num_heads=0, num_kv_heads=0, head_dim=0, argmax_keys=0, argmax_counters=0, tokens=0)
+
+
+def launch_matmul_fused(dev, c: ModelConfig, lin: Linear, epilogue: str, x: int, ldx: int, M: int, y: int, ldy: int,
+                        norm_w: int, acts: Activations, stream, **extra) -> None:
+    """y = epilogue(rmsnorm(x) * norm_w @ W^T (+ bias)) with one tensor-core kernel (int4_matmul.cu
+    "fused kernels"); `epilogue` is rope_f32 | rope_f16 | silu | gelu | argmax, `extra` its arguments."""
+    assert lin.kind == "int4_tc" and ldx >= lin.Kp, f"{lin.name}: no fused kernel for {lin.kind} / width {ldx}"
+    plan = matmul_plan(lin, M, dev.num_sms, acts.mm_mode)
+    args = dict(_FUSED_NONE, x=x, ldx=ldx, M=M, qw=lin.w, sz=lin.aux, num_units=lin.Kp // 128,
+                group_size=lin.group_size, units_per_split=plan.units_per_split, bias=lin.bias, y=y, ldy=ldy, N=lin.N,
+                accumulate=0, ws=acts.mm_ws, counters=acts.mm_counters, norm_w=norm_w, norm_dim=c.hidden_size,
+                eps=c.rms_norm_eps)
+    args.update(extra)
+    dev.launch(f"{plan.kernel}_{epilogue}", plan.grid, 256, stream, **args)
+
+
 def launch_embed(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, g: StepGeometry, stream) -> None:
     e = w.embed
     dev.launch(f"embed_{e.kind}", (g.num_tokens,), 256, stream, token_ids=g.token_ids, table=e.table,
@@ -208,57 +238,88 @@ def launch_rmsnorm(dev, c: ModelConfig, x: int, ldx: int, weight: int, out: int,
                D=c.hidden_size, eps=c.rms_norm_eps, accumulate=int(accumulate))
 
 
+def launch_qkv_rope(dev, c: ModelConfig, w: DeviceWeights, layer, i: int, acts: Activations, kv: KVCache,
+                    g: StepGeometry, stream) -> None:
+    """rmsnorm -> qkv -> RoPE + KV append as one kernel (layer.qkv in the "rope" row order)."""
+    suffix = "f32" if kv.dtype == "float32" else "f16"
+    local = c.rope_local_theta is not None and c.layer_window(i) is not None     # Gemma 3's sliding layers
+    launch_matmul_fused(dev, c, layer.qkv, f"rope_{suffix}", acts.h, acts.ld_h, g.num_tokens, acts.qkv, acts.ld_qkv,
+                        layer.attn_norm, acts, stream, positions=g.positions, slot_mapping=g.slot_mapping,
+                        cos_sin=w.cos_sin_local if local else w.cos_sin, max_positions=w.max_positions,
+                        q_out=acts.q, ldq=acts.ld_q,
+                        k_cache=kv.k[i], v_cache=kv.v[i], num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                        head_dim=c.head_dim)
+
+
 def launch_attention(dev, c: ModelConfig, w: DeviceWeights, i: int, acts: Activations, kv: KVCache,
-                     g: StepGeometry, stream) -> None:
+                     g: StepGeometry, stream, rope: bool = True, fused: bool = False) -> None:
+    """[RoPE + KV append,] paged attention [and the split combine, or folded in with `fused`]."""
     hpb = heads_per_block(c)
     group = c.num_heads // c.num_kv_heads
     suffix = "f32" if kv.dtype == "float32" else "f16"
     layer = w.layers[i]
-    if layer.q_norm:                # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
-        dev.launch("head_rmsnorm", (g.num_tokens, c.num_heads + c.num_kv_heads), 32, stream, qkv=acts.qkv,
-                   ldqkv=acts.ld_qkv, q_norm=layer.q_norm, k_norm=layer.k_norm, num_heads=c.num_heads,
-                   head_dim=c.head_dim, eps=c.rms_norm_eps)
     local = c.rope_local_theta is not None and c.layer_window(i) is not None     # Gemma 3's sliding layers
-    dev.launch(f"rope_kv_append_{suffix}", (g.num_tokens,), 128, stream, qkv=acts.qkv, ldqkv=acts.ld_qkv,
-               positions=g.positions, slot_mapping=g.slot_mapping, cos_sin=w.cos_sin_local if local else w.cos_sin,
-               max_positions=w.max_positions,
-               q_out=acts.q, ldq=acts.ld_q, k_cache=kv.k[i], v_cache=kv.v[i], num_heads=c.num_heads,
-               num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
-    dev.launch(f"attention_paged_{suffix}", (g.num_items, c.num_kv_heads * (group // hpb), g.num_splits), 128, stream,
+    if rope:
+        if layer.q_norm:            # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
+            dev.launch("head_rmsnorm", (g.num_tokens, c.num_heads + c.num_kv_heads), 32, stream, qkv=acts.qkv,
+                       ldqkv=acts.ld_qkv, q_norm=layer.q_norm, k_norm=layer.k_norm, num_heads=c.num_heads,
+                       head_dim=c.head_dim, eps=c.rms_norm_eps)
+        dev.launch(f"rope_kv_append_{suffix}", (g.num_tokens,), 128, stream, qkv=acts.qkv, ldqkv=acts.ld_qkv,
+                   positions=g.positions, slot_mapping=g.slot_mapping,
+                   cos_sin=w.cos_sin_local if local else w.cos_sin, max_positions=w.max_positions,
+                   q_out=acts.q, ldq=acts.ld_q, k_cache=kv.k[i], v_cache=kv.v[i], num_heads=c.num_heads,
+                   num_kv_heads=c.num_kv_heads, head_dim=c.head_dim)
+    extra = {"counters": acts.att_counters} if fused else {}
+    dev.launch(f"attention_paged_{'fused_' if fused else ''}{suffix}",
+               (g.num_items, c.num_kv_heads * (group // hpb), g.num_splits), 128, stream,
                smem=attention_smem_bytes(c.head_dim), q=acts.q, ldq=acts.ld_q, k_cache=kv.k[i], v_cache=kv.v[i],
                block_tables=g.block_tables, ld_bt=g.ld_bt, positions=g.positions, items=g.items, out=acts.attn,
                ldo=acts.ld_attn, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc, max_splits=g.num_splits,
                num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=kv.block_size,
                heads_per_block=hpb, sliding_window=c.layer_window(i) or 0, scale=float(np.float32(c.softmax_scale)),
-               softcap=c.attn_logit_softcap or 0.0, split_size=g.split_size)
-    if g.num_splits > 1:
+               softcap=c.attn_logit_softcap or 0.0, split_size=g.split_size, **extra)
+    if g.num_splits > 1 and not fused:
         dev.launch("attention_combine", (g.num_tokens, c.num_heads), 128, stream, ws_ml=acts.ws_ml, ws_acc=acts.ws_acc,
                    num_splits=g.num_splits, max_splits=g.num_splits, out=acts.attn, ldo=acts.ld_attn,
                    num_heads=c.num_heads, head_dim=c.head_dim)
 
 
 def launch_forward(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, kv: KVCache,
-                   g: StepGeometry, stream) -> None:
-    """One step of the model (hot path: once per eager step, or once per graph capture)."""
+                   g: StepGeometry, stream, fused: bool = False, greedy: bool = False) -> bool:
+    """One step of the model (hot path: once per eager step, or once per graph capture).
+    -> True when the greedy argmax was folded into lm_head (acts.tokens is then written)."""
     T, a = g.num_tokens, acts
     launch_embed(dev, c, w, a, g, stream)
     glu = "glu_silu" if c.activation == "silu" else "glu_gelu_tanh"
     for i, layer in enumerate(w.layers):
-        launch_rmsnorm(dev, c, a.h, a.ld_h, layer.attn_norm, a.xn, a.ld_xn, 0, T, stream)
-        launch_matmul(dev, layer.qkv, a.xn, a.ld_xn, T, a.qkv, a.ld_qkv, False, a, stream)
-        launch_attention(dev, c, w, i, a, kv, g, stream)
+        if fused and layer.qkv.rows == "rope":
+            launch_qkv_rope(dev, c, w, layer, i, a, kv, g, stream)
+        else:
+            launch_rmsnorm(dev, c, a.h, a.ld_h, layer.attn_norm, a.xn, a.ld_xn, 0, T, stream)
+            launch_matmul(dev, layer.qkv, a.xn, a.ld_xn, T, a.qkv, a.ld_qkv, False, a, stream)
+        launch_attention(dev, c, w, i, a, kv, g, stream, rope=not (fused and layer.qkv.rows == "rope"), fused=fused)
         launch_residual(dev, c, layer.o, a.attn, a.ld_attn, layer.post_attn_norm, a, T, stream)
-        launch_rmsnorm(dev, c, a.h, a.ld_h, layer.mlp_norm, a.xn, a.ld_xn, 0, T, stream)
-        launch_matmul(dev, layer.gate_up, a.xn, a.ld_xn, T, a.gu, a.ld_gu, False, a, stream)
-        dev.launch(glu, (-(-c.intermediate_size // 256), T), 256, stream, gate_up=a.gu, ldg=a.ld_gu,
-                   out=a.act, ldo=a.ld_act, I=c.intermediate_size)
+        if fused and layer.gate_up.rows == "glu":
+            launch_matmul_fused(dev, c, layer.gate_up, "silu" if c.activation == "silu" else "gelu", a.h, a.ld_h, T,
+                                a.act, a.ld_act, layer.mlp_norm, a, stream)
+        else:
+            launch_rmsnorm(dev, c, a.h, a.ld_h, layer.mlp_norm, a.xn, a.ld_xn, 0, T, stream)
+            launch_matmul(dev, layer.gate_up, a.xn, a.ld_xn, T, a.gu, a.ld_gu, False, a, stream)
+            dev.launch(glu, (-(-c.intermediate_size // 256), T), 256, stream, gate_up=a.gu, ldg=a.ld_gu,
+                       out=a.act, ldo=a.ld_act, I=c.intermediate_size)
         launch_residual(dev, c, layer.down, a.act, a.ld_act, layer.post_mlp_norm, a, T, stream)
-    if g.num_rows:
-        launch_rmsnorm(dev, c, a.h, a.ld_h, w.norm, a.hn, a.ld_hn, g.logits_rows, g.num_rows, stream)
-        launch_matmul(dev, w.lm_head, a.hn, a.ld_hn, g.num_rows, a.logits, a.ld_logits, False, a, stream)
-        if c.final_logit_softcap:   # Gemma 2, before any sampling
-            dev.launch("logit_softcap", (g.num_rows,), 256, stream, logits=a.logits, ldl=a.ld_logits,
-                       vocab_size=c.vocab_size, cap=c.final_logit_softcap)
+    if not g.num_rows:
+        return False
+    if fused and greedy and w.lm_head.kind == "int4_tc" and not g.logits_rows and not c.final_logit_softcap:
+        launch_matmul_fused(dev, c, w.lm_head, "argmax", a.h, a.ld_h, g.num_rows, a.logits, a.ld_logits, w.norm, a,
+                            stream, argmax_keys=a.am_keys, argmax_counters=a.am_counters, tokens=a.tokens)
+        return True
+    launch_rmsnorm(dev, c, a.h, a.ld_h, w.norm, a.hn, a.ld_hn, g.logits_rows, g.num_rows, stream)
+    launch_matmul(dev, w.lm_head, a.hn, a.ld_hn, g.num_rows, a.logits, a.ld_logits, False, a, stream)
+    if c.final_logit_softcap:       # Gemma 2, before any sampling
+        dev.launch("logit_softcap", (g.num_rows,), 256, stream, logits=a.logits, ldl=a.ld_logits,
+                   vocab_size=c.vocab_size, cap=c.final_logit_softcap)
+    return False
 
 
 def launch_residual(dev, c: ModelConfig, lin: Linear, x: int, ldx: int, post_norm: int, a: Activations, T: int,
@@ -269,6 +330,14 @@ def launch_residual(dev, c: ModelConfig, lin: Linear, x: int, ldx: int, post_nor
         return
     launch_matmul(dev, lin, x, ldx, T, a.xn, a.ld_xn, False, a, stream)
     launch_rmsnorm(dev, c, a.xn, a.ld_xn, post_norm, a.h, a.ld_h, 0, T, stream, accumulate=True)
+
+
+def launch_step(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, kv: KVCache, g: StepGeometry,
+                mode: str, stream, fused: bool = False) -> None:
+    """The forward pass and, for the rows that sample, the sampler in `mode` (hot path)."""
+    folded = launch_forward(dev, c, w, acts, kv, g, stream, fused=fused, greedy=mode == "greedy")
+    if g.num_rows and not folded:
+        launch_sampler(dev, c, acts, g, mode, stream)
 
 
 def launch_sampler(dev, c: ModelConfig, acts: Activations, g: StepGeometry, mode: str, stream) -> None:

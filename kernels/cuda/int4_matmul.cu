@@ -6,6 +6,10 @@
 //                    (64), K split across blocks when the rows alone cannot fill the GPU.
 //   int4_mm_simt     any architecture, the engine's own packing; the fallback and a cross-check.
 //   int4_repack_tc   engine packing -> "tc" layout, once at load time.
+//   int4_mm_tc_*_{rope_f32,rope_f16,silu,gelu,argmax}   the fused decoder kernels: the same product
+//                    with the RMSNorm of x folded into its prologue and the next small kernel folded
+//                    into its epilogue (see "Fused kernels" below); the plain kernels stay as their
+//                    reference.
 //
 // Tensor-core path: mma.m16n8k16 with A = the weights' codes minus their zero points (exact
 // small integers in fp16) and B = the activations, either split in two fp16 parts
@@ -88,15 +92,25 @@ __device__ __forceinline__ u32 f16x2_of(float lo, float hi) {
 // Activations of one 128-wide K unit as B fragments: TOKENS x 64 pairs (k, k + 1), spread over
 // the block's 256 threads, PER_THREAD pairs each. Loading (global) and storing (shared, in
 // fragment order) are separate so the next unit's loads can fly while this unit is multiplied.
+// With `denom` (the fused RMSNorm prologue) each value becomes x / denom[tok] * norm_w[k], in
+// rmsnorm.cu's order of operations, and zero past norm_dim.
 template <int TOKENS, int PER_THREAD>
 __device__ __forceinline__ void load_unit_x(float2 (&xr)[PER_THREAD], const float* __restrict__ x, int ldx, int M,
-                                            int tok0, int u) {
+                                            int tok0, int u, const float* denom = nullptr,
+                                            const float* __restrict__ norm_w = nullptr, int norm_dim = 0) {
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
         const int idx = threadIdx.x + i * 256, tok = idx >> 6, k = 2 * (idx & 63);
         xr[i] = make_float2(0.0f, 0.0f);
-        if (idx < TOKENS * 64 && tok0 + tok < M)
+        if (idx < TOKENS * 64 && tok0 + tok < M) {
             xr[i] = __ldg(reinterpret_cast<const float2*>(x + (size_t)(tok0 + tok) * ldx + u * 128 + k));
+            if (denom) {
+                const int kk = u * 128 + k;
+                const float dn = denom[tok];
+                xr[i].x = kk < norm_dim ? xr[i].x / dn * __ldg(norm_w + kk) : 0.0f;
+                xr[i].y = kk + 1 < norm_dim ? xr[i].y / dn * __ldg(norm_w + kk + 1) : 0.0f;
+            }
+        }
     }
 }
 
@@ -121,6 +135,110 @@ __device__ __forceinline__ void store_unit_x(const float2 (&xr)[PER_THREAD], uin
     }
 }
 
+// ------------------------------------------------------------------ fused prologue and epilogues
+
+// Epilogues. Results leave the product in pairs: rows n and n + 8 of a 16-row tile, for one
+// token m (a lane holds exactly such pairs). The fused kernels' weights are uploaded with their
+// rows reordered (kernels/cuda/layout.py) so that each pair is what the folded kernel needs:
+//   EPI_ROPE_*  qkv rows of each head in the order [j0..j0+7, j0+half..j0+half+7, ...]: a pair is
+//               (x[j], x[j + half]), rotated (rope_kv_append's arithmetic) into q_out or the
+//               paged K cache; V pairs go to the V cache. Needs head_dim % 16 == 0.
+//   EPI_SILU/GELU  gate_up rows interleaved [gate 8t..8t+7, up 8t..8t+7]: a pair is (gate[i], up[i])
+//               and y[m, i] = act(gate) * up. Needs intermediate_size % 8 == 0.
+//   EPI_ARGMAX  logits stored as usual, and the row's greedy token: the block's best (logit,
+//               lowest index) per token in shared memory, one 64-bit atomicMax per block into
+//               argmax_keys, and the last block of the token tile to arrive writes tokens[m] and
+//               re-arms the keys and its counter (graphs replay it as is).
+#define EPI_STORE 0
+#define EPI_ROPE_F32 1
+#define EPI_ROPE_F16 2
+#define EPI_SILU 3
+#define EPI_GELU 4
+#define EPI_ARGMAX 5
+
+struct FusedArgs {
+    const float* norm_w; int norm_dim; float eps;               // prologue: x -> rmsnorm(x) * norm_w
+    const int* positions; const int* slot_mapping;              // EPI_ROPE_*
+    const float2* cos_sin; int max_positions;
+    float* q_out; int ldq; void* k_cache; void* v_cache;
+    int num_heads; int num_kv_heads; int head_dim;
+    u64* argmax_keys; int* argmax_counters; int* tokens;        // EPI_ARGMAX
+};
+
+__device__ __forceinline__ void store_cache_value(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store_cache_value(f16_t* p, float v) { *p = f32_to_f16(v); }
+
+template <int EPI>
+__device__ __forceinline__ void epilogue_pair(float* y, int ldy, int M, int N, int m, int n, float va, float vb,
+                                              const float* bias, int accumulate, const FusedArgs& f, u64* best,
+                                              int tok) {
+    if (m >= M || n >= N) return;
+    if (EPI == EPI_STORE || EPI == EPI_ARGMAX) {
+        store_result(y, ldy, m, n, va, bias, accumulate);
+        if (n + 8 < N) store_result(y, ldy, m, n + 8, vb, bias, accumulate);
+        if (EPI == EPI_ARGMAX) {                                // lm_head: never accumulates
+            u64 key = rank_key(bias ? va + bias[n] : va, n);
+            if (n + 8 < N) {
+                const u64 kb = rank_key(bias ? vb + bias[n + 8] : vb, n + 8);
+                key = kb > key ? kb : key;
+            }
+            atomicMax(best + tok, key);
+        }
+        return;
+    }
+    if (bias) { va += bias[n]; vb += bias[n + 8]; }
+    if (EPI == EPI_SILU || EPI == EPI_GELU) {
+        const int i = (n >> 4) * 8 + (n & 7);                   // interleaved: pair = (gate[i], up[i])
+        y[(size_t)m * ldy + i] = (EPI == EPI_GELU ? act_gelu_tanh(va) : act_silu(va)) * vb;
+        return;
+    }
+    // EPI_ROPE_*: n is row r < 8 of a 16-row block b of a head; the pair is (x[j], x[j + half])
+    const int hd = f.head_dim, half = hd / 2, head = n / hd, p = n % hd;
+    const int j = (p >> 4) * 8 + (p & 7);
+    typedef typename tw_select<EPI == EPI_ROPE_F16, f16_t, float>::type CT;
+    const size_t slot_base = (size_t)f.slot_mapping[m] * f.num_kv_heads * hd;
+    if (head >= f.num_heads + f.num_kv_heads) {                 // V: no rotation
+        CT* dst = reinterpret_cast<CT*>(f.v_cache) + slot_base + (head - f.num_heads - f.num_kv_heads) * hd;
+        store_cache_value(dst + j, va);
+        store_cache_value(dst + j + half, vb);
+        return;
+    }
+    const int pos = min(max(f.positions[m], 0), f.max_positions - 1);
+    const float2 c = f.cos_sin[(size_t)pos * half + j];
+    const float r1 = __fsub_rn(__fmul_rn(va, c.x), __fmul_rn(vb, c.y));
+    const float r2 = __fadd_rn(__fmul_rn(vb, c.x), __fmul_rn(va, c.y));
+    if (head < f.num_heads) {
+        float* dst = f.q_out + (size_t)m * f.ldq + head * hd;
+        dst[j] = r1;
+        dst[j + half] = r2;
+    } else {
+        CT* dst = reinterpret_cast<CT*>(f.k_cache) + slot_base + (head - f.num_heads) * hd;
+        store_cache_value(dst + j, r1);
+        store_cache_value(dst + j + half, r2);
+    }
+}
+
+// EPI_ARGMAX after every pair of the block: the block's best per token into argmax_keys, and the
+// last block of the token tile turns the keys into token ids (all threads of the block call this).
+template <int TOKENS>
+__device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int tok0, int M) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x < TOKENS && tok0 + threadIdx.x < M && best[threadIdx.x])
+        atomicMax(reinterpret_cast<unsigned long long*>(f.argmax_keys + tok0 + threadIdx.x), best[threadIdx.x]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(f.argmax_counters + blockIdx.y, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x < TOKENS && tok0 + threadIdx.x < M) {
+        const u64 key = atomicExch(reinterpret_cast<unsigned long long*>(f.argmax_keys + tok0 + threadIdx.x), 0ull);
+        f.tokens[tok0 + threadIdx.x] = key_index(key);
+    }
+    if (threadIdx.x == 0) f.argmax_counters[blockIdx.y] = 0;
+}
+
 // int4_mm_tc<NT, SPLIT>: y[M, N] (+)= x[M, K] W^T (+ bias), weights in the "tc" layout.
 //
 // grid (Np / 128 row blocks, ceil(M / TOKENS) token tiles, K splits), block 256 (8 warps).
@@ -134,13 +252,18 @@ __device__ __forceinline__ void store_unit_x(const float2 (&xr)[PER_THREAD], uin
 // With more than one K split, each block writes fp32 partials to ws and the last block of a
 // (row block, token tile) to arrive adds them in split order (deterministic), applies the
 // epilogue and re-arms the counter, so graphs replay it as is.
-template <int NT, bool SPLIT, int PREFETCH>
+// PDL: the block's first PREFETCH units of weights load (and the rest of its slice is prefetched
+// into L2) before the dependency wait, and dependents are signalled as soon as the last weight
+// load is issued. NORM: x's rows are RMS-normalized on the fly (f.norm_w), each block computing
+// its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair).
+template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false>
 __device__ __forceinline__ void int4_mm_tc(
     const float* __restrict__ x, int ldx, int M,                 // x: [M, ldx], zero beyond K
     const uint4* __restrict__ qw, const u32* __restrict__ sz,    // "tc" layout
     int num_units, int group_size, int units_per_split,
     const float* __restrict__ bias, float* y, int ldy, int N, int accumulate,
-    float* __restrict__ ws, int* __restrict__ counters) {        // K-split partials / arrival counters
+    float* __restrict__ ws, int* __restrict__ counters,          // K-split partials / arrival counters
+    const FusedArgs& f = FusedArgs{}) {
     constexpr int TPT = SPLIT ? 4 : 8;                           // tokens per n8 tile
     constexpr int TOKENS = NT * TPT;
     constexpr int NACC = SPLIT ? 2 : 4;                          // results per tile and lane
@@ -148,6 +271,8 @@ __device__ __forceinline__ void int4_mm_tc(
     constexpr int PER_THREAD = (TOKENS * 64 + 255) / 256;
     __shared__ uint2 frag[DOUBLE ? 2 : 1][8][NT][32];            // [buffer][k16 step][n8 tile][lane] B fragments
     __shared__ int is_last;
+    __shared__ float denom[NORM ? TOKENS : 1];                   // the fused RMSNorm's per-token sqrt(mean + eps)
+    __shared__ u64 best[EPI == EPI_ARGMAX ? TOKENS : 1];         // EPI_ARGMAX: the block's best key per token
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int tile = blockIdx.x * 8 + warp;
@@ -183,12 +308,32 @@ __device__ __forceinline__ void int4_mm_tc(
             }
         }
     }
+    if ((lane & 7) == 0) {                                       // the rest of the slice into L2 meanwhile
+        for (int u = u_begin + PREFETCH; u < u_end; ++u) {
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(qtile + (size_t)(2 * u) * 32));
+            asm volatile("prefetch.global.L2 [%0];" :: "l"(qtile + (size_t)(2 * u + 1) * 32));
+        }
+    }
+    if (EPI == EPI_ARGMAX && tid < TOKENS) best[tid] = 0ull;
     pdl_wait();
+    bool signalled = false;                                      // pdl_launch_dependents issued
+    if (NORM) {                                                  // rmsnorm.cu's sum, per token of the tile
+        __shared__ float scratch[32];
+        for (int tok = 0; tok < TOKENS && tok0 + tok < M; ++tok) {
+            const float* row = x + (size_t)(tok0 + tok) * ldx;
+            float ss = 0.0f;
+            for (int d = tid; d < f.norm_dim; d += blockDim.x) ss += row[d] * row[d];
+            ss = block_sum(ss, scratch);
+            if (tid == 0) denom[tok] = sqrtf(ss / (float)f.norm_dim + f.eps);
+        }
+        __syncthreads();
+    }
+    const float* dn = NORM ? denom : nullptr;
 
     float2 xr[PER_THREAD];
     int cur = 0;                                                 // the buffer being multiplied
     if (u_begin < u_end) {
-        load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u_begin);
+        load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u_begin, dn, f.norm_w, f.norm_dim);
         store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[0]);
     }
     __syncthreads();
@@ -198,10 +343,14 @@ __device__ __forceinline__ void int4_mm_tc(
         for (int p = 0; p < PREFETCH; ++p) {
             const int u = u0 + p;
             if (u >= u_end) break;                               // uniform across the block
+            if (!signalled && u + PREFETCH >= u_end) {           // every weight load is issued
+                pdl_launch_dependents();
+                signalled = true;
+            }
             if (DOUBLE) {
-                if (u + 1 < u_end) load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u + 1);
+                if (u + 1 < u_end) load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u + 1, dn, f.norm_w, f.norm_dim);
             } else if (u != u_begin) {
-                load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u);
+                load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u, dn, f.norm_w, f.norm_dim);
                 store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[0]);
                 __syncthreads();
             }
@@ -266,20 +415,24 @@ __device__ __forceinline__ void int4_mm_tc(
             __syncthreads();                                     // the staged unit changes hands
         }
     }
-    pdl_launch_dependents();
+    if (!signalled) pdl_launch_dependents();
 
-    // lane results: rows n0 = 16 tile + g and n0 + 8; tokens per tile j: SPLIT 4j + t, else 8j + 2t (+1)
+    // lane results: rows n0 = 16 tile + g and n0 + 8, as pairs; tokens per tile j: SPLIT 4j + t, else 8j + 2t (+1)
     const int n0 = tile * 16 + g;
     if (gridDim.z == 1) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
+            if (SPLIT) {
+                epilogue_pair<EPI>(y, ldy, M, N, tok0 + 4 * j + t, n0, acc[j][0], acc[j][1], bias, accumulate, f,
+                                   best, 4 * j + t);
+            } else {
 #pragma unroll
-            for (int i = 0; i < NACC; ++i) {
-                const int m = tok0 + (SPLIT ? 4 * j + t : 8 * j + 2 * t + (i & 1));
-                const int n = n0 + ((SPLIT ? i : i >> 1) ? 8 : 0);
-                if (m < M && n < N) store_result(y, ldy, m, n, acc[j][i], bias, accumulate);
+                for (int e = 0; e < 2; ++e)
+                    epilogue_pair<EPI>(y, ldy, M, N, tok0 + 8 * j + 2 * t + e, n0, acc[j][e], acc[j][NACC - 2 + e],
+                                       bias, accumulate, f, best, 8 * j + 2 * t + e);
             }
         }
+        if (EPI == EPI_ARGMAX) argmax_finish<TOKENS>(f, best, tok0, M);
         return;
     }
     // K split: partials [split][token of the tile][row of the row block], then the last block sums them
@@ -301,15 +454,19 @@ __device__ __forceinline__ void int4_mm_tc(
     __syncthreads();
     if (!is_last) return;
     __threadfence();
-    for (int i = tid; i < TOKENS * 128; i += blockDim.x) {
-        const int tok = i / 128, n = blockIdx.x * 128 + i % 128, m = tok0 + tok;
+    for (int i = tid; i < TOKENS * 64; i += blockDim.x) {        // (token, pair): rows n and n + 8
+        const int tok = i / 64, r = i % 64, n = blockIdx.x * 128 + (r >> 3) * 16 + (r & 7), m = tok0 + tok;
         if (m >= M || n >= N) continue;
-        float v = 0.0f;
-        for (int z = 0; z < (int)gridDim.z; ++z)
-            v += __ldcg(ws + ((size_t)z * gridDim.y + blockIdx.y) * ws_tile + (size_t)tok * rows + n);
-        store_result(y, ldy, m, n, v, bias, accumulate);
+        float va = 0.0f, vb = 0.0f;
+        for (int z = 0; z < (int)gridDim.z; ++z) {
+            const float* part_z = ws + ((size_t)z * gridDim.y + blockIdx.y) * ws_tile + (size_t)tok * rows;
+            va += __ldcg(part_z + n);
+            vb += __ldcg(part_z + n + 8);
+        }
+        epilogue_pair<EPI>(y, ldy, M, N, m, n, va, vb, bias, accumulate, f, best, tok);
     }
     if (tid == 0) *counter = 0;                                  // re-armed for the next launch
+    if (EPI == EPI_ARGMAX) argmax_finish<TOKENS>(f, best, tok0, M);
 }
 
 #define MM_ARGS const float* __restrict__ x, int ldx, int M, const uint4* __restrict__ qw, \
@@ -327,6 +484,35 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x64(MM_ARGS) { int4
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h8(MM_ARGS) { int4_mm_tc<1, false, 4>(MM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h16(MM_ARGS) { int4_mm_tc<2, false, 4>(MM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4_mm_tc<8, false, 2>(MM_PASS); }
+
+// ------------------------------------------------------------------ fused kernels
+
+// The plain product's parameters, then the fused ones (kernels.py _MATMUL_FUSED), unused ones 0.
+#define MMF_ARGS MM_ARGS, const float* __restrict__ norm_w, int norm_dim, float eps, \
+    const int* __restrict__ positions, const int* __restrict__ slot_mapping, const float2* __restrict__ cos_sin, \
+    int max_positions, float* __restrict__ q_out, int ldq, void* k_cache, void* v_cache, int num_heads, \
+    int num_kv_heads, int head_dim, u64* argmax_keys, int* argmax_counters, int* tokens
+#define MMF_STRUCT FusedArgs{norm_w, norm_dim, eps, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, \
+    k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, tokens}
+#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, true>(MM_PASS, MMF_STRUCT); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f16(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, true>(MM_PASS, MMF_STRUCT); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_silu(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, true>(MM_PASS, MMF_STRUCT); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_gelu(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, true>(MM_PASS, MMF_STRUCT); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_argmax(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, true>(MM_PASS, MMF_STRUCT); }
+
+MM_FUSED(int4_mm_tc_x4, 1, true, 4)
+MM_FUSED(int4_mm_tc_x8, 2, true, 4)
+MM_FUSED(int4_mm_tc_x16, 4, true, 2)
+MM_FUSED(int4_mm_tc_x64, 16, true, 1)
+MM_FUSED(int4_mm_tc_h8, 1, false, 4)
+MM_FUSED(int4_mm_tc_h16, 2, false, 4)
+MM_FUSED(int4_mm_tc_h64, 8, false, 2)
 
 // ------------------------------------------------------------------ layout conversion at load time
 

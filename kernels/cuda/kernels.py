@@ -14,6 +14,12 @@ SOURCE_FILES = ("common.cuh", "activation.cu", "attention.cu", "dense_matmul.cu"
 
 _MATMUL_INT4 = ("x:p ldx:i M:i qw:p sz:p num_units:i group_size:i units_per_split:i bias:p y:p ldy:i N:i "
                 "accumulate:i ws:p counters:p")
+# the fused decoder products (int4_matmul.cu "fused kernels"): the plain product's parameters, then
+# the RMSNorm prologue's, the RoPE/KV epilogue's and the argmax epilogue's (0 where unused)
+_MATMUL_FUSED = (_MATMUL_INT4 + " norm_w:p norm_dim:i eps:f positions:p slot_mapping:p cos_sin:p max_positions:i "
+                 "q_out:p ldq:i k_cache:p v_cache:p num_heads:i num_kv_heads:i head_dim:i argmax_keys:p "
+                 "argmax_counters:p tokens:p")
+FUSED_EPILOGUES = ("rope_f32", "rope_f16", "silu", "gelu", "argmax")
 _DENSE = "x:p ldx:i M:i w:p ldw:i row_scales:p bias:p y:p ldy:i N:i accumulate:i"
 _EMBED = "token_ids:p table:p scales:p zeros:p ldw:i group_size:i vocab_size:i D:i multiplier:f out:p ldo:i"
 _ROPE = ("qkv:p ldqkv:i positions:p slot_mapping:p cos_sin:p max_positions:i q_out:p ldq:i "
@@ -22,6 +28,7 @@ _ATTENTION = ("q:p ldq:i k_cache:p v_cache:p block_tables:p ld_bt:i positions:p 
               "ws_ml:p ws_acc:p max_splits:i num_heads:i num_kv_heads:i head_dim:i block_size:i "
               "heads_per_block:i sliding_window:i scale:f softcap:f split_size:i")
 _GLU = "gate_up:p ldg:i out:p ldo:i I:i"
+_ATTENTION_FUSED = _ATTENTION + " counters:p"
 
 SIGNATURES = {
     "int4_mm_tc_x4": _MATMUL_INT4,
@@ -31,6 +38,9 @@ SIGNATURES = {
     "int4_mm_tc_h8": _MATMUL_INT4,
     "int4_mm_tc_h16": _MATMUL_INT4,
     "int4_mm_tc_h64": _MATMUL_INT4,
+    **{f"{k}_{e}": _MATMUL_FUSED for k in ("int4_mm_tc_x4", "int4_mm_tc_x8", "int4_mm_tc_x16", "int4_mm_tc_x64",
+                                           "int4_mm_tc_h8", "int4_mm_tc_h16", "int4_mm_tc_h64")
+       for e in FUSED_EPILOGUES},
     "int4_mm_simt": ("x:p ldx:i M:i qweight:p scales:p zeros:p words_per_row:i group_size:i "
                      "bias:p y:p ldy:i N:i accumulate:i"),
     "int4_repack_tc": ("qweight:p scales:p zeros:p N:i Kb:i num_src_groups:i qw:p sz:p "
@@ -51,6 +61,8 @@ SIGNATURES = {
     "rope_kv_append_f16": _ROPE,
     "attention_paged_f32": _ATTENTION,
     "attention_paged_f16": _ATTENTION,
+    "attention_paged_fused_f32": _ATTENTION_FUSED,
+    "attention_paged_fused_f16": _ATTENTION_FUSED,
     "attention_combine": "ws_ml:p ws_acc:p num_splits:i max_splits:i out:p ldo:i num_heads:i head_dim:i",
     "apply_penalties": "logits:p plogits:p ldl:i vocab_size:i fparams:p iparams:p row_ptr:p entries:p",
     "argmax_rows": "logits:p ldl:i vocab_size:i tokens:p",

@@ -102,3 +102,25 @@ def dequantize_tc(qw: np.ndarray, sz: np.ndarray, shape: TcShape) -> np.ndarray:
     w = (codes.astype(np.float32) - np.repeat(zeros.astype(np.float32), G, axis=1)) \
         * np.repeat(scales.astype(np.float32), G, axis=1)
     return w[:shape.N, :shape.K]
+
+
+# ------------------------------------------------------------------ row orders of the fused kernels
+
+def rope_row_order(num_heads: int, head_dim: int) -> np.ndarray:
+    """Logical qkv row of each device row for the fused RoPE epilogue (int4_matmul.cu): within
+    each head, blocks of 16 rows [j0..j0+7, j0+half..j0+half+7], so the two rows a rotation
+    pairs sit 8 apart in one tensor-core tile. `num_heads` counts Q, K and V heads."""
+    if head_dim % 16:
+        raise ValueError(f"the fused RoPE epilogue needs head_dim % 16 == 0, got {head_dim}")
+    half = head_dim // 2
+    within = np.concatenate([np.r_[b * 8:b * 8 + 8, half + b * 8:half + b * 8 + 8] for b in range(half // 8)])
+    return (np.arange(num_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
+
+
+def glu_row_order(intermediate_size: int) -> np.ndarray:
+    """Logical gate_up row of each device row for the fused GLU epilogue: [gate 8t..8t+7,
+    up 8t..8t+7] per 16-row tile, so a lane holds gate[i] and up[i] together."""
+    I = intermediate_size
+    if I % 8:
+        raise ValueError(f"the fused GLU epilogue needs intermediate_size % 8 == 0, got {I}")
+    return np.concatenate([np.r_[8 * t:8 * t + 8, I + 8 * t:I + 8 * t + 8] for t in range(I // 8)])

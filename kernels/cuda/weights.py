@@ -10,6 +10,10 @@ Contract:
   kernel (matmul="simt", and any matrix whose zero points are not integers 0..15). Dense and
   int8 matrices keep row-major rows padded to 8 columns.
 - The RoPE cos/sin table is built here too (kernels/rope.py: float64 angles, rounded once).
+- `fused=True`: the qkv and gate_up matrices that take the tensor-core kernels are stored in the
+  row orders of the fused kernels' epilogues (layout.rope_row_order, glu_row_order; their
+  `rows` says which), where the shapes allow; the others stay in logical order ("plain") and
+  take the unfused kernels.
 `dev` is the `Device` (kernels/cuda/device.py): driver, streams and kernels.
 """
 
@@ -20,7 +24,7 @@ import numpy as np
 from ...core.config import ModelConfig
 from ..engine_format import linear_shapes, vector_shapes
 from ..rope import rope_cos_sin, rope_inv_freq
-from .layout import round_up, tc_shape
+from .layout import glu_row_order, round_up, rope_row_order, tc_shape
 
 ALIGN = 256
 
@@ -36,7 +40,8 @@ class Linear(NamedTuple):
     aux: int                    # tc: sz | simt: scales | dense_i8: row scales | else 0
     zeros: int                  # simt: zeros | else 0
     group_size: int             # int4 only
-    bias: int = 0               # fp32 [N] or 0
+    bias: int = 0               # fp32 [N] or 0 (in the rows' order)
+    rows: str = "plain"         # device row order: "plain", "rope" or "glu" (layout.py, fused kernels)
 
 
 class EmbedTable(NamedTuple):
@@ -86,15 +91,15 @@ class _Arena:
 
 
 def upload_weights(dev, config: ModelConfig, tensors: Mapping[str, np.ndarray], matmul: str,
-                   max_positions: int) -> DeviceWeights:
-    return _Loader(dev, config, tensors, matmul).run(max_positions)
+                   max_positions: int, fused: bool = False) -> DeviceWeights:
+    return _Loader(dev, config, tensors, matmul, fused).run(max_positions)
 
 
 class _Loader:
-    def __init__(self, dev, config, tensors, matmul):
+    def __init__(self, dev, config, tensors, matmul, fused=False):
         if matmul not in ("tc", "simt"):
             raise ValueError(f"matmul must be 'tc' or 'simt', got {matmul!r}")
-        self.dev, self.config, self.tensors, self.matmul = dev, config, tensors, matmul
+        self.dev, self.config, self.tensors, self.matmul, self.fused = dev, config, tensors, matmul, fused
         self.mats, self.vecs = linear_shapes(config), vector_shapes(config)
         self.arena = _Arena()
         self.copies = []             # (offset, host array): run after the one allocation
@@ -133,30 +138,35 @@ class _Loader:
         self.copies.append((offset, array))
         return offset
 
-    def plan_vector(self, name: str) -> int:
+    def plan_vector(self, name: str, order: Optional[np.ndarray] = None) -> int:
         v = np.asarray(self.tensors[name] if name in self.tensors else _missing(name), dtype=np.float32)
         if v.shape != tuple(self.vecs[name]):
             raise ValueError(f"engine tensor {name!r} has shape {list(v.shape)}, the config needs {list(self.vecs[name])}")
-        return self.plan_copy(v)
+        return self.plan_copy(v if order is None else v[order])
 
     def plan_layer(self, i: int) -> LayerWeights:
-        p = f"layers.{i}"
-        qkv = self.plan_linear(f"{p}.qkv_proj")
-        if self.config.qkv_bias:
-            qkv = qkv._replace(bias=self.plan_vector(f"{p}.qkv_bias"))
-        c = self.config
+        p, c = f"layers.{i}", self.config
+        rope = gate = None
+        if self.fused and c.head_dim % 16 == 0 and not c.qk_norm:      # q/k norms run between qkv and RoPE
+            rope = ("rope", rope_row_order(c.num_heads + 2 * c.num_kv_heads, c.head_dim))
+        if self.fused and c.intermediate_size % 8 == 0:
+            gate = ("glu", glu_row_order(c.intermediate_size))
+        qkv = self.plan_linear(f"{p}.qkv_proj", rope)
+        if c.qkv_bias:
+            qkv = qkv._replace(bias=self.plan_vector(f"{p}.qkv_bias", rope[1] if qkv.rows == "rope" else None))
         qk = (self.plan_vector(f"{p}.q_norm"), self.plan_vector(f"{p}.k_norm")) if c.qk_norm else (None, None)
         post = ((self.plan_vector(f"{p}.post_attn_norm"), self.plan_vector(f"{p}.post_mlp_norm")) if c.post_norms
                 else (None, None))
         return LayerWeights(self.plan_vector(f"{p}.attn_norm"), qkv, self.plan_linear(f"{p}.o_proj"),
-                            self.plan_vector(f"{p}.mlp_norm"), self.plan_linear(f"{p}.gate_up_proj"),
+                            self.plan_vector(f"{p}.mlp_norm"), self.plan_linear(f"{p}.gate_up_proj", gate),
                             self.plan_linear(f"{p}.down_proj"), *qk, *post)
 
-    def plan_linear(self, name: str) -> Linear:
+    def plan_linear(self, name: str, order: Optional[tuple] = None) -> Linear:
+        """`order`: (label, device row -> logical row) for a tensor-core matrix of a fused kernel."""
         N, K = self.mats[name]
         t = self.tensors
         if f"{name}.zeros" in t:
-            return self.plan_int4(name, N, K)
+            return self.plan_int4(name, N, K, order)
         if f"{name}.qweight" in t:
             q = _matrix(t, f"{name}.qweight", N, K, np.int8)
             scales = np.asarray(t[f"{name}.scales"], dtype=np.float16).reshape(N)
@@ -182,7 +192,7 @@ class _Loader:
         return Linear("embed", kind, c.vocab_size, c.hidden_size, c.hidden_size, embed.table, embed.scales,
                       None, 0, None)
 
-    def plan_int4(self, name: str, N: int, K: int) -> Linear:
+    def plan_int4(self, name: str, N: int, K: int, order: Optional[tuple] = None) -> Linear:
         t = self.tensors
         qweight = np.asarray(t[f"{name}.qweight"], dtype=np.uint8)
         scales = np.asarray(t[f"{name}.scales"], dtype=np.float16)
@@ -194,12 +204,16 @@ class _Loader:
         if self.matmul == "simt" or not integer_zeros(zeros):
             return Linear(name, "int4_simt", N, K, qweight.shape[1] * 2, self.plan_copy(qweight),
                           self.plan_copy(scales), self.plan_copy(zeros), group_size, None)
+        rows = "plain"
+        if order is not None:
+            rows, index = order
+            qweight, scales, zeros = qweight[index], scales[index], zeros[index]
         shape = tc_shape(N, K, group_size)
         qw = self.arena.take(shape.qw_words * 4)
         sz = self.arena.take(shape.sz_words * 4)
         self.repacks.append(((qweight, scales, zeros), (qw, sz), shape))
         self.staging_bytes = max(self.staging_bytes, sum(round_up(a.nbytes, ALIGN) for a in (qweight, scales, zeros)))
-        return Linear(name, "int4_tc", N, K, shape.Kp, qw, sz, None, group_size, None)
+        return Linear(name, "int4_tc", N, K, shape.Kp, qw, sz, None, group_size, None, rows)
 
     def plan_embed(self) -> EmbedTable:
         t, (V, D) = self.tensors, self.mats["embed"]
