@@ -9,7 +9,9 @@
 # subcommands by name, so no static analysis can see them), and the runtime dependencies in
 # pyproject.toml, from a venv of their own (build/binary-venv). What stays out: the test
 # extras (torch, transformers, ...) and the peer frameworks `tokenwire bench peers` starts
-# (FastAPI, hypercorn, uvicorn, grpc): that benchmark needs a Python with those installed.
+# (FastAPI, hypercorn, uvicorn, grpc): that benchmark needs a Python with those installed;
+# and hf_xet (11 MB unpacked, which every start pays for): huggingface_hub downloads over
+# plain HTTP without it. No --strip: it breaks numpy's bundled OpenBLAS (measured).
 # Needs: Python >= 3.10 with venv, a C compiler, PyPI (pip installs PyInstaller and the
 # dependencies into the venv; later builds reuse it).
 #
@@ -43,7 +45,7 @@ cd "$WORK"       # the venv's tokenwire, not the repository folder
 "$VENV/bin/python" -m PyInstaller --noconfirm --clean --onefile --name tokenwire \
   --distpath "$OUT" --workpath "$WORK/pyi" --specpath "$WORK" \
   --collect-submodules tokenwire --collect-data tokenwire --collect-binaries tokenwire \
-  --collect-submodules uvloop \
+  --collect-submodules uvloop --exclude-module hf_xet \
   --log-level WARN "$WORK/entry.py"
 
 echo "built $OUT/tokenwire: $(stat -c %s "$OUT/tokenwire") bytes"
