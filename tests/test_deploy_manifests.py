@@ -17,7 +17,7 @@ import yaml
 
 from tokenwire.core.outputs import EngineStats
 from tokenwire.net.metrics import Metrics
-from tokenwire.net.serve_cli import add_arguments
+from tokenwire.serve import add_arguments
 from tokenwire.net.server import DRAIN_TIMEOUT_S
 
 from conftest import REPO
