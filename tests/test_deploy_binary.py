@@ -5,9 +5,12 @@ a directory that is not the repository. It streams a completion over h2c and ove
 (curl), builds an engine and runs two benchmarks with its own `build` and `bench`, and stops
 on SIGTERM with exit 0 after the stream in flight finishes.
 
-The build takes about a minute with the venv warm, two on a fresh clone (pip installs the
-dependencies into build/binary-venv); `tokenwire bench deploy` measures size, cold start
-and TTFT against the Python install.
+Not part of the default run (CI): building takes 2 to 3 minutes on the shared project machine
+(127 s from a fresh clone on a quiet moment, 181 s with the venv warm at load average 11-14),
+which with the tests' 45 s is over the 3 minutes allowed in CI. Run it with
+`TOKENWIRE_TEST_BINARY=1` (builds into a temporary directory), or give a built binary with
+`TOKENWIRE_BINARY=dist/tokenwire`. `tokenwire bench deploy` measures size, cold start and TTFT
+against the Python install.
 """
 
 import json
@@ -34,6 +37,9 @@ def binary(tmp_path_factory):
     prebuilt = os.environ.get("TOKENWIRE_BINARY")
     if prebuilt:
         return Path(prebuilt).resolve()
+    if os.environ.get("TOKENWIRE_TEST_BINARY") != "1":
+        pytest.skip("the binary build takes 2-3 min: TOKENWIRE_TEST_BINARY=1 builds and tests it, "
+                    "TOKENWIRE_BINARY=PATH tests a built one")
     out = tmp_path_factory.mktemp("dist")
     r = subprocess.run(["bash", str(REPO / "scripts" / "build_binary.sh"), str(out)], capture_output=True, text=True,
                        timeout=840)
