@@ -160,3 +160,17 @@ def test_kill_one_replica_under_load_loses_only_its_streams_then_drain_the_other
     assert server_counter(after, "replica2", "srv_abrt") == server_counter(before, "replica2", "srv_abrt")
     assert result.num_succeeded == NUM_REQUESTS and result.num_failed == 0 and result.num_errored == 0
     assert replica1.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_bench_deploy_prints_haproxy_beside_one_replica():
+    require_tools()
+    r = subprocess.run([*PYTHON_TOKENWIRE, "bench", "deploy", "--haproxy", str(CONFIG), "--rounds", "1",
+                        "--h2load-requests", "300", "--requests", "10"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {line.split("  ")[0]: line.split() for line in r.stdout.splitlines()
+            if line.startswith(("haproxy -> 2 replicas", "one replica directly"))}
+    assert len(rows) == 2, r.stdout
+    for cells in rows.values():
+        rps, errors = float(cells[-4]), int(cells[-3])
+        assert rps > 0 and errors == 0, r.stdout
