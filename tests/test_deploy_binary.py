@@ -6,8 +6,8 @@ a directory that is not the repository. It streams a completion over h2c and ove
 on SIGTERM with exit 0 after the stream in flight finishes.
 
 Not part of the default run (CI): building takes 2 to 3 minutes on the shared project machine
-(127 s from a fresh clone on a quiet moment, 181 s with the venv warm at load average 11-14),
-which with the tests' 45 s is over the 3 minutes allowed in CI. Run it with
+(build + tests: 144 s from a fresh clone on a quiet moment, 228 s with the venv warm at load
+average 11-14, 167 s at load 9-11), too close to or over the 3 minutes allowed in CI. Run it with
 `TOKENWIRE_TEST_BINARY=1` (builds into a temporary directory), or give a built binary with
 `TOKENWIRE_BINARY=dist/tokenwire`. `tokenwire bench deploy` measures size, cold start and TTFT
 against the Python install.
