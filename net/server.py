@@ -35,6 +35,7 @@ from .trace import TraceWriter
 log = logging.getLogger("tokenwire.net")
 
 LOOPS = ("uvloop", "asyncio")
+DRAIN_TIMEOUT_S = 30.0      # SIGTERM: in-flight streams get this long to finish (deploy/k8s's grace period covers it)
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -173,7 +174,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self.loop = loop
         self._stop = asyncio.Event()
-        self._drain_timeout = 30.0
+        self._drain_timeout = DRAIN_TIMEOUT_S
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._request_stop, self._drain_timeout)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: install what the tests need on a fresh Debian machine, then run them.
-# Real clients the network tests drive: curl (HTTP/2), nghttp and h2load (nghttp2-client), Node.js.
+# Real clients the network tests drive: curl (HTTP/2), nghttp and h2load (nghttp2-client), Node.js;
+# HAProxy for the replicas test (deploy/haproxy.cfg); python3-venv for the binary's build venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
@@ -9,6 +10,8 @@ command -v curl >/dev/null || need+=(curl)
 command -v nghttp >/dev/null && command -v h2load >/dev/null || need+=(nghttp2-client)
 command -v node >/dev/null || need+=(nodejs)
 command -v cc >/dev/null || need+=(gcc)
+command -v haproxy >/dev/null || need+=(haproxy)
+python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"

@@ -291,9 +291,11 @@ def test_bench_load_compares_with_h2load(mock_server, tmp_path):
 def test_h2load_output_parser():
     from tokenwire.bench.h2load import parse_output
     text = ("finished in 251.34ms, 795.74 req/s, 1.19MB/s\n"
-            "requests: 200 total, 200 started, 200 done, 199 succeeded, 1 failed, 0 errored, 0 timeout\n")
+            "requests: 200 total, 200 started, 200 done, 199 succeeded, 1 failed, 0 errored, 0 timeout\n"
+            "status codes: 199 2xx, 0 3xx, 0 4xx, 1 5xx\n")
     r = parse_output(text)
     assert r.num_requests == 200 and r.num_succeeded == 199
+    assert (r.num_failed, r.num_errored, r.num_2xx, r.num_5xx) == (1, 0, 199, 1)
     assert r.wall_s == pytest.approx(0.25134) and r.requests_per_s == pytest.approx(795.74)
     with pytest.raises(RuntimeError, match="h2load"):
         parse_output("connect: Connection refused")

@@ -24,6 +24,7 @@ BENCHES = {
     "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
     "prefix": ("tokenwire.bench.prefix", "prefix cache on against off: shared system prompt TTFT, multi-turn prefill"),
     "response-cache": ("tokenwire.bench.response_cache", "TTFT of a response-cache answer against the mock engine's"),
+    "deploy": ("tokenwire.bench.deploy", "the binary against the pip install; HAProxy against one replica"),
 }
 
 
