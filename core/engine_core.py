@@ -99,7 +99,8 @@ class EngineCore:
         """Submit a request (thread-safe). `priority`: smaller is served first, ties first come
         first served. `wake=False` leaves waking the engine thread to a later `wake()`, so a
         caller submitting several requests wakes it once, when done. Raises QueueFull,
-        PromptTooLong or InvalidRequest."""
+        PromptTooLong or InvalidRequest. (max_tokens beyond the context is capped here; the
+        API routes refuse it before submitting.)"""
         prompt = self._check_prompt(prompt_token_ids)
         stop_ids = self._stop_ids(params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)

@@ -12,7 +12,8 @@ Policy, in the order `schedule()` applies it each step:
    only in steps that preempted nothing. Head-of-line: a request that does not fit stops
    admission, so a big prompt cannot be starved by a stream of small ones.
 `update()` then takes the sampled ids: appends them, checks stop conditions (EOS / stop ids,
-stop strings via the request's TextStream, max_tokens, context length) and frees finished
+stop strings via the request's TextStream, max_tokens, context length; none of EOS, stop ids
+and stop strings before the request's `min_tokens`) and frees finished
 requests' blocks at once. Cancelled and failed requests free theirs when the engine
 thread processes them, at the start of the next step.
 
@@ -251,9 +252,9 @@ class Scheduler:
             num_output = len(output_ids)
             req.decode_step.token_ids = token_ids = (token_id,)  # this output's ids, and the next step's feed
             req.step_done_ns.append(now_ns)
-            if token_id in req.stop_token_ids:
+            if token_id in req.stop_token_ids and num_output > req.params.min_tokens:
                 finish, text = FINISH_STOP, ""      # the stop token's own text is not output
-            else:
+            else:                           # (before min_tokens a stop id is just a token)
                 stream = req.text_stream
                 text = stream.push(token_id)
                 finish = FINISH_STOP if stream.stopped else \

@@ -8,7 +8,7 @@ belongs to the dispatcher (dispatch.py), which writes the engine's outputs as th
 Routes:
     POST /v1/completions, POST /v1/chat/completions    OpenAI, SSE when stream=true
     POST /generate                                      native NDJSON, or binary with Accept: application/octet-stream
-    GET  /v1/models, /health, /metrics
+    GET  /v1/models, /v1/models/{id}, /health, /metrics
 Authentication (optional Bearer key) covers /v1/* and /generate; /health and /metrics stay
 open for load balancers and scrapers.
 """
@@ -17,19 +17,22 @@ import hmac
 import itertools
 import logging
 import time
+from urllib.parse import unquote
 
 import orjson
 
 from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
 from . import encoders
-from .dispatch import JSON, Dispatcher, Exchange
-from .errors import ApiError
+from .access_log import AccessLog, EngineLog
+from .dispatch import JSON, Dispatcher, Exchange, peer_name as peer
+from .errors import ApiError, bad_param
 from .events import BodyTooLarge, ConnectionClosed, Request, StreamReset
 from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
-from .openai_api import GenerationRequest, parse_chat, parse_completions, parse_generate, parse_json
+from .openai_api import (GenerationRequest, max_tokens_problem, parse_chat, parse_completions, parse_generate,
+                         parse_json)
 
 log = logging.getLogger("tokenwire.net")
 
@@ -37,24 +40,32 @@ log = logging.getLogger("tokenwire.net")
 class App:
     """The HTTP application: one per server, shared by every connection."""
 
-    def __init__(self, *, metrics: Metrics | None = None, api_key: str | None = None, trace=None):
+    def __init__(self, *, metrics: Metrics | None = None, api_key: str | None = None, trace=None,
+                 access_log: bool = True, strict_params: bool = False):
         self.engine = None                  # EngineCore, set by `attach` once the model is loaded
         self.model: ModelInfo | None = None
         self.metrics = metrics or Metrics()
         self.api_key = api_key.encode() if api_key else None
         self.trace = trace                  # trace.TraceWriter or None
-        self.dispatcher = Dispatcher(self.metrics, trace)
+        self.access_log = AccessLog(access_log)
+        self.engine_log = EngineLog()       # the periodic throughput line (the server ticks it)
+        self.dispatcher = Dispatcher(self.metrics, trace, self.access_log)
+        # unknown request fields: ignored with one log line per name, or a 400 (--strict-params)
+        self.on_unknown_param = None if strict_params else self._ignore_unknown_param
+        self._unknown_params_logged = set()
         self.exchanges = self.dispatcher.exchanges          # engine request id -> Exchange
         self.handoff = None                 # handoff.StepHandoff, made by `attach`
         self.connections = set()
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
+        self._current = None                # the request being routed
         self.shutting_down = False
         self.routes = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
             "/generate": {"POST": self._generate},
             "/v1/models": {"GET": self._models},
+            "/v1/models/": {"GET": self._model},        # prefix: /v1/models/{id}
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
         }
@@ -120,9 +131,12 @@ class App:
                 self.handoff.release_engine()
 
     def _handle(self, proto, req: Request) -> None:
+        self._current = req                 # for the access line of an error response
         try:
             path = req.target.split("?", 1)[0]
             methods = self.routes.get(path)
+            if methods is None and path.startswith("/v1/models/"):
+                methods = self.routes["/v1/models/"]
             if methods is None:
                 raise ApiError(404, f"no route for {path!r}", code="unknown_url")
             handler = methods.get(req.method)
@@ -142,38 +156,66 @@ class App:
         if exc.status >= 400 and exc.status not in (404, 405):
             self.metrics.count_request("rejected")
         proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body())
+        self.access_log.request(peer(proto), *self._request_line(proto, stream_id), exc.status)
+
+    def _request_line(self, proto, stream_id: int) -> tuple:
+        req = self._current
+        if req is not None and req.stream_id == stream_id:
+            return req.method, req.target
+        return "-", "-"
+
+    def _respond(self, proto, req: Request, body: bytes, content_type: bytes = JSON) -> None:
+        """A whole 200 response to an info route, with its access line."""
+        proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)], body)
+        self.access_log.request(peer(proto), req.method, req.target, 200)
 
     # ---------------------------------------------------------- info routes
 
     def _health(self, proto, req) -> None:
         if not self._ready():
             raise ApiError(503, self._not_ready_reason(), code="model_not_ready")
-        proto.session.respond(req.stream_id, 200, [(b"content-type", JSON)], b'{"status":"ok"}')
+        self._respond(proto, req, b'{"status":"ok"}')
 
     def _models(self, proto, req) -> None:
         self._authorize(req)
+        self._respond(proto, req, orjson.dumps({"object": "list", "data": [self._model_object()]}))
+
+    def _model(self, proto, req) -> None:
+        """GET /v1/models/{id}: the OpenAI SDK's models.retrieve."""
+        self._authorize(req)
+        name = unquote(req.target.split("?", 1)[0][len("/v1/models/"):])
+        model = self._require_model()
+        if name != model.name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model.name!r}",
+                           param="model", code="model_not_found")
+        self._respond(proto, req, orjson.dumps(self._model_object()))
+
+    def _model_object(self) -> dict:
         m = self._require_model()
-        body = orjson.dumps({"object": "list", "data": [{
-            "id": m.name, "object": "model", "created": m.created, "owned_by": "tokenwire",
-            "max_model_len": m.max_model_len, "description": m.description}]})
-        proto.session.respond(req.stream_id, 200, [(b"content-type", JSON)], body)
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "tokenwire",
+                "max_model_len": m.max_model_len, "description": m.description}
 
     def _metrics(self, proto, req) -> None:
         self.dispatcher.drain_step_times()
         stats = self.engine.stats() if self.engine is not None else None
-        proto.session.respond(req.stream_id, 200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
-                              self.metrics.render(stats))
+        self._respond(proto, req, self.metrics.render(stats), b"text/plain; version=0.0.4; charset=utf-8")
 
     # ----------------------------------------------------- generation routes
 
     def _completions(self, proto, req) -> None:
-        self._submit(proto, req, parse_completions(self._json_body(req)), "cmpl-")
+        self._submit(proto, req, parse_completions(self._json_body(req), self.on_unknown_param), "cmpl-")
 
     def _chat(self, proto, req) -> None:
-        self._submit(proto, req, parse_chat(self._json_body(req)), "chatcmpl-")
+        self._submit(proto, req, parse_chat(self._json_body(req), self.on_unknown_param), "chatcmpl-")
 
     def _generate(self, proto, req) -> None:
-        self._submit(proto, req, parse_generate(self._json_body(req)), "gen-")
+        self._submit(proto, req, parse_generate(self._json_body(req), self.on_unknown_param), "gen-")
+
+    def _ignore_unknown_param(self, name: str) -> None:
+        if name not in self._unknown_params_logged and len(self._unknown_params_logged) < 1024:
+            self._unknown_params_logged.add(name)       # bounded: clients choose the names
+            log.info("ignoring the unknown request parameter %r (logged once per name; "
+                     "--strict-params rejects unknown parameters)", name[:100])
 
     def _json_body(self, req: Request) -> dict:
         self._authorize(req)
@@ -195,6 +237,9 @@ class App:
             raise ApiError(400, f"the {model.name!r} engine does not compute logprobs",
                            param="logprobs", code="unsupported_parameter")
         prompt_ids = self._prompt_ids(g)
+        problem = max_tokens_problem(g.params.max_tokens, len(prompt_ids), model.max_model_len)
+        if problem is not None:
+            raise bad_param("max_tokens", problem)
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
         request_id = next(self._ids)
         try:
@@ -207,11 +252,13 @@ class App:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_prompt") from None
         self.metrics.tokenize.observe_ns(timeline.tokenized_ns - timeline.arrived_ns)
+        self.engine_log.num_prompt_tokens += len(prompt_ids)
         created = int(time.time())
         response_id = f"{id_prefix}{request_id}"
-        encoder = self._encoder(g, req, response_id, created) if g.stream else None
+        encoder = self._encoder(g, req, response_id, created, len(prompt_ids)) if g.stream else None
         self.dispatcher.add(Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream,
-                                     timeline, response_id, created, g.params.logprobs is not None))
+                                     timeline, response_id, created, g.params.logprobs is not None,
+                                     req.method, req.target))
 
     def _prompt_ids(self, g: GenerationRequest) -> list:
         model = self.model
@@ -227,12 +274,13 @@ class App:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_prompt")
         return model.encode(g.prompt)
 
-    def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int):
+    def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, num_prompt: int):
         if g.route == "generate":
             accept = req.headers.get("accept", "")
             return encoders.BinaryTokens() if "application/octet-stream" in accept else encoders.Ndjson()
         cls = encoders.ChatSse if g.route == "chat" else encoders.CompletionSse
-        return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text)
+        return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text,
+                   num_prompt if g.continuous_usage else None)
 
     # -------------------------------------------------------------- guards
 
@@ -275,3 +323,4 @@ class App:
         for proto in list(self.connections):
             if proto.is_idle and proto.last_active < cutoff:
                 proto.begin_shutdown()
+

@@ -17,6 +17,7 @@ from orjson import dumps
 
 from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
 from . import encoders
+from .access_log import AccessLog
 from .busy_poll import BusyPoller
 from .errors import ApiError
 from .metrics import Metrics
@@ -28,10 +29,10 @@ class Exchange:
     """One generation request in flight: where its bytes go and how they are encoded."""
     __slots__ = ("request_id", "proto", "outbox", "stream_id", "route", "encoder", "streaming", "timeline",
                  "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
-                 "send", "encode", "prefix", "suffix", "key", "queue")
+                 "send", "encode", "prefix", "suffix", "key", "queue", "method", "path")
 
     def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
-                 created, want_logprobs):
+                 created, want_logprobs, method="POST", path="-"):
         self.request_id = request_id
         self.proto = proto
         self.outbox = proto.outbox
@@ -48,6 +49,7 @@ class Exchange:
         self.token_ids = [] if whole else None
         self.logprobs = [] if whole else None
         self.want_logprobs = want_logprobs
+        self.method, self.path = method, path   # for the access line
         self.send = proto.session.data_writer(stream_id)        # made once: called per token
         self.encode = encoder.token if encoder is not None else None
         # SSE: a later token's chunk is prefix + orjson.dumps(text) + suffix, spliced inline
@@ -59,11 +61,12 @@ class Exchange:
 class Dispatcher:
     """Exchanges in flight, keyed by engine request id, and the per-step writer."""
 
-    def __init__(self, metrics: Metrics, trace=None):
+    def __init__(self, metrics: Metrics, trace=None, access_log: AccessLog | None = None):
         self.engine = None                  # EngineCore (cancel), set by `attach`
         self.model = None                   # model_info.ModelInfo (name), set by `attach`
         self.metrics = metrics
         self.trace = trace                  # trace.TraceWriter or None
+        self.access_log = access_log or AccessLog(False)
         self.exchanges: dict[int, Exchange] = {}
         self.step_times_ns = deque()        # filled by the engine thread (EngineCore.step_times_ns), drained here
         self.busy_poll = BusyPoller(self.exchanges)
@@ -212,7 +215,7 @@ class Dispatcher:
         if reason == FINISH_CANCELLED:
             return
         timings = encoders.timings_us(ex.timeline, now)
-        use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens)
+        use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens, encoders.num_cached_tokens(out))
         trailers = [(b"server-timing", encoders.server_timing(timings))]
         error = out.error if reason == FINISH_ERROR else None
         if ex.streaming and (ex.last_ns or error is None):
@@ -224,6 +227,10 @@ class Dispatcher:
         else:               # a whole response, or a stream that failed before its first token: a 500
             self._respond_whole(ex, reason, use, trailers, error)
         self._record_finish(ex, reason, now)
+        self.access_log.request(peer_name(ex.proto), ex.method, ex.path,
+                                500 if error is not None and not ex.last_ns else 200,
+                                num_prompt=out.num_prompt_tokens, num_output=out.num_output_tokens,
+                                ttft_us=timings["ttft_us"], total_us=timings["total_us"], finish=reason)
 
     def _respond_whole(self, ex: Exchange, reason: str, use: dict, trailers: list, error: str | None) -> None:
         session = ex.proto.session
@@ -251,9 +258,11 @@ class Dispatcher:
 
     def cancel(self, proto, stream_id: int) -> None:
         request_id = proto.outbox.streams.pop(stream_id, None)
-        if request_id is not None and self.exchanges.pop(request_id, None) is not None:
+        ex = self.exchanges.pop(request_id, None) if request_id is not None else None
+        if ex is not None:
             self.engine.cancel(request_id)
             self.metrics.count_request("cancelled")
+            self.access_log.request(peer_name(proto), ex.method, ex.path, 499, finish="cancelled by the client")
 
     def cancel_all(self, proto) -> None:
         for stream_id in list(proto.outbox.streams):
@@ -264,3 +273,12 @@ class Dispatcher:
         step = self.metrics.step
         while times:
             step.observe_ns(times.popleft())
+
+
+def peer_name(proto) -> str:
+    """The client's address for the access log ("-" when the transport has none)."""
+    transport = proto.transport
+    name = transport.get_extra_info("peername") if transport is not None else None
+    if isinstance(name, tuple) and len(name) >= 2:
+        return f"{name[0]}:{name[1]}"
+    return "-"

@@ -34,9 +34,16 @@ _LEN = struct.Struct("<I")
 _TOKEN_STRUCTS = {n: struct.Struct(f"<{n}i") for n in range(1, 9)}
 
 
-def usage(num_prompt: int, num_output: int) -> dict:
+def usage(num_prompt: int, num_output: int, num_cached: int = 0) -> dict:
+    """OpenAI's usage object; `num_cached`: prompt tokens whose KV came from a cache."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
-            "total_tokens": num_prompt + num_output}
+            "total_tokens": num_prompt + num_output, "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def num_cached_tokens(out) -> int:
+    """The one place usage reads a request's cached prompt tokens: 0 until the engine
+    reuses KV across requests (prefix caching), which will report the count on its outputs."""
+    return getattr(out, "num_cached_tokens", 0)
 
 
 TIMING_NAMES = ("tokenize", "queue", "prefill", "first_token_to_wire", "ttft", "decode", "total")
@@ -83,27 +90,39 @@ class _Sse:
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
     __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_fields", "_include_usage",
-                 "_token_text", "_offset", "_started", "_head")
+                 "_token_text", "_offset", "_started", "_head", "_num_prompt", "_num_output")
 
-    def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str]):
+    def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str],
+                 continuous_usage_prompt: int | None = None):
         self._fields = fields                   # id, object, created, model: the head of every chunk
         self._include_usage = include_usage
         self._token_text = token_text
         self._offset = 0                        # text offset (completions logprobs)
         self._started = False                   # a token chunk went out
+        # stream_options.continuous_usage_stats: the prompt's token count (None: off), and the
+        # tokens sent so far; every chunk then carries usage, so none is spliced by the dispatcher
+        self._num_prompt = continuous_usage_prompt
+        self._num_output = 0
 
     def first_token(self, out) -> bytes:
         """The stream's first chunk (chat: it also carries the role)."""
         self._started = True
+        if self._num_prompt is not None:
+            return self._with_usage(self._chunk_bytes(self._first_prefix, out), out)
         return self._chunk_bytes(self._first_prefix, out)
 
     def text_parts(self) -> tuple:
         """(prefix, suffix): a later token's chunk without logprobs is prefix + orjson.dumps(text)
-        + suffix, the bytes `token` makes; the dispatcher splices it inline (hot path)."""
+        + suffix, the bytes `token` makes; the dispatcher splices it inline (hot path).
+        (None, None) when every chunk carries its own usage."""
+        if self._num_prompt is not None:
+            return None, None
         return self._prefix, self._null_tail
 
     def token(self, out) -> bytes:
         """Every later chunk (hot path: once per token)."""
+        if self._num_prompt is not None:
+            return self._with_usage(self._chunk_bytes(self._prefix, out), out)
         if out.logprobs is None:
             return self._prefix + orjson.dumps(out.text) + self._null_tail
         return self._chunk_bytes(self._prefix, out)
@@ -114,18 +133,28 @@ class _Sse:
         lp = orjson.dumps(self._logprobs(out))
         return prefix + orjson.dumps(out.text) + self._lp_mid + lp + self._tail
 
+    def _with_usage(self, chunk: bytes, out) -> bytes:
+        """`chunk` (ending in `}\n\n`, or `"usage":null}\n\n`) with the usage so far."""
+        self._num_output += len(out.token_ids)
+        use = orjson.dumps(usage(self._num_prompt, self._num_output))
+        if self._include_usage:
+            return chunk[:-7] + use + b"}\n\n"        # replaces `null}\n\n`
+        return chunk[:-3] + b',"usage":' + use + b"}\n\n"
+
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
         """The finish chunk, the usage chunk if asked for, and [DONE] (once per request: the
         common case, no usage chunk and no error, is spliced from bytes, the same bytes
         orjson makes of the whole chunk)."""
-        if error is None and not self._include_usage:
+        if error is None and not self._include_usage and self._num_prompt is None:
             return (self._head + self._finish_choice() + orjson.dumps(finish_reason) + b'}],"timings":'
                     + orjson.dumps(timings) + b"}\n\n" + SSE_DONE)
         chunk = self._finish_chunk(finish_reason)
+        if self._num_prompt is not None:
+            chunk["usage"] = use
         if error is not None:
             chunk["error"] = {"message": error, "type": "server_error", "param": None, "code": "engine_error"}
         if self._include_usage:
-            chunk["usage"] = None
+            chunk.setdefault("usage", None)
             last = self._chunk([])
             last["usage"] = use
             last["timings"] = timings
@@ -144,9 +173,9 @@ class CompletionSse(_Sse):
     __slots__ = ()
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
-                 token_text: Callable[[int], str]):
+                 token_text: Callable[[int], str], continuous_usage_prompt: int | None = None):
         fields = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-        super().__init__(fields, include_usage, token_text)
+        super().__init__(fields, include_usage, token_text, continuous_usage_prompt)
         self._head = head = b"data: " + orjson.dumps(fields)[:-1]
         self._prefix = self._first_prefix = head + b',"choices":[{"index":0,"text":'
         self._lp_mid = b',"logprobs":'
@@ -176,9 +205,9 @@ class ChatSse(_Sse):
     __slots__ = ()
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
-                 token_text: Callable[[int], str]):
+                 token_text: Callable[[int], str], continuous_usage_prompt: int | None = None):
         fields = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        super().__init__(fields, include_usage, token_text)
+        super().__init__(fields, include_usage, token_text, continuous_usage_prompt)
         self._head = head = b"data: " + orjson.dumps(fields)[:-1]
         start = head + b',"choices":[{"index":0,"delta":{'
         self._prefix = start + b'"content":'
