@@ -9,8 +9,12 @@ Routes:
     POST /v1/completions, POST /v1/chat/completions    OpenAI, SSE when stream=true
     POST /generate                                      native NDJSON, or binary with Accept: application/octet-stream
     GET  /v1/models, /v1/models/{id}, /health, /metrics
-Authentication (optional Bearer key) covers /v1/* and /generate; /health and /metrics stay
-open for load balancers and scrapers.
+    gRPC (content-type application/grpc): tokenwire.v1.Generator, grpc.health.v1.Health,
+         server reflection (net/grpc.py)
+Authentication (optional Bearer key) covers /v1/*, /generate and tokenwire.v1.Generator;
+/health, /metrics and the gRPC health service stay open for load balancers and scrapers.
+A generation request may carry `x-request-timeout-ms: N` (gRPC: grpc-timeout): N ms after
+it arrived it is cancelled and ends with finish_reason "deadline" (504 when nothing was sent).
 """
 
 import hmac
@@ -28,6 +32,7 @@ from .access_log import AccessLog, EngineLog
 from .dispatch import JSON, Dispatcher, Exchange, peer_name as peer
 from .errors import ApiError, bad_param
 from .events import BodyTooLarge, ConnectionClosed, Request, StreamReset
+from .grpc import RESOURCE_EXHAUSTED, GenerateEncoder, GrpcRoutes
 from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
@@ -53,6 +58,7 @@ class App:
         # unknown request fields: ignored with one log line per name, or a 400 (--strict-params)
         self.on_unknown_param = None if strict_params else self._ignore_unknown_param
         self._unknown_params_logged = set()
+        self.grpc = GrpcRoutes(self)
         self.exchanges = self.dispatcher.exchanges          # engine request id -> Exchange
         self.handoff = None                 # handoff.StepHandoff, made by `attach`
         self.connections = set()
@@ -119,6 +125,9 @@ class App:
                 kind = type(ev)
                 if kind is Request:
                     self._handle(proto, ev)
+                elif kind is BodyTooLarge and ev.headers.get("content-type", "").startswith("application/grpc"):
+                    self.grpc.respond_status(proto, ev, RESOURCE_EXHAUSTED, "the request is larger than the "
+                                             f"limit of {proto.limits.max_body_bytes} bytes")
                 elif kind is BodyTooLarge:
                     self._respond_error(proto, ev.stream_id, ApiError(
                         413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",
@@ -132,6 +141,9 @@ class App:
 
     def _handle(self, proto, req: Request) -> None:
         self._current = req                 # for the access line of an error response
+        if req.headers.get("content-type", "").startswith("application/grpc"):
+            self.grpc.handle(proto, req)
+            return
         try:
             path = req.target.split("?", 1)[0]
             methods = self.routes.get(path)
@@ -227,8 +239,11 @@ class App:
         self._require_model()
         return parse_json(req.body)
 
-    def _submit(self, proto, req: Request, g: GenerationRequest, id_prefix: str) -> None:
-        """Tokenize, stamp and hand the request to the engine; the stream opens with its first token."""
+    def _submit(self, proto, req: Request, g: GenerationRequest, id_prefix: str, deadline_ns: int | None = None) -> None:
+        """Tokenize, stamp and hand the request to the engine; the stream opens with its first token.
+        `deadline_ns` (monotonic; gRPC's grpc-timeout): else the x-request-timeout-ms header's."""
+        if deadline_ns is None and "x-request-timeout-ms" in req.headers:
+            deadline_ns = req.arrived_ns + request_timeout_ns(req.headers["x-request-timeout-ms"])
         model = self.model
         if g.model is not None and g.model != model.name:
             raise ApiError(404, f"the model {g.model!r} does not exist; this server serves {model.name!r}",
@@ -258,7 +273,7 @@ class App:
         encoder = self._encoder(g, req, response_id, created, len(prompt_ids)) if g.stream else None
         self.dispatcher.add(Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream,
                                      timeline, response_id, created, g.params.logprobs is not None,
-                                     req.method, req.target))
+                                     req.method, req.target), deadline_ns)
 
     def _prompt_ids(self, g: GenerationRequest) -> list:
         model = self.model
@@ -275,6 +290,8 @@ class App:
         return model.encode(g.prompt)
 
     def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, num_prompt: int):
+        if g.route == "grpc":
+            return GenerateEncoder()
         if g.route == "generate":
             accept = req.headers.get("accept", "")
             return encoders.BinaryTokens() if "application/octet-stream" in accept else encoders.Ndjson()
@@ -314,6 +331,7 @@ class App:
     def begin_shutdown(self) -> None:
         """GOAWAY / Connection: close on every connection; in-flight streams run to their end."""
         self.shutting_down = True
+        self.grpc.notify_watchers(end=True)        # health watchers hear NOT_SERVING, their streams end
         for proto in list(self.connections):
             proto.begin_shutdown()
 
@@ -324,3 +342,15 @@ class App:
             if proto.is_idle and proto.last_active < cutoff:
                 proto.begin_shutdown()
 
+
+
+def request_timeout_ns(value: str) -> int:
+    """The x-request-timeout-ms header (a positive number of milliseconds) -> nanoseconds."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not 0 < ms <= 86_400_000:
+        raise ApiError(400, f"x-request-timeout-ms must be a number of milliseconds in (0, 86400000], got {value!r}",
+                       param="x-request-timeout-ms", code="invalid_header")
+    return int(ms * 1e6)

@@ -23,13 +23,15 @@ from .errors import ApiError
 from .metrics import Metrics
 
 JSON = b"application/json"
+FINISH_DEADLINE = "deadline"        # the request's deadline passed (grpc-timeout, x-request-timeout-ms)
 
 
 class Exchange:
     """One generation request in flight: where its bytes go and how they are encoded."""
     __slots__ = ("request_id", "proto", "outbox", "stream_id", "route", "encoder", "streaming", "timeline",
                  "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
-                 "send", "encode", "prefix", "suffix", "key", "queue", "method", "path")
+                 "send", "encode", "prefix", "suffix", "key", "queue", "method", "path", "deadline_timer",
+                 "expired")
 
     def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
                  created, want_logprobs, method="POST", path="-"):
@@ -50,6 +52,8 @@ class Exchange:
         self.logprobs = [] if whole else None
         self.want_logprobs = want_logprobs
         self.method, self.path = method, path   # for the access line
+        self.deadline_timer = None          # asyncio.TimerHandle when the request has a deadline
+        self.expired = False                # its deadline passed: cancelled in the engine, ending
         self.send = proto.session.data_writer(stream_id)        # made once: called per token
         self.encode = encoder.token if encoder is not None else None
         # SSE: a later token's chunk is prefix + orjson.dumps(text) + suffix, spliced inline
@@ -79,9 +83,22 @@ class Dispatcher:
         self.busy_poll.loop = loop
         engine.step_times_ns = self.step_times_ns
 
-    def add(self, ex: "Exchange") -> None:
+    def add(self, ex: "Exchange", deadline_ns: int | None = None) -> None:
+        """Write `ex`'s outputs from now on; `deadline_ns` (monotonic): when to give up on it."""
         self.exchanges[ex.request_id] = ex
         ex.outbox.streams[ex.stream_id] = ex.request_id
+        if deadline_ns is not None:
+            delay_s = max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
+            ex.deadline_timer = self.busy_poll.loop.call_later(delay_s, self.expire, ex.request_id)
+
+    def expire(self, request_id: int) -> None:
+        """The request's deadline passed: cancel it in the engine (its KV blocks are free after
+        the next step), which answers with its final output; `_finish` then ends the stream
+        with the `deadline` finish reason (gRPC: DEADLINE_EXCEEDED; nothing sent yet: 504)."""
+        ex = self.exchanges.get(request_id)
+        if ex is not None and not ex.expired:
+            ex.expired = True
+            self.engine.cancel(request_id)
 
     def write_step(self, step: StepTokens) -> None:
         """Write one engine step's outputs to every stream (hot path: once per step).
@@ -211,32 +228,41 @@ class Dispatcher:
         if not self.exchanges:
             self.busy_poll.start(now)
         ex.outbox.streams.pop(ex.stream_id, None)
+        if ex.deadline_timer is not None:
+            ex.deadline_timer.cancel()
         reason = out.finish_reason
         if reason == FINISH_CANCELLED:
-            return
+            if not ex.expired:
+                return                      # the client went away
+            reason = FINISH_DEADLINE
         timings = encoders.timings_us(ex.timeline, now)
         use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens, encoders.num_cached_tokens(out))
         trailers = [(b"server-timing", encoders.server_timing(timings))]
         error = out.error if reason == FINISH_ERROR else None
-        if ex.streaming and (ex.last_ns or error is None):
+        if ex.streaming and (ex.last_ns or ex.encoder.in_band_errors or (error is None and reason != FINISH_DEADLINE)):
             if not ex.last_ns:
                 self._open_stream(ex)
             session = ex.proto.session
-            session.send_data(ex.stream_id, ex.encoder.finish(out, reason, use, timings, error))
-            session.end_response(ex.stream_id, trailers)
-        else:               # a whole response, or a stream that failed before its first token: a 500
+            body = ex.encoder.finish(out, reason, use, timings, error)
+            if body:
+                session.send_data(ex.stream_id, body)
+            session.end_response(ex.stream_id, ex.encoder.trailers(trailers, reason, error))
+        else:               # a whole response, or a stream that failed before its first token: a 500 (504)
             self._respond_whole(ex, reason, use, trailers, error)
         self._record_finish(ex, reason, now)
-        self.access_log.request(peer_name(ex.proto), ex.method, ex.path,
-                                500 if error is not None and not ex.last_ns else 200,
+        status = 200 if ex.last_ns or ex.encoder is not None and ex.encoder.in_band_errors else \
+            500 if error is not None else 504 if reason == FINISH_DEADLINE else 200
+        self.access_log.request(peer_name(ex.proto), ex.method, ex.path, status,
                                 num_prompt=out.num_prompt_tokens, num_output=out.num_output_tokens,
                                 ttft_us=timings["ttft_us"], total_us=timings["total_us"], finish=reason)
 
     def _respond_whole(self, ex: Exchange, reason: str, use: dict, trailers: list, error: str | None) -> None:
         session = ex.proto.session
-        if error is not None:
-            exc = ApiError(500, f"the engine failed this request: {error}", code="engine_error")
-            session.respond(ex.stream_id, 500, [(b"content-type", JSON)], exc.body(), trailers)
+        if error is not None or reason == FINISH_DEADLINE:
+            exc = ApiError(500, f"the engine failed this request: {error}", code="engine_error") \
+                if error is not None else ApiError(504, "the request's deadline (x-request-timeout-ms) passed "
+                                                   "before its response was complete", code="deadline_exceeded")
+            session.respond(ex.stream_id, exc.status, [(b"content-type", JSON)], exc.body(), trailers)
             return
         body = encoders.whole_body(ex.route, ex.response_id, ex.created, self.model.name, "".join(ex.texts), reason,
                                    use, ex.token_ids, ex.logprobs if ex.want_logprobs else None,
@@ -260,6 +286,8 @@ class Dispatcher:
         request_id = proto.outbox.streams.pop(stream_id, None)
         ex = self.exchanges.pop(request_id, None) if request_id is not None else None
         if ex is not None:
+            if ex.deadline_timer is not None:
+                ex.deadline_timer.cancel()
             self.engine.cancel(request_id)
             self.metrics.count_request("cancelled")
             self.access_log.request(peer_name(proto), ex.method, ex.path, 499, finish="cancelled by the client")

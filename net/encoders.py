@@ -72,6 +72,16 @@ def server_timing(timings: dict) -> bytes:
     return _SERVER_TIMING % tuple([us / 1000 for us in timings.values()])
 
 
+class _Stream:
+    """What every streamed encoder shares: the HTTP routes end a stream with their finish
+    chunk; an engine error before the first token becomes a 500 (gRPC's encoder overrides both)."""
+    __slots__ = ()
+    in_band_errors = False
+
+    def trailers(self, base: list, finish_reason: str, error: str | None) -> list:
+        return base
+
+
 # ------------------------------------------------------------------- SSE
 
 def _tails(lp_mid: bytes, usage_tail: bytes) -> tuple:
@@ -86,7 +96,7 @@ _TAILS = {usage: (_tails(b',"logprobs":', b',"usage":null' if usage else b""),
           for usage in (False, True)}
 
 
-class _Sse:
+class _Sse(_Stream):
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
     __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_fields", "_include_usage",
@@ -238,7 +248,7 @@ def chat_logprobs(token_ids, logprobs, token_text: Callable[[int], str]) -> list
 
 # ------------------------------------------------------------- native
 
-class Ndjson:
+class Ndjson(_Stream):
     """POST /generate, one JSON line per token."""
     content_type = b"application/x-ndjson"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
@@ -259,7 +269,7 @@ class Ndjson:
         return orjson.dumps(_summary(finish_reason, use, timings, error)) + b"\n"
 
 
-class BinaryTokens:
+class BinaryTokens(_Stream):
     """POST /generate with Accept: application/octet-stream: int32 ids, then -1, length, JSON summary."""
     content_type = b"application/octet-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))

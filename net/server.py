@@ -228,6 +228,7 @@ class Server:
             # out of the collector's sight, a full collection no longer walks it (p99 TTFT)
             gc.freeze()
         engine.start()
+        self.app.grpc.notify_watchers()         # gRPC health watchers: SERVING now
         log.info("serving %s (%s)", info.name, info.description)
         tls = f" --cacert {self._cert_file}" if self.ssl else ""
         auth = f" -H 'authorization: Bearer {self.api_key}'" if self.api_key else ""
@@ -294,6 +295,7 @@ class Server:
 
     def _sweep(self) -> None:
         self.app.close_idle(self.limits.idle_timeout_s)
+        self.app.grpc.notify_watchers()
         if not self._stop.is_set():
             self.loop.call_later(self._sweep_interval(), self._sweep)
 
