@@ -146,10 +146,14 @@ class Dispatcher:
                         if prefix is not None and finish is None and out.logprobs is None:
                             ex.queue((ex.key, prefix + dumps(out.text) + ex.suffix))
                         else:               # the finish chunk follows at once: this one goes first
-                            ex.send(ex.encode(out))
+                            chunk = ex.encode(out)
+                            if chunk:               # (gRPC's last token goes in its final message)
+                                ex.send(chunk)
                     else:
                         self._open_stream(ex)
-                        ex.send(ex.encoder.first_token(out))
+                        chunk = ex.encoder.first_token(out)
+                        if chunk:
+                            ex.send(chunk)
                 else:
                     self._collect(ex, out)
             if finish is not None:

@@ -152,18 +152,24 @@ class GenerateEncoder:
         return self.token(out)
 
     def token(self, out) -> bytes:
-        """Hot path: once per token."""
+        """Hot path: once per token. (b"" for a request's last output: `finish` sends it.)"""
         if out.logprobs is None:
-            return token_message(out.token_ids, out.text)
+            return token_message(out.token_ids, out.text) if out.finish_reason is None else b""
+        return b"" if out.finish_reason is not None else frame(self._message(out).SerializeToString())
+
+    @staticmethod
+    def _message(out):
         message = schema.GenerateResponse(token_ids=out.token_ids, text=out.text)
-        for lp in out.logprobs:
+        for lp in out.logprobs or ():
             message.logprobs.add(logprob=lp.token_logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
-        return frame(message.SerializeToString())
+        return message
 
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
-        if error is not None:
-            return b""
-        message = schema.GenerateResponse()
+        """The last message: the request's last token and text, if any, with `final`
+        (one message, so a client counting messages counts tokens)."""
+        if error is not None or finish_reason == "deadline":
+            return token_message(out.token_ids, out.text) if out.token_ids or out.text else b""
+        message = self._message(out)
         final = message.final
         final.finish_reason = finish_reason
         final.usage.prompt_tokens = use["prompt_tokens"]

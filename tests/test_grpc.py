@@ -97,10 +97,10 @@ def test_generate_streams_tokens_then_a_final_message(server):
     with grpc.insecure_channel(target(server)) as channel:
         stub = pb2_grpc.GeneratorStub(channel)
         replies = list(stub.Generate(pb2.GenerateRequest(text="Once upon a time", max_tokens=8, temperature=0)))
-    tokens = [r for r in replies if not r.HasField("final")]
     final = replies[-1].final
-    assert len(tokens) == 8 and all(len(r.token_ids) == 1 for r in tokens)
-    assert "".join(r.text for r in tokens).startswith("Once upon a time")  # the mock's story
+    assert len(replies) == 8 and all(len(r.token_ids) == 1 for r in replies)      # a message per token
+    assert not any(r.HasField("final") for r in replies[:-1])
+    assert "".join(r.text for r in replies).startswith("Once upon a time")  # the mock's story
     assert final.finish_reason == "length" and final.usage.completion_tokens == 8
     assert final.usage.total_tokens == final.usage.prompt_tokens + 8 and final.timings.total_us > 0
     # token ids as the prompt, stop strings, seed: the same story
