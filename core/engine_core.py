@@ -77,6 +77,7 @@ class EngineCore:
         self._inbox = []                    # list[Request], appended on the loop thread
         self._sleeping = False              # the engine thread waits on the doorbell (set under _lock)
         self._cancels = []                  # list[int] request ids, appended on the loop thread
+        self._priorities = []               # list[(request id, priority)], appended on the loop thread
         self._live_ids = set()              # ids submitted and not yet finished (duplicate check)
         self._requests = {}                 # request_id -> Request; engine thread only
         self._arrival_seq = itertools.count()
@@ -162,6 +163,12 @@ class EngineCore:
         if ring:
             self._doorbell.ring()
 
+    def set_priority(self, request_id: int, priority: int) -> None:
+        """Thread-safe: a submitted request's new priority (smaller first), applied at the next
+        step; a finished or unknown id is ignored."""
+        with self._lock:
+            self._priorities.append((request_id, priority))
+
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_unfinished()
 
@@ -183,6 +190,8 @@ class EngineCore:
         for req in inbox:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
+        if self._priorities:
+            self._apply_priorities()
         outputs = self._apply_cancels(cancels, now_ns) if cancels else []
         # with step_columns, every step is a StepTokens whose rows are `outputs` itself (the
         # executor's RequestOutputs join it in place, +=); its columns fill only from
@@ -197,6 +206,14 @@ class EngineCore:
         if self.scheduler.finished_ids:
             self._forget_finished()
         return outputs if step is None else step
+
+    def _apply_priorities(self) -> None:
+        with self._lock:
+            changes, self._priorities = self._priorities, []
+        for request_id, priority in changes:
+            req = self._requests.get(request_id)
+            if req is not None and not req.is_finished and req.priority != priority:
+                self.scheduler.reprioritize(req, priority)
 
     def _apply_cancels(self, request_ids: list, now_ns: int) -> list:
         outputs = []

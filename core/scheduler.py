@@ -290,6 +290,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ cancel / fail
 
+    def reprioritize(self, req: Request, priority: int) -> None:
+        """Give a live request a new priority: it takes its place in the waiting heap (admission)
+        or the running order (preemption) at once. Rare (an HTTP/2 PRIORITY_UPDATE): O(n)."""
+        req.priority = priority
+        if req.state is WAITING:
+            self.waiting = [(r.priority, r.arrival_seq, r) for _, _, r in self.waiting]
+            heapq.heapify(self.waiting)
+        else:
+            self.running.sort(key=_sort_key)
+
     def cancel(self, req: Request, now_ns: int) -> RequestOutput:
         """Remove a live request wherever it is; its blocks are free when this returns."""
         self._remove(req)

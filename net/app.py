@@ -13,7 +13,9 @@ Routes:
          server reflection (net/grpc.py)
 Authentication (optional Bearer key) covers /v1/*, /generate and tokenwire.v1.Generator;
 /health, /metrics and the gRPC health service stay open for load balancers and scrapers.
-A generation request may carry `x-request-timeout-ms: N` (gRPC: grpc-timeout): N ms after
+A generation request's `priority` header (RFC 9218: `u=0` most urgent .. `u=7`, default 3)
+is its scheduler priority, and HTTP/2 PRIORITY_UPDATE frames change it while it waits or
+runs (net/priority.py). A generation request may carry `x-request-timeout-ms: N` (gRPC: grpc-timeout): N ms after
 it arrived it is cancelled and ends with finish_reason "deadline" (504 when nothing was sent).
 """
 
@@ -31,13 +33,14 @@ from . import encoders
 from .access_log import AccessLog, EngineLog
 from .dispatch import JSON, Dispatcher, Exchange, peer_name as peer
 from .errors import ApiError, bad_param
-from .events import BodyTooLarge, ConnectionClosed, Request, StreamReset
+from .events import BodyTooLarge, ConnectionClosed, PriorityUpdate, Request, StreamReset
 from .grpc import RESOURCE_EXHAUSTED, GenerateEncoder, GrpcRoutes
 from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
 from .openai_api import (GenerationRequest, max_tokens_problem, parse_chat, parse_completions, parse_generate,
                          parse_json)
+from .priority import urgency
 
 log = logging.getLogger("tokenwire.net")
 
@@ -132,6 +135,10 @@ class App:
                     self._respond_error(proto, ev.stream_id, ApiError(
                         413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",
                         code="body_too_large"))
+                elif kind is PriorityUpdate:
+                    request_id = proto.outbox.streams.get(ev.stream_id)
+                    if request_id is not None:
+                        self.engine.set_priority(request_id, urgency(ev.value))
                 elif kind is ConnectionClosed:
                     self.dispatcher.cancel_all(proto)
         finally:
@@ -258,7 +265,8 @@ class App:
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
         request_id = next(self._ids)
         try:
-            self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False)
+            self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False,
+                                    priority=urgency(req.headers.get("priority")))
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", headers=[(b"retry-after", b"1")]) from None
         except PromptTooLong as exc:
