@@ -159,6 +159,8 @@ class App:
             if methods is None:
                 raise ApiError(404, f"no route for {path!r}", code="unknown_url")
             handler = methods.get(req.method)
+            if handler is None and req.method == "HEAD":
+                handler = methods.get("GET")        # RFC 9110 9.3.2: HEAD is GET without the body
             if handler is None:
                 allowed = ", ".join(methods)
                 raise ApiError(405, f"method {req.method} is not allowed on {path}; use {allowed}",
@@ -174,8 +176,10 @@ class App:
     def _respond_error(self, proto, stream_id: int, exc: ApiError) -> None:
         if exc.status >= 400 and exc.status not in (404, 405):
             self.metrics.count_request("rejected")
-        proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body())
-        self.access_log.request(peer(proto), *self._request_line(proto, stream_id), exc.status)
+        method, target = self._request_line(proto, stream_id)
+        body = exc.body() if method != "HEAD" else b""       # h11 refuses a body on a HEAD response
+        proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, body)
+        self.access_log.request(peer(proto), method, target, exc.status)
 
     def _request_line(self, proto, stream_id: int) -> tuple:
         req = self._current
@@ -185,7 +189,8 @@ class App:
 
     def _respond(self, proto, req: Request, body: bytes, content_type: bytes = JSON) -> None:
         """A whole 200 response to an info route, with its access line."""
-        proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)], body)
+        proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)],
+                              body if req.method != "HEAD" else b"")
         self.access_log.request(peer(proto), req.method, req.target, 200)
 
     # ---------------------------------------------------------- info routes

@@ -249,3 +249,15 @@ def test_second_ctrl_c_exits_at_once():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("http2", [False, True])
+def test_head_on_get_routes_and_errors(server, http2):
+    """AIPerf's server-metrics probe sends HEAD /metrics; over HTTP/1.1 an error body on a HEAD
+    response used to make h11 drop the connection."""
+    with httpx.Client(http1=not http2, http2=http2, base_url=server.url, timeout=10) as client:
+        r = client.head("/metrics")
+        assert r.status_code == 200 and r.content == b""
+        assert client.head("/v1/models/nope").status_code == 404
+        assert client.head("/v1/completions").status_code == 405
+        assert client.get("/health").status_code == 200          # the same connection goes on
