@@ -15,8 +15,9 @@ Authentication (optional Bearer key) covers /v1/*, /generate and tokenwire.v1.Ge
 /health, /metrics and the gRPC health service stay open for load balancers and scrapers.
 A generation request's `priority` header (RFC 9218: `u=0` most urgent .. `u=7`, default 3)
 is its scheduler priority, and HTTP/2 PRIORITY_UPDATE frames change it while it waits or
-runs (net/priority.py). A generation request may carry `x-request-timeout-ms: N` (gRPC: grpc-timeout): N ms after
-it arrived it is cancelled and ends with finish_reason "deadline" (504 when nothing was sent).
+runs (net/priority.py). A generation request may carry `x-request-timeout-ms: N` (gRPC:
+grpc-timeout): N ms after it arrived it is cancelled and ends with finish_reason "deadline"
+(504 when nothing was sent).
 """
 
 import hmac
@@ -31,7 +32,7 @@ from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
 from . import encoders
 from .access_log import AccessLog, EngineLog
-from .dispatch import JSON, Dispatcher, Exchange, peer_name as peer
+from .dispatch import JSON, Dispatcher, Exchange, peer_name
 from .errors import ApiError, bad_param
 from .events import BodyTooLarge, ConnectionClosed, PriorityUpdate, Request, StreamReset
 from .grpc import RESOURCE_EXHAUSTED, GenerateEncoder, GrpcRoutes
@@ -67,7 +68,7 @@ class App:
         self.connections = set()
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
-        self._current = None                # the request being routed
+        self._current = (None, None)        # (proto, Request) being routed: its error's access line
         self.shutting_down = False
         self.routes = {
             "/v1/completions": {"POST": self._completions},
@@ -147,7 +148,7 @@ class App:
                 self.handoff.release_engine()
 
     def _handle(self, proto, req: Request) -> None:
-        self._current = req                 # for the access line of an error response
+        self._current = (proto, req)
         if req.headers.get("content-type", "").startswith("application/grpc"):
             self.grpc.handle(proto, req)
             return
@@ -179,11 +180,11 @@ class App:
         method, target = self._request_line(proto, stream_id)
         body = exc.body() if method != "HEAD" else b""       # h11 refuses a body on a HEAD response
         proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, body)
-        self.access_log.request(peer(proto), method, target, exc.status)
+        self.access_log.request(peer_name(proto), method, target, exc.status)
 
     def _request_line(self, proto, stream_id: int) -> tuple:
-        req = self._current
-        if req is not None and req.stream_id == stream_id:
+        current_proto, req = self._current
+        if current_proto is proto and req.stream_id == stream_id:
             return req.method, req.target
         return "-", "-"
 
@@ -191,7 +192,7 @@ class App:
         """A whole 200 response to an info route, with its access line."""
         proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)],
                               body if req.method != "HEAD" else b"")
-        self.access_log.request(peer(proto), req.method, req.target, 200)
+        self.access_log.request(peer_name(proto), req.method, req.target, 200)
 
     # ---------------------------------------------------------- info routes
 
