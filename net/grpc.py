@@ -19,8 +19,9 @@ gRPC's "PROTOCOL-HTTP2" specification:
   gzip; any other encoding is UNIMPLEMENTED with `grpc-accept-encoding: identity,gzip`, and
   a compressed flag without an encoding is INTERNAL. Responses are never compressed.
 - Authentication: with --api-key, the `authorization: Bearer KEY` metadata, else UNAUTHENTICATED.
-- Generate's token messages are hand-encoded (`token_message`: two fields, ~0.3 µs; the
-  protobuf class took ~1.5 µs), checked against the protobuf classes in the tests; every
+- Generate's token messages are hand-encoded (`token_message`: two fields; measured side by
+  side, framed, 2.7 µs against 6.7 µs for the protobuf class, medians on the loaded shared
+  2-core machine), checked byte for byte against the protobuf classes in the tests; every
   other message goes through the protobuf classes of net/grpc_schema.py.
 """
 
