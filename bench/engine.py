@@ -43,7 +43,7 @@ from ..core.sampling_params import SamplingParams
 from ..kernels import cpu
 from ..kernels.cpu.model import CpuModel
 from ..kernels.forward_batch import build_forward_batch
-from . import engine_cuda
+from . import engine_cuda, engine_trt
 from .engine_cuda import add_cuda_arguments
 from .shapes import all_shapes, random_engine, shape_config
 
@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama-3.2-1b and llama-3.1-8b on cuda)")
     parser.add_argument("--batch", help="comma-separated batch sizes (default: 1,4,16 on cpu, 1,8,32,128 on cuda)")
     parser.add_argument("--threads", type=int, help="kernel threads (default: physical cores)")
-    parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS) + ["cuda"], help="(default: %(default)s)")
+    parser.add_argument("--backend", default="cpu", choices=sorted(BACKENDS) + ["cuda", "trt"],
+                        help="(default: %(default)s)")
     parser.add_argument("--activations", default="fp32,int8",
                         help="INT4 product activations, comma-separated: fp32 (exact), int8 (default: %(default)s)")
     parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128), help="(default: %(default)s)")
@@ -256,6 +257,9 @@ def run(args) -> int:
     if args.backend == "cuda":
         _fill_defaults(args, batch="1,8,32,128", prompt_len=512, steps=50)
         return engine_cuda.run(args)
+    if args.backend == "trt":
+        _fill_defaults(args, batch="1,8,32", prompt_len=512, steps=50)
+        return engine_trt.run(args)
     _fill_defaults(args, batch="1,4,16", prompt_len=64, steps=10)
     batches = parse_list(args.batch, "--batch")
     precisions = parse_list(args.activations, "--activations", ("fp32", "int8"))

@@ -5,6 +5,11 @@ Contract (net/ builds on it):
   append to an inbox under a lock, then wake the engine thread if it sleeps (`wake=False`
   and one `wake()` after a batch of submissions wakes it once). All scheduler state is
   touched by the engine thread alone (or by whoever drives `step()` directly: tests, benchmarks).
+  `add_choices` submits the n choices of one API request at once: the first leads, the
+  others wait until its prompt is computed and share its blocks through the prefix cache.
+- With `response_cache_size`, an exact repeat of a finished greedy or seeded answer is
+  replayed at the start of the next step, without the scheduler or the model
+  (core/response_cache.py).
 - `step()` runs one synchronous step: take the inbox and the cancellations, schedule,
   `executor.step(seqs)`, append tokens, detokenize, check stops, free finished requests.
   It returns one `RequestOutput` per request that produced a token or ended; with
@@ -37,8 +42,9 @@ from .doorbell import Doorbell
 from .errors import InvalidRequest, PromptTooLong, QueueFull
 from .executor import Executor
 from .options import DEFAULTS
-from .outputs import EngineStats, StepTokens, Timeline
-from .request import Request
+from .outputs import EngineStats, RequestOutput, StepTokens, Timeline
+from .request import Request, RequestState
+from .response_cache import ResponseCache
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
@@ -53,7 +59,9 @@ class EngineCore:
     def __init__(self, executor: Executor, tokenizer, *, eos_token_ids: Sequence[int], max_model_len: int,
                  max_num_seqs: int = DEFAULTS.max_num_seqs,
                  max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
-                 max_queued_requests: int = DEFAULTS.max_queued_requests, on_step: Optional[OnStep] = None):
+                 max_queued_requests: int = DEFAULTS.max_queued_requests, on_step: Optional[OnStep] = None,
+                 enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching, model_identity: Optional[str] = None,
+                 response_cache_size: int = DEFAULTS.response_cache_size):
         config = executor.config
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -65,10 +73,15 @@ class EngineCore:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)           # per-token tables built now, not on a request
-        self.block_manager = BlockManager(executor.num_blocks, executor.block_size)
+        # the prefix cache's hash chains start from the model's identity (`model_identity`, else
+        # its config): blocks of different models or precisions never match
+        identity = (model_identity or repr(config)) if enable_prefix_caching else None
+        self.block_manager = BlockManager(executor.num_blocks, executor.block_size, prefix_cache_identity=identity)
         # every running request decodes each step, so the token budget also bounds the batch
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        # exact-match answers replayed without the model (core/response_cache.py); 0: off
+        self.response_cache = ResponseCache(response_cache_size) if response_cache_size else None
         self.on_step = on_step
         self.step_columns = False           # step() -> StepTokens instead of list[RequestOutput]
         self.step_times_ns = None           # a deque: each executor step's duration is appended (engine thread)
@@ -103,20 +116,40 @@ class EngineCore:
         PromptTooLong or InvalidRequest. (max_tokens beyond the context is capped here; the
         API routes refuse it before submitting.)"""
         prompt = self._check_prompt(prompt_token_ids)
-        stop_ids = self._stop_ids(params)
+        self._enqueue([self._request(request_id, prompt, params, timeline, priority)], wake)
+
+    def add_choices(self, request_ids: Sequence[int], prompt_token_ids: list, params: Sequence[SamplingParams],
+                    timelines: Sequence[Timeline], priority: int = 0, wake: bool = True) -> None:
+        """Submit the n choices of one API request (n > 1) at once, all or none: one request per
+        choice, with its own id, params (its own seed) and timeline. The first leads: the others
+        wait until its prompt is computed and take its blocks from the prefix cache, computing
+        only the last partial block again (their copy-on-write of it). Raises as add_request."""
+        prompt = self._check_prompt(prompt_token_ids)
+        reqs = [self._request(rid, prompt, p, t, priority) for rid, p, t in zip(request_ids, params, timelines)]
+        for follower in reqs[1:]:
+            follower.leader = reqs[0]
+        self._enqueue(reqs, wake)
+
+    def _request(self, request_id: int, prompt: list, params: SamplingParams, timeline: Timeline,
+                 priority: int) -> Request:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
-        req = Request(request_id, prompt, params, timeline, seed=seed, priority=priority,
-                      arrival_seq=next(self._arrival_seq), max_model_len=self.max_model_len,
-                      stop_token_ids=stop_ids, text_stream=self.detokenizer.stream(prompt, params))
+        return Request(request_id, prompt, params, timeline, seed=seed, priority=priority,
+                       arrival_seq=next(self._arrival_seq), max_model_len=self.max_model_len,
+                       stop_token_ids=self._stop_ids(params), text_stream=self.detokenizer.stream(prompt, params))
+
+    def _enqueue(self, reqs: list, wake: bool) -> None:
         with self._lock:
             num_queued = len(self._inbox) + self.scheduler.num_waiting
-            if num_queued >= self.max_queued_requests:
+            if num_queued + len(reqs) > self.max_queued_requests:
                 raise QueueFull(num_queued, self.max_queued_requests)
-            if request_id in self._live_ids:
-                raise InvalidRequest(f"request id {request_id} is already in use")
-            timeline.queued_ns = time.monotonic_ns()
-            self._live_ids.add(request_id)
-            self._inbox.append(req)
+            for req in reqs:
+                if req.request_id in self._live_ids:
+                    raise InvalidRequest(f"request id {req.request_id} is already in use")
+            queued_ns = time.monotonic_ns()
+            for req in reqs:
+                req.timeline.queued_ns = queued_ns
+                self._live_ids.add(req.request_id)
+            self._inbox += reqs
             ring = wake and self._sleeping
             if ring:
                 self._sleeping = False
@@ -176,7 +209,9 @@ class EngineCore:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting + len(self._inbox),
                            bm.num_used_blocks, bm.num_blocks, self.scheduler.num_preemptions,
-                           self.num_cancellations, self.num_tokens_generated, self.num_steps, self.is_alive())
+                           self.num_cancellations, self.num_tokens_generated, self.num_steps, self.is_alive(),
+                           self.scheduler.num_prefix_queries, self.scheduler.num_prefix_hits, bm.num_cached_blocks,
+                           self.response_cache.num_hits if self.response_cache is not None else 0)
 
     # ------------------------------------------------------------------ engine side
 
@@ -187,12 +222,19 @@ class EngineCore:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
+        outputs = []
         for req in inbox:
+            if self.response_cache is not None:
+                if self._replay(req, now_ns, outputs):
+                    continue
+                if req.leader is not None and req.leader.request_id not in self._requests:
+                    req.leader = None       # its leader was replayed just before: nothing to wait for
             self._requests[req.request_id] = req
             self.scheduler.add(req)
         if self._priorities:
             self._apply_priorities()
-        outputs = self._apply_cancels(cancels, now_ns) if cancels else []
+        if cancels:
+            outputs += self._apply_cancels(cancels, now_ns)
         # with step_columns, every step is a StepTokens whose rows are `outputs` itself (the
         # executor's RequestOutputs join it in place, +=); its columns fill only from
         # COLUMNS_MIN_RUNNING running requests on
@@ -214,6 +256,26 @@ class EngineCore:
             req = self._requests.get(request_id)
             if req is not None and not req.is_finished and req.priority != priority:
                 self.scheduler.reprioritize(req, priority)
+
+    def _replay(self, req: Request, now_ns: int, outputs: list) -> bool:
+        """Answer `req` from the response cache if it holds it: one output per token, as live.
+        -> whether it did"""
+        answer = self.response_cache.get(req)
+        if answer is None:
+            return False
+        t = req.timeline
+        t.first_scheduled_ns = t.finished_ns = now_ns
+        t.response_cached = True
+        num = len(answer.token_ids)
+        t.step_done_ns.extend([now_ns] * num)
+        for i, (token_id, text) in enumerate(zip(answer.token_ids, answer.texts)):
+            outputs.append(RequestOutput(req.request_id, (token_id,), text, None,
+                                         answer.finish_reason if i == num - 1 else None,
+                                         req.num_prompt_tokens, i + 1, now_ns))
+        self.num_tokens_generated += num
+        with self._lock:
+            self._live_ids.discard(req.request_id)
+        return True
 
     def _apply_cancels(self, request_ids: list, now_ns: int) -> list:
         outputs = []
@@ -243,7 +305,9 @@ class EngineCore:
     def _forget_finished(self) -> None:
         finished, self.scheduler.finished_ids = self.scheduler.finished_ids, []
         for request_id in finished:
-            del self._requests[request_id]
+            req = self._requests.pop(request_id)
+            if self.response_cache is not None and req.state is RequestState.FINISHED:
+                self.response_cache.put(req, self.detokenizer)
         with self._lock:
             self._live_ids.difference_update(finished)
 

@@ -26,6 +26,8 @@ class EngineOptions:
     num_kv_blocks: Optional[int] = None     # KV blocks; None: sized by the backend from its memory budget
     kv_cache_bytes: Optional[int] = None    # that budget; None: the backend's default (1 GiB on the CPU)
     mock_step_us: float = 0.0               # mock backend: microseconds per engine step
+    enable_prefix_caching: bool = True      # reuse cached KV blocks of known prefixes (core/prefix_cache.py)
+    response_cache_size: int = 0            # exact-match answers kept (core/response_cache.py); 0: off
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "block_size"):
@@ -35,6 +37,8 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.response_cache_size < 0:
+            raise ValueError(f"response_cache_size must be >= 0, got {self.response_cache_size}")
         if not self.mock_step_us >= 0:
             raise ValueError(f"mock_step_us must be >= 0, got {self.mock_step_us}")
 

@@ -29,6 +29,7 @@ class Timeline:
     step_done_ns: list = field(default_factory=list)  # per generated token: its step finished
     first_token_emitted_ns: int = 0     # first token handed to the transport (net/)
     finished_ns: int = 0
+    response_cached: bool = False       # answered from the exact-match response cache (core/response_cache.py)
 
 
 class RequestOutput(NamedTuple):
@@ -42,6 +43,7 @@ class RequestOutput(NamedTuple):
     num_output_tokens: int              # generated so far, for usage
     step_done_ns: int                   # when the step that produced this finished
     error: Optional[str] = None         # set with FINISH_ERROR
+    num_cached_tokens: int = 0          # prompt tokens whose K/V came from the prefix cache (at first admission)
 
 
 class StepTokens:
@@ -75,3 +77,7 @@ class EngineStats(NamedTuple):
     num_tokens_generated: int
     num_steps: int
     engine_alive: bool
+    num_prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache (at each admission)
+    num_prefix_cache_hits: int = 0      # of which found cached
+    num_prefix_cached_blocks: int = 0   # KV blocks whose content the prefix cache can hand out
+    num_response_cache_hits: int = 0    # requests answered from the exact-match response cache

@@ -61,7 +61,8 @@ class Request:
                  "prompt_token_ids", "output_token_ids", "num_prompt_tokens", "step_done_ns",
                  "max_total_tokens", "max_output_tokens", "stop_token_ids", "text_stream", "state",
                  "num_computed_tokens", "num_scheduled_tokens", "block_table", "decode_step",
-                 "finish_reason", "error", "num_preemptions")
+                 "finish_reason", "error", "num_preemptions", "block_hashes", "num_hashed_blocks",
+                 "num_cached_tokens", "num_passed_over", "leader", "followers")
 
     def __init__(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline, *,
                  seed: int, priority: int, arrival_seq: int, max_model_len: int,
@@ -92,6 +93,17 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
         self.num_preemptions = 0
+        # prefix cache (core/block_manager.py): chained content hashes of this sequence's full
+        # blocks, computed once as they are needed; the first `num_hashed_blocks` of
+        # `block_table` are registered in the cache (or were taken from it)
+        self.block_hashes = []                      # list[bytes]
+        self.num_hashed_blocks = 0
+        self.num_cached_tokens = 0                  # prompt tokens found cached at first admission
+        self.num_passed_over = 0                    # admissions that went to a later request (scheduler rule 3)
+        # n > 1: the other choices of one API request follow the first (their leader): they
+        # wait outside the queue until its prompt is computed, then find it in the prefix cache
+        self.leader: Optional["Request"] = None
+        self.followers = []                         # list[Request] parked on this one
 
     def transition(self, new_state: RequestState) -> None:
         if new_state not in TRANSITIONS[self.state]:

@@ -6,7 +6,7 @@ OpenAI API (temperature 1, top_p 1). `seed=None` means the scheduler draws one a
 submission, so every request samples from its own deterministic stream (see kernels/sampling.py).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 
@@ -64,6 +64,16 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+def choice_params(params: SamplingParams, n: int) -> list:
+    """The params of each of `n` choices of one request (n > 1, best_of). Derived seeds: choice
+    i samples with seed `(seed + i) mod 2**64`, so choice 0 is what the request alone gives and
+    choice i is what a single request with that seed gives; without a seed, each choice draws
+    its own at submission. -> list[SamplingParams]"""
+    if params.seed is None:
+        return [params] * n
+    return [params] + [replace(params, seed=(params.seed + i) % 2**64) for i in range(1, n)]
 
 
 def _check(ok: bool, param: str, message: str) -> None:

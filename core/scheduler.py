@@ -11,11 +11,22 @@ Policy, in the order `schedule()` applies it each step:
    a sequence slot, the token budget and free blocks (above a small watermark) allow, and
    only in steps that preempted nothing. Head-of-line: a request that does not fit stops
    admission, so a big prompt cannot be starved by a stream of small ones.
+   With the prefix cache on (core/prefix_cache.py), an admitted request takes the cached
+   blocks of its longest cached prefix (never its last token: that one is fed, to be
+   sampled) and is prefilled from there; its budget and block needs count only the rest;
+   and the order is cache-aware within a bound: among the first 8 waiting requests of the
+   head's priority the longest cached prefix goes first, the oldest passed over at most 4
+   times (prefix_cache.py rule 4).
 `update()` then takes the sampled ids: appends them, checks stop conditions (EOS / stop ids,
 stop strings via the request's TextStream, max_tokens, context length; none of EOS, stop ids
 and stop strings before the request's `min_tokens`) and frees finished
 requests' blocks at once. Cancelled and failed requests free theirs when the engine
 thread processes them, at the start of the next step.
+Prefix cache: a block is registered under its content hash once every token in it is
+computed: after a prefill chunk, when a decode steps into the next block, and when a
+request releases its blocks (finish, cancel, preemption: a preempted request usually finds
+its own prefix again). Never after a failed step: its device state is not trusted, and the
+whole cache is forgotten then.
 
 Invariants: a running request's `block_table` covers its cached tokens; `num_scheduled_tokens`
 is 0 outside a step. No tensor library here: ints, lists, a heap.
@@ -29,6 +40,7 @@ from typing import Optional
 from .block_manager import BlockManager
 from .executor import SeqStep
 from .outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput, StepTokens
+from .prefix_cache import PrefixCache
 from .request import Request, RequestState
 
 WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
@@ -54,6 +66,7 @@ class Scheduler:
         self.waiting = []                   # heap of (priority, arrival_seq, Request)
         self.running = []                   # list[Request], sorted by sort_key
         self.num_preemptions = 0
+        self.prefix_cache = PrefixCache(block_manager) if block_manager.enable_prefix_caching else None
         self.num_samples = 0                # SeqSteps with sample=True in the last schedule()
         self.num_decodes = 0                # of which the first ones, one token each
         self.finished_ids = []              # request ids that ended since the owner last cleared this
@@ -67,11 +80,32 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_prefix_queries(self) -> int:
+        return self.prefix_cache.num_queries if self.prefix_cache is not None else 0
+
+    @property
+    def num_prefix_hits(self) -> int:
+        return self.prefix_cache.num_hits if self.prefix_cache is not None else 0
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, req: Request) -> None:
+        """Queue a request; a follower (another choice of an n > 1 request) waits on its leader
+        while the leader's prompt is not computed yet, so the prefix cache shares it."""
+        leader = req.leader
+        if leader is not None and self.prefix_cache is not None and leader.state in (WAITING, PREFILLING):
+            leader.followers.append(req)
+            return
         heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
+
+    def _release_followers(self, req: Request) -> None:
+        """`req`'s prompt is computed (or it ended): its followers join the queue."""
+        followers, req.followers = req.followers, []
+        for follower in followers:
+            if not follower.is_finished:
+                heapq.heappush(self.waiting, (follower.priority, follower.arrival_seq, follower))
 
     # ------------------------------------------------------------------ schedule
 
@@ -91,7 +125,8 @@ class Scheduler:
         """One token for every DECODING request (the loop body runs once per request per step).
         -> (budget left, preemptions, PREFILLING requests)"""
         running, bm = self.running, self.block_manager
-        block_size, free_block_ids = bm.block_size, bm.free_block_ids
+        block_size, free_block_ids, evictable = bm.block_size, bm.free_block_ids, bm.evictable
+        prefix_cache = self.prefix_cache
         num_preempted, prefilling = 0, []
         add_scheduled, add_seq = scheduled.append, seqs.append
         for req in running:                 # _preempt_for pops from the end: the iterator just stops sooner
@@ -100,7 +135,9 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens
             if start >= len(req.block_table) * block_size:     # its next token starts a new block
-                if not free_block_ids:
+                if prefix_cache is not None:
+                    prefix_cache.cache_computed(req, start)
+                if not free_block_ids and not evictable:
                     num_preempted += self._preempt_for(req)
                     if req.state is not DECODING:
                         break               # it preempted itself: every newer request is gone too
@@ -158,21 +195,34 @@ class Scheduler:
         return num_preempted
 
     def _admit(self, budget: int, now_ns: int, scheduled: list, seqs: list) -> None:
-        bm, waiting, running = self.block_manager, self.waiting, self.running
+        bm, waiting, running, prefix_cache = self.block_manager, self.waiting, self.running, self.prefix_cache
         while waiting and budget and len(running) < self.max_num_seqs:
-            req = waiting[0][2]
-            num_tokens = min(req.num_tokens, budget)
+            entry, cached = prefix_cache.next_waiting(waiting) if prefix_cache is not None else (waiting[0], ())
+            req = entry[2]
+            start = len(cached) * bm.block_size
+            num_tokens = min(req.num_tokens - start, budget)
             reserve = self.watermark_blocks if running else 0
-            if bm.num_blocks_for(num_tokens) + reserve > bm.num_free_blocks:
+            num_needed = bm.num_blocks_for(start + num_tokens) - len(cached) + bm.num_evictable_in(cached)
+            if num_needed + reserve > bm.num_free_blocks:
                 break
-            heapq.heappop(waiting)
+            self._pop_waiting(entry)
             req.transition(PREFILLING)
-            bm.append_slot(req.block_table, num_tokens)
+            if prefix_cache is not None:
+                prefix_cache.take(req, cached)
+            bm.append_slot(req.block_table, start + num_tokens)
             bisect.insort(running, req, key=_sort_key)
             if not req.timeline.first_scheduled_ns:
                 req.timeline.first_scheduled_ns = now_ns
+                req.num_cached_tokens = start
             self._schedule_chunk(req, num_tokens, scheduled, seqs)
             budget -= num_tokens
+
+    def _pop_waiting(self, entry: tuple) -> None:
+        if entry is self.waiting[0]:
+            heapq.heappop(self.waiting)
+        else:
+            self.waiting.remove(entry)
+            heapq.heapify(self.waiting)
 
     def _schedule_chunk(self, req: Request, num_tokens: int, scheduled: list, seqs: list) -> None:
         start = req.num_computed_tokens
@@ -197,10 +247,15 @@ class Scheduler:
         self.num_preemptions += 1
         heapq.heappush(self.waiting, (req.priority, req.arrival_seq, req))
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, cache: bool = True) -> None:
+        """Free the request's blocks, its computed full blocks cached first (`cache=False`
+        after a failure: what the failed step wrote is not trusted)."""
         if req.block_table:
+            if cache and self.prefix_cache is not None:
+                self.prefix_cache.cache_computed(req, req.num_computed_tokens)
             self.block_manager.free(req.block_table)
             req.block_table.clear()
+        req.num_hashed_blocks = 0
         req.num_scheduled_tokens = 0
 
     # ------------------------------------------------------------------ update
@@ -222,11 +277,15 @@ class Scheduler:
         for req in scheduled[num_decodes:]:
             computed = req.num_computed_tokens + req.num_scheduled_tokens
             req.num_scheduled_tokens = 0
+            if self.prefix_cache is not None:
+                self.prefix_cache.cache_computed(req, computed)
             if computed < req.num_tokens:
                 req.num_computed_tokens = computed
                 continue                    # a prefill chunk short of the end: nothing sampled
             req.num_computed_tokens = computed - 1      # _append_tokens counts the last token, as for a decode
             req.transition(DECODING)
+            if req.followers:
+                self._release_followers(req)
             self._append_tokens((req,), sampled_ids[k:k + 1], now_ns, outputs, columns)
             k += 1
         if logprobs is not None:
@@ -269,7 +328,7 @@ class Scheduler:
                 add_text(text)
                 continue
             append(_new_tuple(RequestOutput, (req.request_id, token_ids, text, None, finish, req.num_prompt_tokens,
-                                              num_output, now_ns, None)))
+                                              num_output, now_ns, None, req.num_cached_tokens)))
 
     @staticmethod
     def _attach_logprobs(outputs: list, logprobs) -> None:
@@ -282,7 +341,9 @@ class Scheduler:
     def _finish(self, req: Request, state: RequestState, reason: str, now_ns: int,
                 error: Optional[str] = None) -> None:
         req.transition(state)
-        self._release(req)
+        self._release(req, cache=state is not RequestState.FAILED)
+        if req.followers:
+            self._release_followers(req)
         req.finish_reason = reason
         req.error = error
         req.timeline.finished_ns = now_ns
@@ -312,10 +373,17 @@ class Scheduler:
         return self._final_output(req, now_ns)
 
     def fail_running(self, error: str, now_ns: int) -> list:
-        return [self.fail(req, error, now_ns) for req in list(self.running)]
+        """After a failed step: fail every running request, and forget the prefix cache (the
+        device state the cached blocks describe is not trusted any more)."""
+        outputs = [self.fail(req, error, now_ns) for req in list(self.running)]
+        self.block_manager.reset_prefix_cache()
+        return outputs
 
     def fail_all(self, error: str, now_ns: int) -> list:
         reqs = self.running + [entry[2] for entry in sorted(self.waiting)]
+        reqs += [f for req in reqs for f in req.followers]
+        for req in reqs:
+            req.followers = []
         self.running, self.waiting = [], []
         outputs = []
         for req in reqs:
@@ -324,7 +392,9 @@ class Scheduler:
         return outputs
 
     def _remove(self, req: Request) -> None:
-        if req.state is WAITING:
+        if req.state is WAITING and req.leader is not None and req in req.leader.followers:
+            req.leader.followers.remove(req)
+        elif req.state is WAITING:
             self.waiting = [entry for entry in self.waiting if entry[2] is not req]
             heapq.heapify(self.waiting)
         else:
@@ -333,4 +403,4 @@ class Scheduler:
     @staticmethod
     def _final_output(req: Request, now_ns: int) -> RequestOutput:
         return RequestOutput(req.request_id, (), "", None, req.finish_reason, req.num_prompt_tokens,
-                             len(req.output_token_ids), now_ns, req.error)
+                             len(req.output_token_ids), now_ns, req.error, req.num_cached_tokens)

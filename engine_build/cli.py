@@ -12,6 +12,7 @@ from pathlib import Path
 from ..core.errors import BuildError
 from ..kernels.engine_format import read_manifest
 from .build import BuildOptions, build_engine, format_report, open_source
+from .onnx_cli import export as export_onnx
 from .quantize import (
     ALGORITHMS,
     DEFAULT_GROUP_SIZE,
@@ -45,6 +46,8 @@ def add_arguments(parser) -> None:
                         help="measure the float-vs-INT4 perplexity change on the shipped held-out text "
                              "(numpy reference forward; --no-eval skips it for large models; default on)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--export-onnx", metavar="DIR", help="also write the engine's ONNX export to DIR "
+                                                             "(as `tokenwire export-onnx OUT -o DIR`)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no report")
 
 
@@ -74,5 +77,8 @@ def _build(args) -> int:
     build_engine(source, out, options, progress=not args.quiet, log=say, exists="replace" if args.force else "error")
     manifest = read_manifest(out)
     say(format_report(manifest["report"]))
+    if args.export_onnx:
+        export_onnx(out, Path(args.export_onnx))
+        say(f"wrote the ONNX export to {args.export_onnx}")
     say(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -15,7 +15,7 @@ object on the host (model_runner.py), and the engine-directory reader (engine_fo
 
 from typing import Callable, NamedTuple, Optional
 
-from . import cpu, cuda, mock, model_runner
+from . import cpu, cuda, mock, model_runner, trt
 
 
 class Backend(NamedTuple):
@@ -31,6 +31,7 @@ BACKENDS = {
     "mock": Backend(mock.create_executor, "a fixed story at --mock-step-us per step (benchmarks)",
                     builtin_model=mock.load_model, samples_logprobs=False),
     "cuda": Backend(cuda.create_executor, "NVIDIA GPU through cuda-python"),
+    "trt": Backend(trt.create_executor, "TensorRT engines built from the model's ONNX export (NVIDIA GPU)"),
 }
 
 

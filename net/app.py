@@ -24,14 +24,17 @@ import hmac
 import itertools
 import logging
 import time
+from dataclasses import replace
 from urllib.parse import unquote
 
 import orjson
 
 from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
+from ..core.sampling_params import choice_params
 from . import encoders
 from .access_log import AccessLog, EngineLog
+from .choices import ChoiceGroup
 from .dispatch import JSON, Dispatcher, Exchange, peer_name
 from .errors import ApiError, bad_param
 from .events import BodyTooLarge, ConnectionClosed, PriorityUpdate, Request, StreamReset
@@ -264,6 +267,9 @@ class App:
         if g.params.logprobs is not None and not model.supports_logprobs:
             raise ApiError(400, f"the {model.name!r} engine does not compute logprobs",
                            param="logprobs", code="unsupported_parameter")
+        if g.best_of > g.n and not model.supports_logprobs:
+            raise ApiError(400, f"best_of > n ranks choices by log-probability; the {model.name!r} engine "
+                           "does not compute them", param="best_of", code="unsupported_parameter")
         prompt_ids = self._prompt_ids(g)
         problem = max_tokens_problem(g.params.max_tokens, len(prompt_ids), model.max_model_len)
         if problem is not None:
@@ -271,8 +277,11 @@ class App:
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
         request_id = next(self._ids)
         try:
-            self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False,
-                                    priority=urgency(req.headers.get("priority")))
+            if g.best_of == 1:
+                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False,
+                                        priority=urgency(req.headers.get("priority")))
+            else:
+                members = self._submit_choices(request_id, prompt_ids, g, timeline)
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", headers=[(b"retry-after", b"1")]) from None
         except PromptTooLong as exc:
@@ -284,10 +293,35 @@ class App:
         self.engine_log.num_prompt_tokens += len(prompt_ids)
         created = int(time.time())
         response_id = f"{id_prefix}{request_id}"
-        encoder = self._encoder(g, req, response_id, created, len(prompt_ids)) if g.stream else None
+        if g.best_of > 1:
+            self._add_choices(proto, req, g, members, response_id, created, len(prompt_ids))
+            return
+        encoder = self._encoder(g, req, response_id, created, num_prompt=len(prompt_ids)) if g.stream else None
         self.dispatcher.add(Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream,
                                      timeline, response_id, created, g.params.logprobs is not None,
                                      req.method, req.target), deadline_ns)
+
+    def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline) -> list:
+        """n > 1 / best_of: one engine request per choice (net/choices.py), ids request_id,
+        then fresh ones. -> [(request id, timeline)] by choice index"""
+        params = g.params
+        if g.best_of > g.n and params.logprobs is None:
+            params = replace(params, logprobs=0)        # the ranking needs each token's log-probability
+        ids = [request_id] + [next(self._ids) for _ in range(g.best_of - 1)]
+        timelines = [timeline] + [Timeline(arrived_ns=timeline.arrived_ns, tokenized_ns=timeline.tokenized_ns)
+                                  for _ in ids[1:]]
+        self.engine.add_choices(ids, prompt_ids, choice_params(params, g.best_of), timelines, wake=False)
+        return list(zip(ids, timelines))
+
+    def _add_choices(self, proto, req: Request, g: GenerationRequest, members: list, response_id: str,
+                     created: int, num_prompt: int = 0) -> None:
+        group = ChoiceGroup(g.n)
+        for i, (request_id, timeline) in enumerate(members):
+            encoder = self._encoder(g, req, response_id, created, i, num_prompt) if g.stream else None
+            ex = Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream, timeline,
+                          response_id, created, g.params.logprobs is not None, req.method, req.target)
+            group.add(ex)
+            self.dispatcher.add(ex)
 
     def _prompt_ids(self, g: GenerationRequest) -> list:
         model = self.model
@@ -303,14 +337,15 @@ class App:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_prompt")
         return model.encode(g.prompt)
 
-    def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, num_prompt: int):
+    def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, index: int = 0,
+                 num_prompt: int = 0):
         if g.route == "grpc":
             return GenerateEncoder()
         if g.route == "generate":
             accept = req.headers.get("accept", "")
             return encoders.BinaryTokens() if "application/octet-stream" in accept else encoders.Ndjson()
         cls = encoders.ChatSse if g.route == "chat" else encoders.CompletionSse
-        return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text,
+        return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text, index,
                    num_prompt if g.continuous_usage else None)
 
     # -------------------------------------------------------------- guards

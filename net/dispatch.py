@@ -16,7 +16,7 @@ from collections import deque
 from orjson import dumps
 
 from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
-from . import encoders
+from . import choices, encoders
 from .access_log import AccessLog
 from .busy_poll import BusyPoller
 from .errors import ApiError
@@ -30,8 +30,8 @@ class Exchange:
     """One generation request in flight: where its bytes go and how they are encoded."""
     __slots__ = ("request_id", "proto", "outbox", "stream_id", "route", "encoder", "streaming", "timeline",
                  "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
-                 "send", "encode", "prefix", "suffix", "key", "queue", "method", "path", "deadline_timer",
-                 "expired")
+                 "send", "encode", "prefix", "suffix", "key", "queue", "group", "index", "method", "path",
+                 "deadline_timer", "expired")
 
     def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
                  created, want_logprobs, method="POST", path="-"):
@@ -60,6 +60,8 @@ class Exchange:
         self.prefix, self.suffix = encoder.text_parts() if hasattr(encoder, "text_parts") else (None, None)
         self.key = proto.session.data_key(stream_id)            # such chunks wait in the connection's
         self.queue = proto.outbox.sends.append                  # outbox until the end of the step
+        self.group = None                   # n > 1: the ChoiceGroup of the request's choices (net/choices.py)
+        self.index = 0                      # the choice's index in it
 
 
 class Dispatcher:
@@ -86,7 +88,8 @@ class Dispatcher:
     def add(self, ex: "Exchange", deadline_ns: int | None = None) -> None:
         """Write `ex`'s outputs from now on; `deadline_ns` (monotonic): when to give up on it."""
         self.exchanges[ex.request_id] = ex
-        ex.outbox.streams[ex.stream_id] = ex.request_id
+        if not ex.index:                    # n > 1: the stream maps to the first choice (net/choices.py)
+            ex.outbox.streams[ex.stream_id] = ex.request_id
         if deadline_ns is not None:
             delay_s = max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
             ex.deadline_timer = self.busy_poll.loop.call_later(delay_s, self.expire, ex.request_id)
@@ -146,6 +149,8 @@ class Dispatcher:
                         if prefix is not None and finish is None and out.logprobs is None:
                             ex.queue((ex.key, prefix + dumps(out.text) + ex.suffix))
                         else:               # the finish chunk follows at once: this one goes first
+                            if ex.outbox.sends:     # after this stream's earlier tokens of this step
+                                ex.outbox.send_queued()     # (a replayed answer: many in one step)
                             chunk = ex.encode(out)
                             if chunk:               # (gRPC's last token goes in its final message)
                                 ex.send(chunk)
@@ -212,6 +217,8 @@ class Dispatcher:
     def _open_stream(self, ex: Exchange) -> None:
         """Response HEADERS go out with the first token: one write, and TTFT is the first token's.
         The header tuple is the encoder's constant, so its HPACK block is built once per connection."""
+        if ex.group is not None and not ex.group.open(ex):
+            return                          # another choice's token opened the response
         ex.proto.session.start_response(ex.stream_id, 200, ex.encoder.response_headers)
         self._firsts.append(ex)
 
@@ -224,11 +231,18 @@ class Dispatcher:
     def _collect(self, ex: Exchange, out) -> None:
         ex.texts.append(out.text)
         ex.token_ids.extend(out.token_ids)
-        if ex.want_logprobs and out.logprobs is not None:
-            ex.logprobs.extend(out.logprobs)
+        if out.logprobs is not None:
+            if ex.want_logprobs:
+                ex.logprobs.extend(out.logprobs)
+            if ex.group is not None:
+                ex.group.score(ex, out.logprobs)
 
     def _finish(self, ex: Exchange, out, now: int) -> None:
         del self.exchanges[ex.request_id]
+        if ex.group is not None:
+            out = self._finish_choice(ex, out)
+            if out is None:
+                return                      # other choices of the request still run
         if not self.exchanges:
             self.busy_poll.start(now)
         ex.outbox.streams.pop(ex.stream_id, None)
@@ -239,11 +253,16 @@ class Dispatcher:
             if not ex.expired:
                 return                      # the client went away
             reason = FINISH_DEADLINE
-        timings = encoders.timings_us(ex.timeline, now)
-        use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens, encoders.num_cached_tokens(out))
-        trailers = [(b"server-timing", encoders.server_timing(timings))]
+        timings = encoders.timings_us(ex.timeline if ex.group is None else ex.group.timeline or ex.timeline, now)
+        use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+        trailers = [(b"server-timing", encoders.server_timing(timings)),
+                    (b"tokenwire-cached-tokens", b"%d" % out.num_cached_tokens)]
+        timings["cached_prompt_tokens"] = out.num_cached_tokens     # the final chunk says it too
+        if ex.timeline.response_cached:
+            timings["response_cached"] = True
         error = out.error if reason == FINISH_ERROR else None
-        if ex.streaming and (ex.last_ns or ex.encoder.in_band_errors or (error is None and reason != FINISH_DEADLINE)):
+        opened = ex.last_ns or (ex.group is not None and ex.group.opened)
+        if ex.streaming and (opened or ex.encoder.in_band_errors or (error is None and reason != FINISH_DEADLINE)):
             if not ex.last_ns:
                 self._open_stream(ex)
             session = ex.proto.session
@@ -253,12 +272,22 @@ class Dispatcher:
             session.end_response(ex.stream_id, ex.encoder.trailers(trailers, reason, error))
         else:               # a whole response, or a stream that failed before its first token: a 500 (504)
             self._respond_whole(ex, reason, use, trailers, error)
-        self._record_finish(ex, reason, now)
-        status = 200 if ex.last_ns or ex.encoder is not None and ex.encoder.in_band_errors else \
+        self._record_finish(ex, reason, now, out.num_cached_tokens)
+        status = 200 if opened or ex.encoder is not None and ex.encoder.in_band_errors else \
             500 if error is not None else 504 if reason == FINISH_DEADLINE else 200
         self.access_log.request(peer_name(ex.proto), ex.method, ex.path, status,
                                 num_prompt=out.num_prompt_tokens, num_output=out.num_output_tokens,
                                 ttft_us=timings["ttft_us"], total_us=timings["total_us"], finish=reason)
+
+    def _finish_choice(self, ex: Exchange, out):
+        """One choice of an n > 1 request ended (net/choices.py rules 2-3): a streamed one sends
+        its finish chunk unless it is the last. -> the output that ends the response, or None"""
+        last = ex.group.end(ex, out)
+        if last is None and ex.streaming and out.finish_reason != FINISH_ERROR:
+            if not ex.last_ns:
+                self._open_stream(ex)
+            ex.proto.session.send_data(ex.stream_id, ex.encoder.finish_choice(out.finish_reason))
+        return last
 
     def _respond_whole(self, ex: Exchange, reason: str, use: dict, trailers: list, error: str | None) -> None:
         session = ex.proto.session
@@ -268,13 +297,17 @@ class Dispatcher:
                                                    "before its response was complete", code="deadline_exceeded")
             session.respond(ex.stream_id, exc.status, [(b"content-type", JSON)], exc.body(), trailers)
             return
-        body = encoders.whole_body(ex.route, ex.response_id, ex.created, self.model.name, "".join(ex.texts), reason,
-                                   use, ex.token_ids, ex.logprobs if ex.want_logprobs else None,
-                                   self.engine.detokenizer.token_text)
+        token_text = self.engine.detokenizer.token_text
+        if ex.group is not None:
+            body = choices.whole_body(ex.group, ex.route, ex.response_id, ex.created, self.model.name, use,
+                                      ex.want_logprobs, token_text)
+        else:
+            body = encoders.whole_body(ex.route, ex.response_id, ex.created, self.model.name, "".join(ex.texts),
+                                       reason, use, ex.token_ids, ex.logprobs if ex.want_logprobs else None, token_text)
         session.respond(ex.stream_id, 200, [(b"content-type", JSON), (b"x-request-id", ex.response_id.encode())],
                         body, trailers)
 
-    def _record_finish(self, ex: Exchange, reason: str, now: int) -> None:
+    def _record_finish(self, ex: Exchange, reason: str, now: int, num_cached_tokens: int = 0) -> None:
         m = self.metrics
         t = ex.timeline
         m.count_request(reason if reason in m.requests else "error")
@@ -282,19 +315,31 @@ class Dispatcher:
         if t.first_scheduled_ns and t.queued_ns:
             m.queue.observe_ns(t.first_scheduled_ns - t.queued_ns)
         if self.trace is not None:
-            self.trace.add(ex.request_id, ex.route, t, now)
+            self.trace.add(ex.request_id, ex.route, t, now, num_cached_tokens)
 
     # ------------------------------------------------------------ cancellation
 
     def cancel(self, proto, stream_id: int) -> None:
         request_id = proto.outbox.streams.pop(stream_id, None)
-        ex = self.exchanges.pop(request_id, None) if request_id is not None else None
-        if ex is not None:
-            if ex.deadline_timer is not None:
-                ex.deadline_timer.cancel()
-            self.engine.cancel(request_id)
-            self.metrics.count_request("cancelled")
-            self.access_log.request(peer_name(proto), ex.method, ex.path, 499, finish="cancelled by the client")
+        ex = self.exchanges.get(request_id) if request_id is not None else None
+        if ex is None and request_id is not None:
+            ex = self._group_member(request_id)
+        if ex is None:
+            return
+        for member in (ex,) if ex.group is None else ex.group.members:
+            if self.exchanges.pop(member.request_id, None) is not None:
+                if member.deadline_timer is not None:
+                    member.deadline_timer.cancel()
+                self.engine.cancel(member.request_id)
+        self.metrics.count_request("cancelled")
+        self.access_log.request(peer_name(proto), ex.method, ex.path, 499, finish="cancelled by the client")
+
+    def _group_member(self, first_id: int):
+        """n > 1 whose first choice already ended: a choice still running, or None."""
+        for ex in self.exchanges.values():
+            if ex.group is not None and ex.group.members[0].request_id == first_id:
+                return ex
+        return None
 
     def cancel_all(self, proto) -> None:
         for stream_id in list(proto.outbox.streams):

@@ -38,15 +38,9 @@ _TOKEN_STRUCTS = {n: struct.Struct(f"<{n}i") for n in range(1, 9)}
 
 
 def usage(num_prompt: int, num_output: int, num_cached: int = 0) -> dict:
-    """OpenAI's usage object; `num_cached`: prompt tokens whose KV came from a cache."""
+    """OpenAI's usage record; `cached_tokens`: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": num_prompt, "completion_tokens": num_output,
             "total_tokens": num_prompt + num_output, "prompt_tokens_details": {"cached_tokens": num_cached}}
-
-
-def num_cached_tokens(out) -> int:
-    """The one place usage reads a request's cached prompt tokens: 0 until the engine
-    reuses KV across requests (prefix caching), which will report the count on its outputs."""
-    return getattr(out, "num_cached_tokens", 0)
 
 
 TIMING_NAMES = ("tokenize", "queue", "prefill", "first_token_to_wire", "ttft", "decode", "total")
@@ -103,11 +97,12 @@ class _Sse(_Stream):
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
     __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_fields", "_include_usage",
-                 "_token_text", "_offset", "_started", "_head", "_num_prompt", "_num_output")
+                 "_token_text", "_offset", "_started", "_head", "_index", "_num_prompt", "_num_output")
 
-    def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str],
+    def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str], index: int,
                  continuous_usage_prompt: int | None = None):
         self._fields = fields                   # id, object, created, model: the head of every chunk
+        self._index = index                     # the choice's index (n > 1: net/choices.py)
         self._include_usage = include_usage
         self._token_text = token_text
         self._offset = 0                        # text offset (completions logprobs)
@@ -177,6 +172,13 @@ class _Sse(_Stream):
             parts = (chunk,)
         return b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in parts) + SSE_DONE
 
+    def finish_choice(self, finish_reason: str) -> bytes:
+        """n > 1: this choice's finish chunk alone; the response goes on (net/choices.py)."""
+        chunk = self._finish_chunk(finish_reason)
+        if self._include_usage:
+            chunk["usage"] = None
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
     def _chunk(self, choices: list) -> dict:
         return dict(self._fields, choices=choices)
 
@@ -186,11 +188,12 @@ class CompletionSse(_Sse):
     __slots__ = ()
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
-                 token_text: Callable[[int], str], continuous_usage_prompt: int | None = None):
+                 token_text: Callable[[int], str], index: int = 0,
+                 continuous_usage_prompt: int | None = None):
         fields = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-        super().__init__(fields, include_usage, token_text, continuous_usage_prompt)
+        super().__init__(fields, include_usage, token_text, index, continuous_usage_prompt)
         self._head = head = b"data: " + orjson.dumps(fields)[:-1]
-        self._prefix = self._first_prefix = head + b',"choices":[{"index":0,"text":'
+        self._prefix = self._first_prefix = head + b',"choices":[{"index":%d,"text":' % index
         self._lp_mid = b',"logprobs":'
         self._tail, self._null_tail = _TAILS[bool(include_usage)][0]
 
@@ -207,10 +210,10 @@ class CompletionSse(_Sse):
                 "text_offset": offsets}
 
     def _finish_chunk(self, finish_reason: str) -> dict:
-        return self._chunk([{"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}])
+        return self._chunk([{"index": self._index, "text": "", "logprobs": None, "finish_reason": finish_reason}])
 
     def _finish_choice(self) -> bytes:
-        return b',"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":'
+        return b',"choices":[{"index":%d,"text":"","logprobs":null,"finish_reason":' % self._index
 
 
 class ChatSse(_Sse):
@@ -218,11 +221,12 @@ class ChatSse(_Sse):
     __slots__ = ()
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
-                 token_text: Callable[[int], str], continuous_usage_prompt: int | None = None):
+                 token_text: Callable[[int], str], index: int = 0,
+                 continuous_usage_prompt: int | None = None):
         fields = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        super().__init__(fields, include_usage, token_text, continuous_usage_prompt)
+        super().__init__(fields, include_usage, token_text, index, continuous_usage_prompt)
         self._head = head = b"data: " + orjson.dumps(fields)[:-1]
-        start = head + b',"choices":[{"index":0,"delta":{'
+        start = head + b',"choices":[{"index":%d,"delta":{' % index
         self._prefix = start + b'"content":'
         self._first_prefix = start + b'"role":"assistant","content":'
         self._lp_mid = b'},"logprobs":'
@@ -233,11 +237,11 @@ class ChatSse(_Sse):
 
     def _finish_chunk(self, finish_reason: str) -> dict:
         delta = {} if self._started else {"role": "assistant", "content": ""}
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
+        return self._chunk([{"index": self._index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}])
 
     def _finish_choice(self) -> bytes:
         delta = b"{}" if self._started else b'{"role":"assistant","content":""}'
-        return b',"choices":[{"index":0,"delta":' + delta + b',"logprobs":null,"finish_reason":'
+        return b',"choices":[{"index":%d,"delta":' % self._index + delta + b',"logprobs":null,"finish_reason":'
 
 
 def chat_logprobs(token_ids, logprobs, token_text: Callable[[int], str]) -> list:
@@ -338,3 +342,10 @@ def completion_logprobs(token_ids: list, logprobs: list, token_text: Callable[[i
     return {"tokens": tokens, "token_logprobs": [lp.token_logprob for lp in logprobs],
             "top_logprobs": [{token_text(i): v for i, v in zip(lp.top_ids, lp.top_logprobs)} for lp in logprobs],
             "text_offset": offsets}
+
+
+def choices_body(route: str, request_id: str, created: int, model: str, choices: list, use: dict) -> bytes:
+    """A whole response with several choices (n > 1, net/choices.py)."""
+    kind = "chat.completion" if route == "chat" else "text_completion"
+    return orjson.dumps({"id": request_id, "object": kind, "created": created, "model": model,
+                         "choices": choices, "usage": use})

@@ -51,6 +51,8 @@ ACCEPTED_ENCODINGS = ("identity", "gzip")
 _PREFIX = struct.Struct(">BI")
 _TIMEOUT_UNITS_NS = {"H": 3600 * 10**9, "M": 60 * 10**9, "S": 10**9, "m": 10**6, "u": 10**3, "n": 1}
 SERVING, NOT_SERVING, SERVICE_UNKNOWN = 1, 2, 3
+_TIMING_FIELDS = frozenset(f.name for f in schema.GenerateResponse.DESCRIPTOR.fields_by_name["final"]
+                           .message_type.fields_by_name["timings"].message_type.fields)
 GENERATOR = "tokenwire.v1.Generator"
 SERVICES = (GENERATOR, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
             "grpc.reflection.v1.ServerReflection")
@@ -178,7 +180,8 @@ class GenerateEncoder:
         final.usage.total_tokens = use["total_tokens"]
         final.usage.cached_tokens = use["prompt_tokens_details"]["cached_tokens"]
         for name, value in timings.items():
-            setattr(final.timings, name, value)
+            if name in _TIMING_FIELDS:      # (the HTTP routes' timings also carry cache facts)
+                setattr(final.timings, name, value)
         return frame(message.SerializeToString())
 
     def trailers(self, base: list, finish_reason: str, error: str | None) -> list:

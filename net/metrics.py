@@ -101,6 +101,14 @@ class Metrics:
             ("tokenwire_preemptions_total", "counter", "Requests preempted (recomputed later).", s.num_preemptions),
             ("tokenwire_cancellations_total", "counter", "Requests cancelled.", s.num_cancellations),
             ("tokenwire_engine_steps_total", "counter", "Engine steps run.", s.num_steps),
+            ("tokenwire_prefix_cache_queries_total", "counter",
+             "Prompt tokens looked up in the prefix cache at admission.", s.num_prefix_cache_queries),
+            ("tokenwire_prefix_cache_hits_total", "counter",
+             "Prompt tokens found in the prefix cache (not computed again).", s.num_prefix_cache_hits),
+            ("tokenwire_prefix_cache_blocks", "gauge",
+             "KV blocks holding cached prefix content (in use or evictable).", s.num_prefix_cached_blocks),
+            ("tokenwire_response_cache_hits_total", "counter",
+             "Requests answered from the exact-match response cache.", s.num_response_cache_hits),
         ):
             _family(lines, name, kind, help_text, [("", value)])
         lines.append("")

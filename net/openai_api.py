@@ -6,11 +6,16 @@
 - `POST /generate`             tokenwire's native stream (NDJSON or binary token ids)
 
 Every parameter is type-checked here and range-checked by `SamplingParams`; a parameter
-this server knows but does not implement (n > 1, echo, logit_bias, tools, ...) is a 400
+this server knows but does not implement (echo, logit_bias, tools, ...) is a 400
 naming it. A key the route does not know at all (clients written for vLLM send their own)
 goes to the caller's `on_unknown(name)` (the app logs each name once and goes on), or is a
 400 naming it when there is no `on_unknown` (`--strict-params`). Accepted no-ops: `user`
 (an end-user id for abuse tracking) and vendor extension objects such as NVIDIA's `nvext`.
+
+`n` (both OpenAI routes, 1..MAX_CHOICES) asks for n choices; `best_of` (completions, n..
+MAX_CHOICES, not streamed) samples best_of and returns the n with the highest mean token
+log-probability. Choice i of a seeded request samples with seed (seed + i) mod 2**64
+(core/sampling_params.choice_params), so it equals a single request with that seed.
 """
 
 from functools import lru_cache
@@ -23,6 +28,7 @@ from ..core.sampling_params import MAX_TOP_LOGPROBS, InvalidParameter, SamplingP
 from .errors import ApiError, bad_param, unsupported
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 16                        # n and best_of
 
 
 class GenerationRequest(NamedTuple):
@@ -36,6 +42,8 @@ class GenerationRequest(NamedTuple):
     include_usage: bool                 # stream_options.include_usage
     continuous_usage: bool              # stream_options.continuous_usage_stats: usage on every chunk
     model: str | None                   # as the client named it (checked against the served name)
+    n: int = 1                          # choices returned
+    best_of: int = 1                    # choices sampled (>= n; completions only, not streamed)
 
 
 def max_tokens_problem(max_tokens: int | None, num_prompt: int, max_model_len: int) -> str | None:
@@ -81,9 +89,6 @@ def parse_completions(body: dict, on_unknown=None) -> GenerationRequest:
     _check_common_unsupported(body)
     if _opt(body, "echo", bool, False):
         raise unsupported("echo", "echo=true is not supported")
-    best_of = _opt(body, "best_of", int, 1)
-    if best_of != 1:
-        raise unsupported("best_of", "best_of other than 1 is not supported")
     if _opt(body, "suffix", str, None):
         raise unsupported("suffix", "suffix (insertion) is not supported")
     prompt, prompt_ids = _prompt(body)
@@ -92,8 +97,14 @@ def parse_completions(body: dict, on_unknown=None) -> GenerationRequest:
     # client that leaves it out get a 400 for a number it never sent, near the context's end)
     params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, None), logprobs=logprobs)
     stream, include_usage, continuous = _stream(body)
+    n = _num_choices(body)
+    best_of = _opt(body, "best_of", int, n)
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad_param("best_of", f"best_of must be in [n, {MAX_CHOICES}] (n = {n}), got {best_of}")
+    if best_of > n and stream:
+        raise bad_param("best_of", "best_of > n cannot be streamed: the best choices are known only at the end")
     return GenerationRequest("completions", prompt, prompt_ids, None, params, stream, include_usage, continuous,
-                             _opt(body, "model", str, None))
+                             _opt(body, "model", str, None), n, best_of)
 
 
 def parse_chat(body: dict, on_unknown=None) -> GenerationRequest:
@@ -118,8 +129,9 @@ def parse_chat(body: dict, on_unknown=None) -> GenerationRequest:
         raise bad_param("top_logprobs", "top_logprobs requires logprobs=true")
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None)
     stream, include_usage, continuous = _stream(body)
+    n = _num_choices(body)
     return GenerationRequest("chat", None, None, messages, params, stream, include_usage, continuous,
-                             _opt(body, "model", str, None))
+                             _opt(body, "model", str, None), n, n)
 
 
 def parse_generate(body: dict, on_unknown=None) -> GenerationRequest:
@@ -147,10 +159,14 @@ def _check_keys(body: dict, known: set, on_unknown) -> None:
             on_unknown(key)
 
 
-def _check_common_unsupported(body: dict) -> None:
+def _num_choices(body: dict) -> int:
     n = _opt(body, "n", int, 1)
-    if n != 1:
-        raise unsupported("n", f"n={n} is not supported: one choice per request (send {n} requests)")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_param("n", f"n must be in [1, {MAX_CHOICES}], got {n}")
+    return n
+
+
+def _check_common_unsupported(body: dict) -> None:
     if body.get("logit_bias"):
         raise unsupported("logit_bias", "logit_bias is not supported")
 

@@ -21,6 +21,11 @@ class Outbox:
         self.streams = {}                   # stream id -> engine request id
         self._proto = proto
 
+    def send_queued(self) -> None:
+        """Frame the queued chunks now (before a chunk written directly must follow them)."""
+        self._proto.session.send_batch(self.sends)
+        self.sends.clear()
+
     def write_step(self) -> None:
         """End of a step (hot path: once per step per connection written)."""
         self.pending = False

@@ -21,8 +21,10 @@ class TraceWriter:
         self._file.write(b"[\n")
         self._pid = 1
 
-    def add(self, request_id: int, route: str, t: Timeline, end_ns: int) -> None:
-        """Append one finished request's events (once per request)."""
+    def add(self, request_id: int, route: str, t: Timeline, end_ns: int, num_cached_tokens: int = 0) -> None:
+        """Append one finished request's events (once per request); the "request" span's args
+        say how many prompt tokens came from the prefix cache, and whether the whole answer
+        came from the response cache."""
         events = []
         tid = request_id
 
@@ -37,6 +39,8 @@ class TraceWriter:
         span("prefill", t.first_scheduled_ns, first_step)
         span("decode", first_step, t.finished_ns or end_ns)
         span("request", t.arrived_ns, end_ns)
+        if events and events[-1]["name"] == "request":
+            events[-1]["args"] = {"cached_prompt_tokens": num_cached_tokens, "response_cached": t.response_cached}
         for i, ns in enumerate(t.step_done_ns):
             events.append({"name": "token", "ph": "i", "s": "t", "ts": ns / 1000, "pid": self._pid, "tid": tid,
                            "args": {"index": i}})

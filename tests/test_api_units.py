@@ -59,7 +59,10 @@ def test_chat_max_completion_tokens_and_logprobs():
     ({"prompt": 5}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({}, "prompt"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
 ])
 def test_completion_rejections_name_the_parameter(body, param):
@@ -74,7 +77,8 @@ def test_completion_rejections_name_the_parameter(body, param):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": "3"}, "n"),
 ])
 def test_chat_rejections_name_the_parameter(body, param):
     with pytest.raises(ApiError) as exc:

@@ -270,7 +270,7 @@ def test_generate_binary(server):
     summary = json.loads(data[offset + 4:offset + 4 + length])
     assert offset + 4 + length == len(data)
     assert len(ids) == 6 and summary["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
-                                                   "prompt_tokens_details": {"cached_tokens": 0}}
+                                                    "prompt_tokens_details": {"cached_tokens": 0}}
     ndjson = [json.loads(x) for x in httpx.post(server.url + "/generate", json={
         "prompt_token_ids": [5, 6, 7], "max_tokens": 6}).text.splitlines()[:-1]]
     assert [t["id"] for t in ndjson] == ids

@@ -47,11 +47,15 @@ class KVCheckingExecutor:
         return sample(logits, [s for s in seqs if s.sample])
 
     def read_context(self, s):
-        ctx = []
+        """The context through the block table; each slot must hold this sequence's own token
+        for that position (written by it, or by another sequence with the same prefix: the
+        prefix cache shares such blocks)."""
+        ctx, own = [], list(s.prompt_token_ids) + list(s.output_token_ids)
         for pos in range(s.start_pos + len(s.token_ids)):
             entry = self.cache[self.slot(s, pos)]
-            if entry is None or entry[:2] != (s.seq_id, pos):
-                raise AssertionError(f"seq {s.seq_id} position {pos}: cache slot holds {entry}")
+            if entry is None or entry[1:] != (pos, own[pos]):
+                raise AssertionError(f"seq {s.seq_id} position {pos}: cache slot holds {entry}, "
+                                     f"expected token {own[pos]}")
             ctx.append(entry[2])
         return ctx
 

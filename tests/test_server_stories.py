@@ -113,3 +113,42 @@ def test_logprobs(client, reference):
     content = chat.choices[0].logprobs.content
     assert len(content) == 2 and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+
+
+# ------------------------------------------------------- n > 1, best_of (net/choices.py)
+
+def test_n_greedy_choices_are_identical(client, reference):
+    whole = client.completions.create(model="stories260K", prompt=reference["prompt"], max_tokens=12,
+                                      temperature=0, n=4)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in whole.choices}) == 1 and whole.choices[0].text == reference["text"][:len(whole.choices[0].text)]
+    assert whole.usage.completion_tokens == 4 * 12 and whole.usage.prompt_tokens == len(reference["prompt_ids"])
+
+
+def test_seeded_n_equals_single_requests_with_the_derived_seeds(client):
+    kw = dict(model="stories260K", messages=[{"role": "user", "content": "a cat"}], max_tokens=10, temperature=1.0)
+    together = client.chat.completions.create(n=4, seed=1234, **kw)
+    alone = [client.chat.completions.create(seed=1234 + i, **kw).choices[0].message.content for i in range(4)]
+    assert [c.message.content for c in together.choices] == alone
+    assert len(set(alone)) > 1
+    texts, finished, usage = {}, set(), None        # streamed: interleaved by index, the same texts
+    for chunk in client.chat.completions.create(n=4, seed=1234, stream=True,
+                                                stream_options={"include_usage": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished.add(c.index)
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(4)] == alone and finished == {0, 1, 2, 3}
+    assert usage.completion_tokens == 40
+
+
+def test_best_of_returns_the_best_ranked_choices(client):
+    kw = dict(model="stories260K", prompt="Once", max_tokens=8, temperature=1.0, seed=7)
+    best = client.completions.create(best_of=4, n=2, logprobs=0, **kw)
+    singles = [client.completions.create(logprobs=0, **dict(kw, seed=7 + i)).choices[0] for i in range(4)]
+    def mean(c):
+        return sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)
+    ranked = sorted(singles, key=mean, reverse=True)[:2]
+    assert [c.text for c in best.choices] == [c.text for c in ranked] and [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == 4 * 8

@@ -17,6 +17,7 @@ from . import __version__
 COMMANDS = {
     "serve": ("tokenwire.serve", "serve a model over HTTP/2 (and HTTP/1.1)"),
     "build": ("tokenwire.engine_build.cli", "build an INT4 engine directory from a checkpoint"),
+    "export-onnx": ("tokenwire.engine_build.onnx_cli", "export an engine's decode and prefill steps as ONNX (TensorRT)"),
 }
 # `tokenwire bench NAME`
 BENCHES = {
@@ -25,6 +26,8 @@ BENCHES = {
     "stages": ("tokenwire.bench.stages", "per-stage microbenchmarks of the request pipeline"),
     "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),
     "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
+    "prefix": ("tokenwire.bench.prefix", "prefix cache on against off: shared system prompt TTFT, multi-turn prefill"),
+    "response-cache": ("tokenwire.bench.response_cache", "TTFT of a response-cache answer against the mock engine's"),
 }
 
 

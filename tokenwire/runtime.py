@@ -42,7 +42,9 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
     executor = row.create_executor(model, options, max_model_len)
     core = EngineCore(executor, model.tokenizer, eos_token_ids=model.eos_token_ids, max_model_len=max_model_len,
                       max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-                      max_queued_requests=options.max_queued_requests)
+                      max_queued_requests=options.max_queued_requests,
+                      enable_prefix_caching=options.enable_prefix_caching, response_cache_size=options.response_cache_size,
+                      model_identity=f"{options.backend}:{model.name}:{getattr(model, 'path', '')}")
     card = ModelCard(name=options.served_model_name or model.name, description=model.description,
                      backend=options.backend, tokenizer=model.tokenizer, encode_prompt=model.encode_prompt,
                      bos_token_id=model.bos_token_id, add_bos=model.add_bos,

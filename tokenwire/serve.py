@@ -56,6 +56,14 @@ def byte_size(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+_non_negative_int.__name__ = "non-negative integer"
 _positive_int.__name__ = "positive integer"     # argparse names the type in its error message
 _port.__name__ = "port (0-65535)"
 _non_negative_float.__name__ = "non-negative number"
@@ -88,6 +96,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-cache-memory", type=byte_size, default=DEFAULTS.kv_cache_bytes, metavar="SIZE",
                         help="memory for the KV cache, e.g. 256MiB or 2GB (default: the backend's, 1 GiB "
                              "on the CPU); the number of KV blocks follows from it")
+    parser.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                        default=DEFAULTS.enable_prefix_caching,
+                        help="recompute every prompt: no reuse of the KV blocks of a prefix seen before")
+    parser.add_argument("--response-cache-size", type=_non_negative_int, default=DEFAULTS.response_cache_size,
+                        metavar="N", help="answer a repeated greedy or seeded request (same prompt and parameters) "
+                                          "from an LRU of the last N answers without running the model "
+                                          "(default: %(default)s, off)")
     parser.add_argument("--mock-step-us", type=_non_negative_float, default=DEFAULTS.mock_step_us,
                         help="mock backend: microseconds per engine step (default: %(default)s, zero cost)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
@@ -131,6 +146,8 @@ def run(args) -> int:
                         max_queued_requests=args.max_queued_requests, mock_step_us=args.mock_step_us,
                         kv_cache_bytes=args.kv_cache_memory, strict_params=args.strict_params,
                         access_log=args.access_log,
+                        enable_prefix_caching=args.enable_prefix_caching,
+                        response_cache_size=args.response_cache_size,
                         host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,
                         api_key=args.api_key, limits=limits, trace=args.trace, freeze_gc=True,
                         busy_poll_us=args.busy_poll_us)
