@@ -277,11 +277,11 @@ class App:
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
         request_id = next(self._ids)
         try:
+            priority = urgency(req.headers.get("priority"))
             if g.best_of == 1:
-                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False,
-                                        priority=urgency(req.headers.get("priority")))
+                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False, priority=priority)
             else:
-                members = self._submit_choices(request_id, prompt_ids, g, timeline)
+                members = self._submit_choices(request_id, prompt_ids, g, timeline, priority)
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", headers=[(b"retry-after", b"1")]) from None
         except PromptTooLong as exc:
@@ -301,7 +301,8 @@ class App:
                                      timeline, response_id, created, g.params.logprobs is not None,
                                      req.method, req.target), deadline_ns)
 
-    def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline) -> list:
+    def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline,
+                        priority: int) -> list:
         """n > 1 / best_of: one engine request per choice (net/choices.py), ids request_id,
         then fresh ones. -> [(request id, timeline)] by choice index"""
         params = g.params
@@ -310,7 +311,7 @@ class App:
         ids = [request_id] + [next(self._ids) for _ in range(g.best_of - 1)]
         timelines = [timeline] + [Timeline(arrived_ns=timeline.arrived_ns, tokenized_ns=timeline.tokenized_ns)
                                   for _ in ids[1:]]
-        self.engine.add_choices(ids, prompt_ids, choice_params(params, g.best_of), timelines, wake=False)
+        self.engine.add_choices(ids, prompt_ids, choice_params(params, g.best_of), timelines, priority, wake=False)
         return list(zip(ids, timelines))
 
     def _add_choices(self, proto, req: Request, g: GenerationRequest, members: list, response_id: str,
