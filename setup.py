@@ -91,6 +91,7 @@ setup(
     package_data={
         "tokenwire.kernels": ["cuda/*.cu", "cuda/*.cuh", "cuda/*.h"],
         "tokenwire.engine_build": ["data/*.txt"],
+        "tokenwire.net": ["proto/*.proto", "proto/*.binpb"],
     },
     ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExt},

@@ -360,6 +360,24 @@ class TextStream:
         return text if self.matcher.stopped else text + self.matcher.flush()
 
 
+class MinTokensTextStream(TextStream):
+    """A TextStream whose stop strings apply from the request's `min_tokens`-th token on
+    (vLLM's rule); the text of earlier tokens never reaches the matcher."""
+
+    __slots__ = ("num_unarmed",)
+
+    def __init__(self, decoder, matcher: StopStringMatcher, min_tokens: int):
+        super().__init__(decoder, matcher)
+        self.num_unarmed = min_tokens - 1       # tokens whose text passes the matcher by
+
+    def push(self, token_id: int) -> str:
+        """Hot path: once per generated token."""
+        if self.num_unarmed > 0:
+            self.num_unarmed -= 1
+            return self.decoder.push(token_id)
+        return self.matcher.push(self.decoder.push(token_id))
+
+
 class Detokenizer:
     """Per-tokenizer tables, built once; hands each request its text stream."""
 
@@ -405,4 +423,8 @@ class Detokenizer:
     def stream(self, prompt_ids: Sequence[int], params: SamplingParams):
         """-> an object with push(token_id) -> str, finish() -> str and .stopped"""
         decoder = self.decoder(prompt_ids, params.skip_special_tokens)
-        return TextStream(decoder, StopStringMatcher(params.stop)) if params.stop else decoder
+        if not params.stop:
+            return decoder
+        if params.min_tokens > 1:
+            return MinTokensTextStream(decoder, StopStringMatcher(params.stop), params.min_tokens)
+        return TextStream(decoder, StopStringMatcher(params.stop))

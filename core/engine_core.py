@@ -90,6 +90,7 @@ class EngineCore:
         self._inbox = []                    # list[Request], appended on the loop thread
         self._sleeping = False              # the engine thread waits on the doorbell (set under _lock)
         self._cancels = []                  # list[int] request ids, appended on the loop thread
+        self._priorities = []               # list[(request id, priority)], appended on the loop thread
         self._live_ids = set()              # ids submitted and not yet finished (duplicate check)
         self._requests = {}                 # request_id -> Request; engine thread only
         self._arrival_seq = itertools.count()
@@ -112,7 +113,8 @@ class EngineCore:
         """Submit a request (thread-safe). `priority`: smaller is served first, ties first come
         first served. `wake=False` leaves waking the engine thread to a later `wake()`, so a
         caller submitting several requests wakes it once, when done. Raises QueueFull,
-        PromptTooLong or InvalidRequest."""
+        PromptTooLong or InvalidRequest. (max_tokens beyond the context is capped here; the
+        API routes refuse it before submitting.)"""
         prompt = self._check_prompt(prompt_token_ids)
         self._enqueue([self._request(request_id, prompt, params, timeline, priority)], wake)
 
@@ -194,6 +196,12 @@ class EngineCore:
         if ring:
             self._doorbell.ring()
 
+    def set_priority(self, request_id: int, priority: int) -> None:
+        """Thread-safe: a submitted request's new priority (smaller first), applied at the next
+        step; a finished or unknown id is ignored."""
+        with self._lock:
+            self._priorities.append((request_id, priority))
+
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_unfinished()
 
@@ -223,6 +231,8 @@ class EngineCore:
                     req.leader = None       # its leader was replayed just before: nothing to wait for
             self._requests[req.request_id] = req
             self.scheduler.add(req)
+        if self._priorities:
+            self._apply_priorities()
         if cancels:
             outputs += self._apply_cancels(cancels, now_ns)
         # with step_columns, every step is a StepTokens whose rows are `outputs` itself (the
@@ -238,6 +248,14 @@ class EngineCore:
         if self.scheduler.finished_ids:
             self._forget_finished()
         return outputs if step is None else step
+
+    def _apply_priorities(self) -> None:
+        with self._lock:
+            changes, self._priorities = self._priorities, []
+        for request_id, priority in changes:
+            req = self._requests.get(request_id)
+            if req is not None and not req.is_finished and req.priority != priority:
+                self.scheduler.reprioritize(req, priority)
 
     def _replay(self, req: Request, now_ns: int, outputs: list) -> bool:
         """Answer `req` from the response cache if it holds it: one output per token, as live.

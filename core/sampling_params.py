@@ -22,6 +22,7 @@ MAX_TOP_LOGPROBS = 20
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: Optional[int] = None     # None: until EOS or the context is full
+    min_tokens: int = 0                  # vLLM's: no EOS, stop id or stop string before this many tokens
     temperature: float = 1.0             # 0 means greedy
     top_p: float = 1.0
     top_k: int = 0                       # 0: disabled
@@ -39,6 +40,9 @@ class SamplingParams:
     def __post_init__(self):
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", "must be an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+               f"must not exceed max_tokens ({self.max_tokens})")
         _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0")

@@ -18,7 +18,8 @@ Policy, in the order `schedule()` applies it each step:
    head's priority the longest cached prefix goes first, the oldest passed over at most 4
    times (prefix_cache.py rule 4).
 `update()` then takes the sampled ids: appends them, checks stop conditions (EOS / stop ids,
-stop strings via the request's TextStream, max_tokens, context length) and frees finished
+stop strings via the request's TextStream, max_tokens, context length; none of EOS, stop ids
+and stop strings before the request's `min_tokens`) and frees finished
 requests' blocks at once. Cancelled and failed requests free theirs when the engine
 thread processes them, at the start of the next step.
 Prefix cache: a block is registered under its content hash once every token in it is
@@ -310,9 +311,9 @@ class Scheduler:
             num_output = len(output_ids)
             req.decode_step.token_ids = token_ids = (token_id,)  # this output's ids, and the next step's feed
             req.step_done_ns.append(now_ns)
-            if token_id in req.stop_token_ids:
+            if token_id in req.stop_token_ids and num_output > req.params.min_tokens:
                 finish, text = FINISH_STOP, ""      # the stop token's own text is not output
-            else:
+            else:                           # (before min_tokens a stop id is just a token)
                 stream = req.text_stream
                 text = stream.push(token_id)
                 finish = FINISH_STOP if stream.stopped else \
@@ -349,6 +350,16 @@ class Scheduler:
         self.finished_ids.append(req.request_id)
 
     # ------------------------------------------------------------------ cancel / fail
+
+    def reprioritize(self, req: Request, priority: int) -> None:
+        """Give a live request a new priority: it takes its place in the waiting heap (admission)
+        or the running order (preemption) at once. Rare (an HTTP/2 PRIORITY_UPDATE): O(n)."""
+        req.priority = priority
+        if req.state is WAITING:
+            self.waiting = [(r.priority, r.arrival_seq, r) for _, _, r in self.waiting]
+            heapq.heapify(self.waiting)
+        else:
+            self.running.sort(key=_sort_key)
 
     def cancel(self, req: Request, now_ns: int) -> RequestOutput:
         """Remove a live request wherever it is; its blocks are free when this returns."""

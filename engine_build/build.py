@@ -63,7 +63,11 @@ def open_source(spec, tokenizer: Optional[str] = None) -> SourceModel:
             raise BuildError(path, "is already a tokenwire engine directory (serve it directly)")
         return import_hf(path)
     if hub.looks_like_hub_name(str(spec)):
-        return import_hf(hub.download(str(spec)), kind="hub", name=str(spec))
+        try:
+            return import_hf(hub.download(str(spec)), kind="hub", name=str(spec))
+        except BuildError as exc:           # a mistyped local path looks like org/name too: say that first
+            raise BuildError(spec, f"no such file or directory here; as a Hugging Face hub name: "
+                                   f"{exc.problem}") from None
     raise BuildError(spec, "no such file or directory, and not a Hugging Face hub name (org/name)")
 
 

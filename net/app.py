@@ -8,9 +8,16 @@ belongs to the dispatcher (dispatch.py), which writes the engine's outputs as th
 Routes:
     POST /v1/completions, POST /v1/chat/completions    OpenAI, SSE when stream=true
     POST /generate                                      native NDJSON, or binary with Accept: application/octet-stream
-    GET  /v1/models, /health, /metrics
-Authentication (optional Bearer key) covers /v1/* and /generate; /health and /metrics stay
-open for load balancers and scrapers.
+    GET  /v1/models, /v1/models/{id}, /health, /metrics
+    gRPC (content-type application/grpc): tokenwire.v1.Generator, grpc.health.v1.Health,
+         server reflection (net/grpc.py)
+Authentication (optional Bearer key) covers /v1/*, /generate and tokenwire.v1.Generator;
+/health, /metrics and the gRPC health service stay open for load balancers and scrapers.
+A generation request's `priority` header (RFC 9218: `u=0` most urgent .. `u=7`, default 3)
+is its scheduler priority, and HTTP/2 PRIORITY_UPDATE frames change it while it waits or
+runs (net/priority.py). A generation request may carry `x-request-timeout-ms: N` (gRPC:
+grpc-timeout): N ms after it arrived it is cancelled and ends with finish_reason "deadline"
+(504 when nothing was sent).
 """
 
 import hmac
@@ -18,6 +25,7 @@ import itertools
 import logging
 import time
 from dataclasses import replace
+from urllib.parse import unquote
 
 import orjson
 
@@ -25,14 +33,18 @@ from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
 from ..core.sampling_params import choice_params
 from . import encoders
+from .access_log import AccessLog, EngineLog
 from .choices import ChoiceGroup
-from .dispatch import JSON, Dispatcher, Exchange
-from .errors import ApiError
-from .events import BodyTooLarge, ConnectionClosed, Request, StreamReset
+from .dispatch import JSON, Dispatcher, Exchange, peer_name
+from .errors import ApiError, bad_param
+from .events import BodyTooLarge, ConnectionClosed, PriorityUpdate, Request, StreamReset
+from .grpc import RESOURCE_EXHAUSTED, GenerateEncoder, GrpcRoutes
 from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
-from .openai_api import GenerationRequest, parse_chat, parse_completions, parse_generate, parse_json
+from .openai_api import (GenerationRequest, max_tokens_problem, parse_chat, parse_completions, parse_generate,
+                         parse_json)
+from .priority import urgency
 
 log = logging.getLogger("tokenwire.net")
 
@@ -40,24 +52,33 @@ log = logging.getLogger("tokenwire.net")
 class App:
     """The HTTP application: one per server, shared by every connection."""
 
-    def __init__(self, *, metrics: Metrics | None = None, api_key: str | None = None, trace=None):
+    def __init__(self, *, metrics: Metrics | None = None, api_key: str | None = None, trace=None,
+                 access_log: bool = True, strict_params: bool = False):
         self.engine = None                  # EngineCore, set by `attach` once the model is loaded
         self.model: ModelInfo | None = None
         self.metrics = metrics or Metrics()
         self.api_key = api_key.encode() if api_key else None
         self.trace = trace                  # trace.TraceWriter or None
-        self.dispatcher = Dispatcher(self.metrics, trace)
+        self.access_log = AccessLog(access_log)
+        self.engine_log = EngineLog()       # the periodic throughput line (the server ticks it)
+        self.dispatcher = Dispatcher(self.metrics, trace, self.access_log)
+        # unknown request fields: ignored with one log line per name, or a 400 (--strict-params)
+        self.on_unknown_param = None if strict_params else self._ignore_unknown_param
+        self._unknown_params_logged = set()
+        self.grpc = GrpcRoutes(self)
         self.exchanges = self.dispatcher.exchanges          # engine request id -> Exchange
         self.handoff = None                 # handoff.StepHandoff, made by `attach`
         self.connections = set()
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
+        self._current = (None, None)        # (proto, Request) being routed: its error's access line
         self.shutting_down = False
         self.routes = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
             "/generate": {"POST": self._generate},
             "/v1/models": {"GET": self._models},
+            "/v1/models/": {"GET": self._model},        # prefix: /v1/models/{id}
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
         }
@@ -111,10 +132,17 @@ class App:
                 kind = type(ev)
                 if kind is Request:
                     self._handle(proto, ev)
+                elif kind is BodyTooLarge and ev.headers.get("content-type", "").startswith("application/grpc"):
+                    self.grpc.respond_status(proto, ev, RESOURCE_EXHAUSTED, "the request is larger than the "
+                                             f"limit of {proto.limits.max_body_bytes} bytes")
                 elif kind is BodyTooLarge:
                     self._respond_error(proto, ev.stream_id, ApiError(
                         413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",
                         code="body_too_large"))
+                elif kind is PriorityUpdate:
+                    request_id = proto.outbox.streams.get(ev.stream_id)
+                    if request_id is not None:
+                        self.engine.set_priority(request_id, urgency(ev.value))
                 elif kind is ConnectionClosed:
                     self.dispatcher.cancel_all(proto)
         finally:
@@ -123,12 +151,20 @@ class App:
                 self.handoff.release_engine()
 
     def _handle(self, proto, req: Request) -> None:
+        self._current = (proto, req)
+        if req.headers.get("content-type", "").startswith("application/grpc"):
+            self.grpc.handle(proto, req)
+            return
         try:
             path = req.target.split("?", 1)[0]
             methods = self.routes.get(path)
+            if methods is None and path.startswith("/v1/models/"):
+                methods = self.routes["/v1/models/"]
             if methods is None:
                 raise ApiError(404, f"no route for {path!r}", code="unknown_url")
             handler = methods.get(req.method)
+            if handler is None and req.method == "HEAD":
+                handler = methods.get("GET")        # RFC 9110 9.3.2: HEAD is GET without the body
             if handler is None:
                 allowed = ", ".join(methods)
                 raise ApiError(405, f"method {req.method} is not allowed on {path}; use {allowed}",
@@ -144,39 +180,70 @@ class App:
     def _respond_error(self, proto, stream_id: int, exc: ApiError) -> None:
         if exc.status >= 400 and exc.status not in (404, 405):
             self.metrics.count_request("rejected")
-        proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body())
+        method, target = self._request_line(proto, stream_id)
+        body = exc.body() if method != "HEAD" else b""       # h11 refuses a body on a HEAD response
+        proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, body)
+        self.access_log.request(peer_name(proto), method, target, exc.status)
+
+    def _request_line(self, proto, stream_id: int) -> tuple:
+        current_proto, req = self._current
+        if current_proto is proto and req.stream_id == stream_id:
+            return req.method, req.target
+        return "-", "-"
+
+    def _respond(self, proto, req: Request, body: bytes, content_type: bytes = JSON) -> None:
+        """A whole 200 response to an info route, with its access line."""
+        proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)],
+                              body if req.method != "HEAD" else b"")
+        self.access_log.request(peer_name(proto), req.method, req.target, 200)
 
     # ---------------------------------------------------------- info routes
 
     def _health(self, proto, req) -> None:
         if not self._ready():
             raise ApiError(503, self._not_ready_reason(), code="model_not_ready")
-        proto.session.respond(req.stream_id, 200, [(b"content-type", JSON)], b'{"status":"ok"}')
+        self._respond(proto, req, b'{"status":"ok"}')
 
     def _models(self, proto, req) -> None:
         self._authorize(req)
+        self._respond(proto, req, orjson.dumps({"object": "list", "data": [self._model_object()]}))
+
+    def _model(self, proto, req) -> None:
+        """GET /v1/models/{id}: the OpenAI SDK's models.retrieve."""
+        self._authorize(req)
+        name = unquote(req.target.split("?", 1)[0][len("/v1/models/"):])
+        model = self._require_model()
+        if name != model.name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model.name!r}",
+                           param="model", code="model_not_found")
+        self._respond(proto, req, orjson.dumps(self._model_object()))
+
+    def _model_object(self) -> dict:
         m = self._require_model()
-        body = orjson.dumps({"object": "list", "data": [{
-            "id": m.name, "object": "model", "created": m.created, "owned_by": "tokenwire",
-            "max_model_len": m.max_model_len, "description": m.description}]})
-        proto.session.respond(req.stream_id, 200, [(b"content-type", JSON)], body)
+        return {"id": m.name, "object": "model", "created": m.created, "owned_by": "tokenwire",
+                "max_model_len": m.max_model_len, "description": m.description}
 
     def _metrics(self, proto, req) -> None:
         self.dispatcher.drain_step_times()
         stats = self.engine.stats() if self.engine is not None else None
-        proto.session.respond(req.stream_id, 200, [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
-                              self.metrics.render(stats))
+        self._respond(proto, req, self.metrics.render(stats), b"text/plain; version=0.0.4; charset=utf-8")
 
     # ----------------------------------------------------- generation routes
 
     def _completions(self, proto, req) -> None:
-        self._submit(proto, req, parse_completions(self._json_body(req)), "cmpl-")
+        self._submit(proto, req, parse_completions(self._json_body(req), self.on_unknown_param), "cmpl-")
 
     def _chat(self, proto, req) -> None:
-        self._submit(proto, req, parse_chat(self._json_body(req)), "chatcmpl-")
+        self._submit(proto, req, parse_chat(self._json_body(req), self.on_unknown_param), "chatcmpl-")
 
     def _generate(self, proto, req) -> None:
-        self._submit(proto, req, parse_generate(self._json_body(req)), "gen-")
+        self._submit(proto, req, parse_generate(self._json_body(req), self.on_unknown_param), "gen-")
+
+    def _ignore_unknown_param(self, name: str) -> None:
+        if name not in self._unknown_params_logged and len(self._unknown_params_logged) < 1024:
+            self._unknown_params_logged.add(name)       # bounded: clients choose the names
+            log.info("ignoring the unknown request parameter %r (logged once per name; "
+                     "--strict-params rejects unknown parameters)", name[:100])
 
     def _json_body(self, req: Request) -> dict:
         self._authorize(req)
@@ -188,8 +255,11 @@ class App:
         self._require_model()
         return parse_json(req.body)
 
-    def _submit(self, proto, req: Request, g: GenerationRequest, id_prefix: str) -> None:
-        """Tokenize, stamp and hand the request to the engine; the stream opens with its first token."""
+    def _submit(self, proto, req: Request, g: GenerationRequest, id_prefix: str, deadline_ns: int | None = None) -> None:
+        """Tokenize, stamp and hand the request to the engine; the stream opens with its first token.
+        `deadline_ns` (monotonic; gRPC's grpc-timeout): else the x-request-timeout-ms header's."""
+        if deadline_ns is None and "x-request-timeout-ms" in req.headers:
+            deadline_ns = req.arrived_ns + request_timeout_ns(req.headers["x-request-timeout-ms"])
         model = self.model
         if g.model is not None and g.model != model.name:
             raise ApiError(404, f"the model {g.model!r} does not exist; this server serves {model.name!r}",
@@ -201,13 +271,17 @@ class App:
             raise ApiError(400, f"best_of > n ranks choices by log-probability; the {model.name!r} engine "
                            "does not compute them", param="best_of", code="unsupported_parameter")
         prompt_ids = self._prompt_ids(g)
+        problem = max_tokens_problem(g.params.max_tokens, len(prompt_ids), model.max_model_len)
+        if problem is not None:
+            raise bad_param("max_tokens", problem)
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
         request_id = next(self._ids)
         try:
+            priority = urgency(req.headers.get("priority"))
             if g.best_of == 1:
-                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False)
+                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False, priority=priority)
             else:
-                members = self._submit_choices(request_id, prompt_ids, g, timeline)
+                members = self._submit_choices(request_id, prompt_ids, g, timeline, priority)
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", headers=[(b"retry-after", b"1")]) from None
         except PromptTooLong as exc:
@@ -216,16 +290,19 @@ class App:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_prompt") from None
         self.metrics.tokenize.observe_ns(timeline.tokenized_ns - timeline.arrived_ns)
+        self.engine_log.num_prompt_tokens += len(prompt_ids)
         created = int(time.time())
         response_id = f"{id_prefix}{request_id}"
         if g.best_of > 1:
-            self._add_choices(proto, req, g, members, response_id, created)
+            self._add_choices(proto, req, g, members, response_id, created, len(prompt_ids))
             return
-        encoder = self._encoder(g, req, response_id, created) if g.stream else None
+        encoder = self._encoder(g, req, response_id, created, num_prompt=len(prompt_ids)) if g.stream else None
         self.dispatcher.add(Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream,
-                                     timeline, response_id, created, g.params.logprobs is not None))
+                                     timeline, response_id, created, g.params.logprobs is not None,
+                                     req.method, req.target), deadline_ns)
 
-    def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline) -> list:
+    def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline,
+                        priority: int) -> list:
         """n > 1 / best_of: one engine request per choice (net/choices.py), ids request_id,
         then fresh ones. -> [(request id, timeline)] by choice index"""
         params = g.params
@@ -234,16 +311,16 @@ class App:
         ids = [request_id] + [next(self._ids) for _ in range(g.best_of - 1)]
         timelines = [timeline] + [Timeline(arrived_ns=timeline.arrived_ns, tokenized_ns=timeline.tokenized_ns)
                                   for _ in ids[1:]]
-        self.engine.add_choices(ids, prompt_ids, choice_params(params, g.best_of), timelines, wake=False)
+        self.engine.add_choices(ids, prompt_ids, choice_params(params, g.best_of), timelines, priority, wake=False)
         return list(zip(ids, timelines))
 
     def _add_choices(self, proto, req: Request, g: GenerationRequest, members: list, response_id: str,
-                     created: int) -> None:
+                     created: int, num_prompt: int = 0) -> None:
         group = ChoiceGroup(g.n)
         for i, (request_id, timeline) in enumerate(members):
-            encoder = self._encoder(g, req, response_id, created, i) if g.stream else None
+            encoder = self._encoder(g, req, response_id, created, i, num_prompt) if g.stream else None
             ex = Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream, timeline,
-                          response_id, created, g.params.logprobs is not None)
+                          response_id, created, g.params.logprobs is not None, req.method, req.target)
             group.add(ex)
             self.dispatcher.add(ex)
 
@@ -261,12 +338,16 @@ class App:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_prompt")
         return model.encode(g.prompt)
 
-    def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, index: int = 0):
+    def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, index: int = 0,
+                 num_prompt: int = 0):
+        if g.route == "grpc":
+            return GenerateEncoder()
         if g.route == "generate":
             accept = req.headers.get("accept", "")
             return encoders.BinaryTokens() if "application/octet-stream" in accept else encoders.Ndjson()
         cls = encoders.ChatSse if g.route == "chat" else encoders.CompletionSse
-        return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text, index)
+        return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text, index,
+                   num_prompt if g.continuous_usage else None)
 
     # -------------------------------------------------------------- guards
 
@@ -300,6 +381,7 @@ class App:
     def begin_shutdown(self) -> None:
         """GOAWAY / Connection: close on every connection; in-flight streams run to their end."""
         self.shutting_down = True
+        self.grpc.notify_watchers(end=True)        # health watchers hear NOT_SERVING, their streams end
         for proto in list(self.connections):
             proto.begin_shutdown()
 
@@ -309,3 +391,16 @@ class App:
         for proto in list(self.connections):
             if proto.is_idle and proto.last_active < cutoff:
                 proto.begin_shutdown()
+
+
+
+def request_timeout_ns(value: str) -> int:
+    """The x-request-timeout-ms header (a positive number of milliseconds) -> nanoseconds."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = float("nan")
+    if not 0 < ms <= 86_400_000:
+        raise ApiError(400, f"x-request-timeout-ms must be a number of milliseconds in (0, 86400000], got {value!r}",
+                       param="x-request-timeout-ms", code="invalid_header")
+    return int(ms * 1e6)

@@ -17,21 +17,24 @@ from orjson import dumps
 
 from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
 from . import choices, encoders
+from .access_log import AccessLog
 from .busy_poll import BusyPoller
 from .errors import ApiError
 from .metrics import Metrics
 
 JSON = b"application/json"
+FINISH_DEADLINE = "deadline"        # the request's deadline passed (grpc-timeout, x-request-timeout-ms)
 
 
 class Exchange:
     """One generation request in flight: where its bytes go and how they are encoded."""
     __slots__ = ("request_id", "proto", "outbox", "stream_id", "route", "encoder", "streaming", "timeline",
                  "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
-                 "send", "encode", "prefix", "suffix", "key", "queue", "group", "index")
+                 "send", "encode", "prefix", "suffix", "key", "queue", "group", "index", "method", "path",
+                 "deadline_timer", "expired")
 
     def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
-                 created, want_logprobs):
+                 created, want_logprobs, method="POST", path="-"):
         self.request_id = request_id
         self.proto = proto
         self.outbox = proto.outbox
@@ -48,6 +51,9 @@ class Exchange:
         self.token_ids = [] if whole else None
         self.logprobs = [] if whole else None
         self.want_logprobs = want_logprobs
+        self.method, self.path = method, path   # for the access line
+        self.deadline_timer = None          # asyncio.TimerHandle when the request has a deadline
+        self.expired = False                # its deadline passed: cancelled in the engine, ending
         self.send = proto.session.data_writer(stream_id)        # made once: called per token
         self.encode = encoder.token if encoder is not None else None
         # SSE: a later token's chunk is prefix + orjson.dumps(text) + suffix, spliced inline
@@ -61,11 +67,12 @@ class Exchange:
 class Dispatcher:
     """Exchanges in flight, keyed by engine request id, and the per-step writer."""
 
-    def __init__(self, metrics: Metrics, trace=None):
+    def __init__(self, metrics: Metrics, trace=None, access_log: AccessLog | None = None):
         self.engine = None                  # EngineCore (cancel), set by `attach`
         self.model = None                   # model_info.ModelInfo (name), set by `attach`
         self.metrics = metrics
         self.trace = trace                  # trace.TraceWriter or None
+        self.access_log = access_log or AccessLog(False)
         self.exchanges: dict[int, Exchange] = {}
         self.step_times_ns = deque()        # filled by the engine thread (EngineCore.step_times_ns), drained here
         self.busy_poll = BusyPoller(self.exchanges)
@@ -78,10 +85,23 @@ class Dispatcher:
         self.busy_poll.loop = loop
         engine.step_times_ns = self.step_times_ns
 
-    def add(self, ex: "Exchange") -> None:
+    def add(self, ex: "Exchange", deadline_ns: int | None = None) -> None:
+        """Write `ex`'s outputs from now on; `deadline_ns` (monotonic): when to give up on it."""
         self.exchanges[ex.request_id] = ex
         if not ex.index:                    # n > 1: the stream maps to the first choice (net/choices.py)
             ex.outbox.streams[ex.stream_id] = ex.request_id
+        if deadline_ns is not None:
+            delay_s = max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
+            ex.deadline_timer = self.busy_poll.loop.call_later(delay_s, self.expire, ex.request_id)
+
+    def expire(self, request_id: int) -> None:
+        """The request's deadline passed: cancel it in the engine (its KV blocks are free after
+        the next step), which answers with its final output; `_finish` then ends the stream
+        with the `deadline` finish reason (gRPC: DEADLINE_EXCEEDED; nothing sent yet: 504)."""
+        ex = self.exchanges.get(request_id)
+        if ex is not None and not ex.expired:
+            ex.expired = True
+            self.engine.cancel(request_id)
 
     def write_step(self, step: StepTokens) -> None:
         """Write one engine step's outputs to every stream (hot path: once per step).
@@ -131,10 +151,14 @@ class Dispatcher:
                         else:               # the finish chunk follows at once: this one goes first
                             if ex.outbox.sends:     # after this stream's earlier tokens of this step
                                 ex.outbox.send_queued()     # (a replayed answer: many in one step)
-                            ex.send(ex.encode(out))
+                            chunk = ex.encode(out)
+                            if chunk:               # (gRPC's last token goes in its final message)
+                                ex.send(chunk)
                     else:
                         self._open_stream(ex)
-                        ex.send(ex.encoder.first_token(out))
+                        chunk = ex.encoder.first_token(out)
+                        if chunk:
+                            ex.send(chunk)
                 else:
                     self._collect(ex, out)
             if finish is not None:
@@ -222,9 +246,13 @@ class Dispatcher:
         if not self.exchanges:
             self.busy_poll.start(now)
         ex.outbox.streams.pop(ex.stream_id, None)
+        if ex.deadline_timer is not None:
+            ex.deadline_timer.cancel()
         reason = out.finish_reason
         if reason == FINISH_CANCELLED:
-            return
+            if not ex.expired:
+                return                      # the client went away
+            reason = FINISH_DEADLINE
         timings = encoders.timings_us(ex.timeline if ex.group is None else ex.group.timeline or ex.timeline, now)
         use = encoders.usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         trailers = [(b"server-timing", encoders.server_timing(timings)),
@@ -234,15 +262,22 @@ class Dispatcher:
             timings["response_cached"] = True
         error = out.error if reason == FINISH_ERROR else None
         opened = ex.last_ns or (ex.group is not None and ex.group.opened)
-        if ex.streaming and (opened or error is None):
+        if ex.streaming and (opened or ex.encoder.in_band_errors or (error is None and reason != FINISH_DEADLINE)):
             if not ex.last_ns:
                 self._open_stream(ex)
             session = ex.proto.session
-            session.send_data(ex.stream_id, ex.encoder.finish(out, reason, use, timings, error))
-            session.end_response(ex.stream_id, trailers)
-        else:               # a whole response, or a stream that failed before its first token: a 500
+            body = ex.encoder.finish(out, reason, use, timings, error)
+            if body:
+                session.send_data(ex.stream_id, body)
+            session.end_response(ex.stream_id, ex.encoder.trailers(trailers, reason, error))
+        else:               # a whole response, or a stream that failed before its first token: a 500 (504)
             self._respond_whole(ex, reason, use, trailers, error)
         self._record_finish(ex, reason, now, out.num_cached_tokens)
+        status = 200 if opened or ex.encoder is not None and ex.encoder.in_band_errors else \
+            500 if error is not None else 504 if reason == FINISH_DEADLINE else 200
+        self.access_log.request(peer_name(ex.proto), ex.method, ex.path, status,
+                                num_prompt=out.num_prompt_tokens, num_output=out.num_output_tokens,
+                                ttft_us=timings["ttft_us"], total_us=timings["total_us"], finish=reason)
 
     def _finish_choice(self, ex: Exchange, out):
         """One choice of an n > 1 request ended (net/choices.py rules 2-3): a streamed one sends
@@ -256,9 +291,11 @@ class Dispatcher:
 
     def _respond_whole(self, ex: Exchange, reason: str, use: dict, trailers: list, error: str | None) -> None:
         session = ex.proto.session
-        if error is not None:
-            exc = ApiError(500, f"the engine failed this request: {error}", code="engine_error")
-            session.respond(ex.stream_id, 500, [(b"content-type", JSON)], exc.body(), trailers)
+        if error is not None or reason == FINISH_DEADLINE:
+            exc = ApiError(500, f"the engine failed this request: {error}", code="engine_error") \
+                if error is not None else ApiError(504, "the request's deadline (x-request-timeout-ms) passed "
+                                                   "before its response was complete", code="deadline_exceeded")
+            session.respond(ex.stream_id, exc.status, [(b"content-type", JSON)], exc.body(), trailers)
             return
         token_text = self.engine.detokenizer.token_text
         if ex.group is not None:
@@ -291,8 +328,11 @@ class Dispatcher:
             return
         for member in (ex,) if ex.group is None else ex.group.members:
             if self.exchanges.pop(member.request_id, None) is not None:
+                if member.deadline_timer is not None:
+                    member.deadline_timer.cancel()
                 self.engine.cancel(member.request_id)
         self.metrics.count_request("cancelled")
+        self.access_log.request(peer_name(proto), ex.method, ex.path, 499, finish="cancelled by the client")
 
     def _group_member(self, first_id: int):
         """n > 1 whose first choice already ended: a choice still running, or None."""
@@ -310,3 +350,12 @@ class Dispatcher:
         step = self.metrics.step
         while times:
             step.observe_ns(times.popleft())
+
+
+def peer_name(proto) -> str:
+    """The client's address for the access log ("-" when the transport has none)."""
+    transport = proto.transport
+    name = transport.get_extra_info("peername") if transport is not None else None
+    if isinstance(name, tuple) and len(name) >= 2:
+        return f"{name[0]}:{name[1]}"
+    return "-"

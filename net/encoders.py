@@ -7,7 +7,10 @@ the per-token work is orjson on the token's text and two concatenations. Whole
 
 SSE (OpenAI): `data: {json}\n\n` per chunk, then `data: [DONE]\n\n`. The last JSON chunk
 (the finish chunk, or the usage chunk with `stream_options.include_usage`) also carries
-`"timings"`: the request's stage durations in microseconds.
+`"timings"`: the request's stage durations in microseconds. With
+`stream_options.continuous_usage_stats` every chunk carries the usage so far (those chunks
+are then built here, never spliced by the dispatcher). gRPC's Generate encoder lives in
+net/grpc.py and shares the streamed encoders' interface (`_Stream`).
 
 NDJSON (`POST /generate`, the default): one line per token `{"id": 123, "text": "..."}`,
 then one final line `{"finish_reason": ..., "usage": {...}, "timings": {...}}` (plus
@@ -66,6 +69,16 @@ def server_timing(timings: dict) -> bytes:
     return _SERVER_TIMING % tuple([us / 1000 for us in timings.values()])
 
 
+class _Stream:
+    """What every streamed encoder shares: the HTTP routes end a stream with their finish
+    chunk; an engine error before the first token becomes a 500 (gRPC's encoder overrides both)."""
+    __slots__ = ()
+    in_band_errors = False
+
+    def trailers(self, base: list, finish_reason: str, error: str | None) -> list:
+        return base
+
+
 # ------------------------------------------------------------------- SSE
 
 def _tails(lp_mid: bytes, usage_tail: bytes) -> tuple:
@@ -80,32 +93,44 @@ _TAILS = {usage: (_tails(b',"logprobs":', b',"usage":null' if usage else b""),
           for usage in (False, True)}
 
 
-class _Sse:
+class _Sse(_Stream):
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
     __slots__ = ("_prefix", "_first_prefix", "_null_tail", "_lp_mid", "_tail", "_fields", "_include_usage",
-                 "_token_text", "_offset", "_started", "_head", "_index")
+                 "_token_text", "_offset", "_started", "_head", "_index", "_num_prompt", "_num_output")
 
-    def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str], index: int):
+    def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str], index: int,
+                 continuous_usage_prompt: int | None = None):
         self._fields = fields                   # id, object, created, model: the head of every chunk
         self._index = index                     # the choice's index (n > 1: net/choices.py)
         self._include_usage = include_usage
         self._token_text = token_text
         self._offset = 0                        # text offset (completions logprobs)
         self._started = False                   # a token chunk went out
+        # stream_options.continuous_usage_stats: the prompt's token count (None: off), and the
+        # tokens sent so far; every chunk then carries usage, so none is spliced by the dispatcher
+        self._num_prompt = continuous_usage_prompt
+        self._num_output = 0
 
     def first_token(self, out) -> bytes:
         """The stream's first chunk (chat: it also carries the role)."""
         self._started = True
+        if self._num_prompt is not None:
+            return self._with_usage(self._chunk_bytes(self._first_prefix, out), out)
         return self._chunk_bytes(self._first_prefix, out)
 
     def text_parts(self) -> tuple:
         """(prefix, suffix): a later token's chunk without logprobs is prefix + orjson.dumps(text)
-        + suffix, the bytes `token` makes; the dispatcher splices it inline (hot path)."""
+        + suffix, the bytes `token` makes; the dispatcher splices it inline (hot path).
+        (None, None) when every chunk carries its own usage."""
+        if self._num_prompt is not None:
+            return None, None
         return self._prefix, self._null_tail
 
     def token(self, out) -> bytes:
         """Every later chunk (hot path: once per token)."""
+        if self._num_prompt is not None:
+            return self._with_usage(self._chunk_bytes(self._prefix, out), out)
         if out.logprobs is None:
             return self._prefix + orjson.dumps(out.text) + self._null_tail
         return self._chunk_bytes(self._prefix, out)
@@ -116,18 +141,28 @@ class _Sse:
         lp = orjson.dumps(self._logprobs(out))
         return prefix + orjson.dumps(out.text) + self._lp_mid + lp + self._tail
 
+    def _with_usage(self, chunk: bytes, out) -> bytes:
+        """`chunk` (ending in `}\n\n`, or `"usage":null}\n\n`) with the usage so far."""
+        self._num_output += len(out.token_ids)
+        use = orjson.dumps(usage(self._num_prompt, self._num_output))
+        if self._include_usage:
+            return chunk[:-7] + use + b"}\n\n"        # replaces `null}\n\n`
+        return chunk[:-3] + b',"usage":' + use + b"}\n\n"
+
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
         """The finish chunk, the usage chunk if asked for, and [DONE] (once per request: the
         common case, no usage chunk and no error, is spliced from bytes, the same bytes
         orjson makes of the whole chunk)."""
-        if error is None and not self._include_usage:
+        if error is None and not self._include_usage and self._num_prompt is None:
             return (self._head + self._finish_choice() + orjson.dumps(finish_reason) + b'}],"timings":'
                     + orjson.dumps(timings) + b"}\n\n" + SSE_DONE)
         chunk = self._finish_chunk(finish_reason)
+        if self._num_prompt is not None:
+            chunk["usage"] = use
         if error is not None:
             chunk["error"] = {"message": error, "type": "server_error", "param": None, "code": "engine_error"}
         if self._include_usage:
-            chunk["usage"] = None
+            chunk.setdefault("usage", None)
             last = self._chunk([])
             last["usage"] = use
             last["timings"] = timings
@@ -153,9 +188,10 @@ class CompletionSse(_Sse):
     __slots__ = ()
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
-                 token_text: Callable[[int], str], index: int = 0):
+                 token_text: Callable[[int], str], index: int = 0,
+                 continuous_usage_prompt: int | None = None):
         fields = {"id": request_id, "object": "text_completion", "created": created, "model": model}
-        super().__init__(fields, include_usage, token_text, index)
+        super().__init__(fields, include_usage, token_text, index, continuous_usage_prompt)
         self._head = head = b"data: " + orjson.dumps(fields)[:-1]
         self._prefix = self._first_prefix = head + b',"choices":[{"index":%d,"text":' % index
         self._lp_mid = b',"logprobs":'
@@ -185,9 +221,10 @@ class ChatSse(_Sse):
     __slots__ = ()
 
     def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
-                 token_text: Callable[[int], str], index: int = 0):
+                 token_text: Callable[[int], str], index: int = 0,
+                 continuous_usage_prompt: int | None = None):
         fields = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        super().__init__(fields, include_usage, token_text, index)
+        super().__init__(fields, include_usage, token_text, index, continuous_usage_prompt)
         self._head = head = b"data: " + orjson.dumps(fields)[:-1]
         start = head + b',"choices":[{"index":%d,"delta":{' % index
         self._prefix = start + b'"content":'
@@ -218,7 +255,7 @@ def chat_logprobs(token_ids, logprobs, token_text: Callable[[int], str]) -> list
 
 # ------------------------------------------------------------- native
 
-class Ndjson:
+class Ndjson(_Stream):
     """POST /generate, one JSON line per token."""
     content_type = b"application/x-ndjson"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
@@ -239,7 +276,7 @@ class Ndjson:
         return orjson.dumps(_summary(finish_reason, use, timings, error)) + b"\n"
 
 
-class BinaryTokens:
+class BinaryTokens(_Stream):
     """POST /generate with Accept: application/octet-stream: int32 ids, then -1, length, JSON summary."""
     content_type = b"application/octet-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))

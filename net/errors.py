@@ -17,6 +17,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 

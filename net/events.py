@@ -59,6 +59,12 @@ class UpgradeRequested(NamedTuple):
     settings: bytes             # the HTTP2-Settings header value (base64url SETTINGS payload)
 
 
+class PriorityUpdate(NamedTuple):
+    """An HTTP/2 PRIORITY_UPDATE frame (RFC 9218 7.1): a new priority for a request stream."""
+    stream_id: int              # the prioritized stream
+    value: str                  # the Priority field value, e.g. "u=0, i"
+
+
 class ConnectionClosed(NamedTuple):
     """The peer ended the connection (GOAWAY, EOF) or broke the protocol; nothing more will come."""
     reason: str

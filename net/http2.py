@@ -33,6 +33,9 @@ Rule 6: whatever h2 produces is moved into the output list right after each h2 c
 Rule 7: every stream has its own send queue: a stream whose window is shut queues its bytes
         and never holds up the others; WINDOW_UPDATE and SETTINGS changes drain it.
 Rule 8: nothing here awaits or touches a socket.
+Rule 9: of the extension frames, PRIORITY_UPDATE (RFC 9218 7.1) is read: on stream 0, for
+        a request stream the app holds, it becomes a `PriorityUpdate` event; every other
+        unknown frame type is ignored (RFC 9113 5.5).
 
 Errors (RFC 9113 5.4). A connection error writes GOAWAY (last stream id, code), reports
 `ConnectionClosed` and ignores all later input. A stream error writes RST_STREAM; if the app
@@ -71,7 +74,7 @@ import h2.settings
 import hpack
 from h2.errors import ErrorCodes
 
-from .events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset
+from .events import BodyTooLarge, ConnectionClosed, Limits, PriorityUpdate, Request, StreamReset
 from .hpack_plain import encode_block
 from .request_headers import MalformedRequest, RequestDecoder
 
@@ -88,6 +91,7 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 # frame types (RFC 9113 6)
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, TYPE_GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+PRIORITY_UPDATE = 0x10             # RFC 9218 7.1, an extension frame
 TYPE_HEADERS = HEADERS
 # flags
 END_STREAM = 0x1
@@ -282,7 +286,9 @@ class H2Session:
             try:
                 if ftype < 10:
                     handlers[ftype](self, flags, stream_id, data, pos, stop, events)
-                # unknown frame types are ignored (RFC 9113 5.5)
+                elif ftype == PRIORITY_UPDATE:
+                    self._on_priority_update(stream_id, data, pos + 9, stop, events)
+                # other unknown frame types are ignored (RFC 9113 5.5)
             except StreamError as exc:
                 self._stream_error(exc.stream_id, exc.code, events)
             pos = stop
@@ -499,6 +505,19 @@ class H2Session:
             self._priority_error(sid, ErrorCodes.FRAME_SIZE_ERROR, "PRIORITY must be 5 bytes")
         elif U32.unpack_from(data, pos + 9)[0] & 0x7FFFFFFF == sid:
             self._priority_error(sid, ErrorCodes.PROTOCOL_ERROR, f"stream {sid} depends on itself")
+
+    def _on_priority_update(self, sid, data, start, stop, events):
+        """PRIORITY_UPDATE (RFC 9218 7.1): on stream 0, naming a request stream; reported for
+        an open stream the app holds, ignored for any other (closed, or not opened yet)."""
+        if sid != 0:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "PRIORITY_UPDATE on a stream other than 0")
+        if stop - start < 4:
+            raise ConnectionError_(ErrorCodes.FRAME_SIZE_ERROR, "PRIORITY_UPDATE shorter than 4 bytes")
+        target = int.from_bytes(data[start:start + 4], "big") & 0x7FFFFFFF
+        if target == 0:
+            raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "PRIORITY_UPDATE for stream 0")
+        if target in self.streams:
+            events.append(PriorityUpdate(target, data[start + 4:stop].decode("latin-1")))
 
     def _priority_error(self, sid: int, code: ErrorCodes, message: str) -> None:
         """A stream error, but RST_STREAM may not name an idle stream (RFC 9113 6.4): then the connection's."""

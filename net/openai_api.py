@@ -6,9 +6,11 @@
 - `POST /generate`             tokenwire's native stream (NDJSON or binary token ids)
 
 Every parameter is type-checked here and range-checked by `SamplingParams`; a parameter
-this server does not implement (echo, logit_bias, tools, ...) is a 400 naming it,
-and so is any key the route does not know, so nothing is ever silently ignored. The only
-accepted no-op is `user` (an end-user id for abuse tracking; it never affects output).
+this server knows but does not implement (echo, logit_bias, tools, ...) is a 400
+naming it. A key the route does not know at all (clients written for vLLM send their own)
+goes to the caller's `on_unknown(name)` (the app logs each name once and goes on), or is a
+400 naming it when there is no `on_unknown` (`--strict-params`). Accepted no-ops: `user`
+(an end-user id for abuse tracking) and vendor extension objects such as NVIDIA's `nvext`.
 
 `n` (both OpenAI routes, 1..MAX_CHOICES) asks for n choices; `best_of` (completions, n..
 MAX_CHOICES, not streamed) samples best_of and returns the n with the highest mean token
@@ -25,7 +27,6 @@ from ..core.sampling_params import MAX_TOP_LOGPROBS, InvalidParameter, SamplingP
 
 from .errors import ApiError, bad_param, unsupported
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # the OpenAI completions default
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16                        # n and best_of
 
@@ -39,9 +40,21 @@ class GenerationRequest(NamedTuple):
     params: SamplingParams
     stream: bool
     include_usage: bool                 # stream_options.include_usage
+    continuous_usage: bool              # stream_options.continuous_usage_stats: usage on every chunk
     model: str | None                   # as the client named it (checked against the served name)
     n: int = 1                          # choices returned
     best_of: int = 1                    # choices sampled (>= n; completions only, not streamed)
+
+
+def max_tokens_problem(max_tokens: int | None, num_prompt: int, max_model_len: int) -> str | None:
+    """Why max_tokens cannot be served after a prompt of `num_prompt` tokens, naming both
+    numbers (OpenAI and vLLM refuse it rather than finish early with "length"), or None."""
+    if max_tokens is None or num_prompt + max_tokens <= max_model_len:
+        return None
+    num_left = max_model_len - num_prompt
+    return (f"max_tokens is {max_tokens}, but the context leaves {num_left} tokens after the prompt "
+            f"({max_model_len} tokens of context, {num_prompt} in the prompt); ask for at most {num_left}, "
+            f"or leave max_tokens out to use the rest of the context")
 
 
 def parse_json(body: bytes) -> dict:
@@ -59,19 +72,20 @@ def parse_json(body: bytes) -> dict:
 
 # ----------------------------------------------------------------- routes
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+_IGNORED = {"user", "nvext"}            # accepted and without effect
+_COMMON = _IGNORED | {"model", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
            "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "skip_special_tokens", "stream", "stream_options", "n", "logit_bias", "user"}
+           "skip_special_tokens", "stream", "stream_options", "n", "logit_bias"}
 _COMPLETIONS_KEYS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                         "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
-_GENERATE_KEYS = {"prompt", "prompt_token_ids", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+_GENERATE_KEYS = _IGNORED | {"prompt", "prompt_token_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                   "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop",
                   "stop_token_ids", "ignore_eos", "skip_special_tokens", "model"}
 
 
-def parse_completions(body: dict) -> GenerationRequest:
-    _check_keys(body, _COMPLETIONS_KEYS)
+def parse_completions(body: dict, on_unknown=None) -> GenerationRequest:
+    _check_keys(body, _COMPLETIONS_KEYS, on_unknown)
     _check_common_unsupported(body)
     if _opt(body, "echo", bool, False):
         raise unsupported("echo", "echo=true is not supported")
@@ -79,21 +93,22 @@ def parse_completions(body: dict) -> GenerationRequest:
         raise unsupported("suffix", "suffix (insertion) is not supported")
     prompt, prompt_ids = _prompt(body)
     logprobs = _opt(body, "logprobs", int, None)
-    params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, COMPLETIONS_DEFAULT_MAX_TOKENS),
-                       logprobs=logprobs)
-    stream, include_usage = _stream(body)
+    # max_tokens absent: the rest of the context (vLLM's choice; OpenAI's 16 would make a
+    # client that leaves it out get a 400 for a number it never sent, near the context's end)
+    params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, None), logprobs=logprobs)
+    stream, include_usage, continuous = _stream(body)
     n = _num_choices(body)
     best_of = _opt(body, "best_of", int, n)
     if not n <= best_of <= MAX_CHOICES:
         raise bad_param("best_of", f"best_of must be in [n, {MAX_CHOICES}] (n = {n}), got {best_of}")
     if best_of > n and stream:
         raise bad_param("best_of", "best_of > n cannot be streamed: the best choices are known only at the end")
-    return GenerationRequest("completions", prompt, prompt_ids, None, params, stream, include_usage,
+    return GenerationRequest("completions", prompt, prompt_ids, None, params, stream, include_usage, continuous,
                              _opt(body, "model", str, None), n, best_of)
 
 
-def parse_chat(body: dict) -> GenerationRequest:
-    _check_keys(body, _CHAT_KEYS)
+def parse_chat(body: dict, on_unknown=None) -> GenerationRequest:
+    _check_keys(body, _CHAT_KEYS, on_unknown)
     _check_common_unsupported(body)
     for name in ("tools", "functions"):
         if body.get(name):
@@ -113,32 +128,35 @@ def parse_chat(body: dict) -> GenerationRequest:
     if top is not None and not want_logprobs:
         raise bad_param("top_logprobs", "top_logprobs requires logprobs=true")
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous = _stream(body)
     n = _num_choices(body)
-    return GenerationRequest("chat", None, None, messages, params, stream, include_usage,
+    return GenerationRequest("chat", None, None, messages, params, stream, include_usage, continuous,
                              _opt(body, "model", str, None), n, n)
 
 
-def parse_generate(body: dict) -> GenerationRequest:
-    _check_keys(body, _GENERATE_KEYS)
+def parse_generate(body: dict, on_unknown=None) -> GenerationRequest:
+    _check_keys(body, _GENERATE_KEYS, on_unknown)
     has_text, has_ids = body.get("prompt") is not None, body.get("prompt_token_ids") is not None
     if has_text == has_ids:
         raise bad_param("prompt", "give exactly one of prompt (a string) and prompt_token_ids (a list of ints)")
     prompt = _opt(body, "prompt", str, None)
     prompt_ids = _token_ids(body["prompt_token_ids"], "prompt_token_ids") if has_ids else None
     params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, None), logprobs=None)
-    return GenerationRequest("generate", prompt, prompt_ids, None, params, True, True,
+    return GenerationRequest("generate", prompt, prompt_ids, None, params, True, True, False,
                              _opt(body, "model", str, None))
 
 
 # ---------------------------------------------------------------- helpers
 
-def _check_keys(body: dict, known: set) -> None:
+def _check_keys(body: dict, known: set, on_unknown) -> None:
     if body.keys() <= known:
         return
     for key in body:
         if key not in known:
-            raise unsupported(key, f"unknown or unsupported parameter {key!r}")
+            if on_unknown is None:
+                raise unsupported(key, f"unknown or unsupported parameter {key!r} (the server runs with "
+                                       "--strict-params)")
+            on_unknown(key)
 
 
 def _num_choices(body: dict) -> int:
@@ -216,25 +234,29 @@ def _sampling_params(fields: tuple) -> SamplingParams:
 
 
 # body key -> JSON type, for the SamplingParams fields taken from the body as they are
-_SAMPLING_FIELDS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+_SAMPLING_FIELDS = {"min_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
                     "frequency_penalty": float, "presence_penalty": float, "seed": int, "ignore_eos": bool,
                     "skip_special_tokens": bool}
 
 
-def _stream(body: dict) -> tuple[bool, bool]:
+def _stream(body: dict) -> tuple[bool, bool, bool]:
+    """-> (stream, include_usage, continuous_usage_stats)"""
     stream = _opt(body, "stream", bool, False)
     options = _opt(body, "stream_options", dict, None)
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_param("stream_options", "stream_options is only allowed with stream=true")
     for key in options:
-        if key != "include_usage":
+        if key not in ("include_usage", "continuous_usage_stats"):
             raise unsupported("stream_options", f"unknown stream_options key {key!r}")
-    include = options.get("include_usage", False)
-    if type(include) is not bool:
-        raise bad_param("stream_options", "stream_options.include_usage must be a boolean")
-    return stream, include
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key, False)
+        if type(value) is not bool:
+            raise bad_param("stream_options", f"stream_options.{key} must be a boolean")
+        flags.append(value)
+    return stream, flags[0], flags[1]
 
 
 def _prompt(body: dict) -> tuple[str | None, list | None]:

@@ -10,7 +10,8 @@ In-process use (tests, notebooks, benchmarks):
 SIGTERM or SIGINT, then shuts down gracefully and returns 0: the listening sockets close
 (new connections are refused), new HTTP/2 streams are refused with REFUSED_STREAM,
 in-flight streams run to their end (at most 30 s), each HTTP/2 connection then gets its
-GOAWAY (HTTP/1.1: `Connection: close`), and the engine stops.
+GOAWAY (HTTP/1.1: `Connection: close`), and the engine stops. The log says what it waits
+for; a second SIGINT (Ctrl-C) or SIGTERM exits at once (status 130).
 
 The server listens before the model is loaded; until it is, /health and the generation
 routes answer 503. `start()` waits for the model unless `wait_ready=False`.
@@ -19,6 +20,7 @@ routes answer 503. `start()` waits for the model unless `wait_ready=False`.
 import asyncio
 import gc
 import logging
+import os
 import signal
 import ssl
 import threading
@@ -36,6 +38,7 @@ log = logging.getLogger("tokenwire.net")
 
 LOOPS = ("uvloop", "asyncio")
 DRAIN_TIMEOUT_S = 30.0      # SIGTERM: in-flight streams get this long to finish (deploy/k8s's grace period covers it)
+ENGINE_LOG_INTERVAL_S = 10.0        # the periodic throughput / running / waiting / KV line, while busy
 
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
@@ -72,7 +75,8 @@ class Server:
                  loop: str = "uvloop", tls_cert: str | None = None, tls_key: str | None = None,
                  api_key: str | None = None, limits: Limits | None = None, trace: str | None = None,
                  engine=None, model_info=None, reuse_port: bool = False, freeze_gc: bool = False,
-                 busy_poll_us: float = BUSY_POLL_US):
+                 busy_poll_us: float = BUSY_POLL_US, access_log: bool = True, strict_params: bool = False,
+                 engine_log_interval_s: float = ENGINE_LOG_INTERVAL_S):
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
         if (tls_cert is None) != (tls_key is None):
@@ -93,7 +97,10 @@ class Server:
         self._prebuilt = (engine, model_info) if engine is not None else None
         self.reuse_port = reuse_port
         self.freeze_gc = freeze_gc
-        self.app = App(metrics=Metrics(), api_key=api_key, trace=TraceWriter(trace) if trace else None)
+        self.app = App(metrics=Metrics(), api_key=api_key, trace=TraceWriter(trace) if trace else None,
+                       access_log=access_log, strict_params=strict_params)
+        self.api_key = api_key
+        self.engine_log_interval_s = engine_log_interval_s
         self.app.dispatcher.busy_poll.window_ns = int(busy_poll_us * 1000)
         self.engine = None
         self.loop = None
@@ -177,10 +184,11 @@ class Server:
         self._drain_timeout = DRAIN_TIMEOUT_S
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self._request_stop, self._drain_timeout)
+                loop.add_signal_handler(sig, self._on_signal, sig)
         await self._listen(loop)
         self._listening.set()
         sweeper = loop.call_later(self._sweep_interval(), self._sweep)
+        self._engine_log_timer = loop.call_later(self.engine_log_interval_s, self._log_engine)
         try:
             if await self._load(loop):
                 self._ready.set()
@@ -188,6 +196,7 @@ class Server:
             await self._drain(self._drain_timeout)
         finally:
             sweeper.cancel()
+            self._engine_log_timer.cancel()
             self._close_everything()
             self._ready.set()
 
@@ -220,12 +229,24 @@ class Server:
             # out of the collector's sight, a full collection no longer walks it (p99 TTFT)
             gc.freeze()
         engine.start()
+        self.app.grpc.notify_watchers()         # gRPC health watchers: SERVING now
         log.info("serving %s (%s)", info.name, info.description)
         tls = f" --cacert {self._cert_file}" if self.ssl else ""
-        log.info("try: curl%s --http2%s %s/v1/completions -H 'content-type: application/json' "
+        auth = f" -H 'authorization: Bearer {self.api_key}'" if self.api_key else ""
+        log.info("try: curl%s --http2%s %s/v1/completions -H 'content-type: application/json'%s "
                  "-d '{\"prompt\": \"Once upon a time\", \"max_tokens\": 32, \"stream\": true}'",
-                 tls, "" if self.ssl else "-prior-knowledge", self.url)
+                 tls, "" if self.ssl else "-prior-knowledge", self.url, auth)
         return True
+
+    def _on_signal(self, sig) -> None:
+        """The first SIGINT/SIGTERM drains; a second one exits at once."""
+        if self._stop.is_set():
+            log.warning("%s again: exiting now, without waiting for %d streams in flight",
+                        signal.Signals(sig).name, len(self.app.exchanges))
+            logging.shutdown()
+            os._exit(130)
+        log.info("%s: shutting down (again to exit at once)", signal.Signals(sig).name)
+        self._request_stop(self._drain_timeout)
 
     def _request_stop(self, timeout: float) -> None:
         self._drain_timeout = timeout
@@ -236,12 +257,20 @@ class Server:
         """Refuse new work, let in-flight streams finish (bounded by `timeout`)."""
         for server in self._servers:
             server.close()
-        if self.app.exchanges:
-            log.info("shutting down: %d streams in flight finish first (at most %g s)", len(self.app.exchanges), timeout)
+        num_streams, num_connections = len(self.app.exchanges), len(self.app.connections)
+        if num_streams or num_connections:
+            log.info("shutting down: waiting for %d requests in flight and %d open connections (at most %g s)",
+                     num_streams, num_connections, timeout)
         self.app.begin_shutdown()
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         while (self.app.exchanges or self.app.connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
+        if self.app.exchanges or self.app.connections:
+            log.warning("shutdown: gave up after %g s on %d requests and %d connections", timeout,
+                        len(self.app.exchanges), len(self.app.connections))
+        elif num_streams or num_connections:
+            log.info("shutdown: the requests and connections ended in %.2f s", time.monotonic() - start)
         for proto in list(self.app.connections):
             proto.close()
 
@@ -259,8 +288,15 @@ class Server:
     def _sweep_interval(self) -> float:
         return max(0.05, min(self.limits.idle_timeout_s / 4, 5.0))
 
+    def _log_engine(self) -> None:
+        if self.engine is not None:
+            self.app.engine_log.tick(self.engine.stats(), time.monotonic())
+        if not self._stop.is_set():
+            self._engine_log_timer = self.loop.call_later(self.engine_log_interval_s, self._log_engine)
+
     def _sweep(self) -> None:
         self.app.close_idle(self.limits.idle_timeout_s)
+        self.app.grpc.notify_watchers()
         if not self._stop.is_set():
             self.loop.call_later(self._sweep_interval(), self._sweep)
 

@@ -31,7 +31,7 @@ def out(text="tok", ids=(7,), finish=None, logprobs=None, n_out=1):
 
 def test_completion_defaults_and_types():
     g = parse_completions({"prompt": "hi", "temperature": 0, "stop": "\n", "seed": 3, "top_k": 5})
-    assert g.prompt == "hi" and g.params.max_tokens == 16 and g.params.greedy
+    assert g.prompt == "hi" and g.params.max_tokens is None and g.params.greedy
     assert g.params.stop == ("\n",) and g.params.seed == 3 and g.params.top_k == 5
     assert not g.stream and not g.include_usage
     g = parse_completions({"prompt": [[1, 2, 3]], "max_tokens": 4, "stream": True,

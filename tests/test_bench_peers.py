@@ -96,7 +96,7 @@ def test_bench_peers_command(tmp_path):
     doc = json.loads((tmp_path / "p.json").read_text())
     rows = doc["rows"]
     assert {(r["server"], r["concurrency"]) for r in rows} == {
-        (s, c) for s in ("tokenwire", "hypercorn", "uvicorn", "grpc", "ceiling") for c in (1, 2)}
+        (s, c) for s in ("tokenwire", "hypercorn", "uvicorn", "tokenwire-grpc", "grpc", "ceiling") for c in (1, 2)}
     for r in rows:
         for key in ("server", "concurrency", "ttft_p50_us", "ttft_p99_us", "cpu_us_per_token", "tokens_per_s"):
             assert r[key] is not None, (r["server"], key)
@@ -105,6 +105,7 @@ def test_bench_peers_command(tmp_path):
     assert doc["floor"]["p50_us"] > 0 and not doc["failures"]
     ratios = out.stdout.split("TTFT p50 ratio")[1].split("(peer /")[0]
     assert "uvicorn" in ratios and "ceiling" not in ratios            # the ceiling is no peer
+    assert "tokenwire-grpc CPU/token" in out.stdout
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 

@@ -205,7 +205,8 @@ def test_cli_hub_name_offline_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tokenwire", "build", "no-such-org/no-such-model", "-o",
                            str(tmp_path / "out"), "--quiet"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "no-such-org/no-such-model: cannot download from the Hugging Face hub" in proc.stderr
+    assert ("no-such-org/no-such-model: no such file or directory here; as a Hugging Face hub name: "
+            "cannot download from the Hugging Face hub") in proc.stderr      # a mistyped path reads as such first
     assert "Traceback" not in proc.stderr
 
 

@@ -1,4 +1,6 @@
-"""The `tokenwire` command line: one table of subcommands, each living beside the code it drives.
+"""tokenwire: a minimum-latency LLM inference server (OpenAI-compatible API and gRPC over HTTP/2 and HTTP/1.1), its engine builder and its benchmarks.
+
+The `tokenwire` command line: one table of subcommands, each living beside the code it drives.
 
 A command module provides `add_arguments(parser)` and `run(args) -> int`; it imports its
 heavy dependencies inside `run`, so `tokenwire --help` stays fast.
@@ -8,6 +10,8 @@ import argparse
 import importlib
 import os
 import sys
+
+from . import __version__
 
 # command -> (module, one-line help)
 COMMANDS = {
@@ -42,7 +46,8 @@ def build_parser(argv):
     words = [a for a in argv if not a.startswith("-")]
     command = words[0] if words else None
     bench_name = words[1] if command == "bench" and len(words) > 1 else None
-    parser = argparse.ArgumentParser(prog="tokenwire", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tokenwire", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser.add_argument("--version", action="version", version=f"tokenwire {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_table(subparsers, COMMANDS, command)
     bench = subparsers.add_parser("bench", help="benchmarks of each pipeline stage and of the whole server")

@@ -10,6 +10,7 @@ SIGTERM or Ctrl-C: GOAWAY to every client, in-flight streams finish, exit 0.
 """
 
 import logging
+import re
 import sys
 
 from .core.options import DEFAULTS
@@ -39,6 +40,22 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """'512MiB', '1.5GB', '2g', '1048576' -> bytes (SI units are powers of 10, IEC ones of 2)."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in _UNITS:
+        raise ValueError(text)
+    value = int(float(match.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -50,6 +67,7 @@ _non_negative_int.__name__ = "non-negative integer"
 _positive_int.__name__ = "positive integer"     # argparse names the type in its error message
 _port.__name__ = "port (0-65535)"
 _non_negative_float.__name__ = "non-negative number"
+byte_size.__name__ = "size (bytes, or with a unit: 512MiB, 2GB, 1g)"
 
 
 def add_arguments(parser) -> None:
@@ -62,7 +80,8 @@ def add_arguments(parser) -> None:
                              + " (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=_port, default=8000, help="port to bind, 0 for any (default: %(default)s)")
-    parser.add_argument("--served-model-name", default=None, help="the model id in /v1/models and responses")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id in /v1/models and responses (default: the model's name)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="a Jinja chat template (or a tokenizer_config.json) overriding the model's")
     parser.add_argument("--max-model-len", type=_positive_int, default=DEFAULTS.max_model_len,
@@ -74,6 +93,9 @@ def add_arguments(parser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--max-queued-requests", type=_positive_int, default=DEFAULTS.max_queued_requests,
                         help="requests waiting for the engine before 429 (default: %(default)s)")
+    parser.add_argument("--kv-cache-memory", type=byte_size, default=DEFAULTS.kv_cache_bytes, metavar="SIZE",
+                        help="memory for the KV cache, e.g. 256MiB or 2GB (default: the backend's, 1 GiB "
+                             "on the CPU); the number of KV blocks follows from it")
     parser.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
                         default=DEFAULTS.enable_prefix_caching,
                         help="recompute every prompt: no reuse of the KV blocks of a prefix seen before")
@@ -86,7 +108,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
     parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* and /generate")
+                        help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
+                             "(gRPC: the authorization metadata)")
+    parser.add_argument("--strict-params", action="store_true",
+                        help="reject request fields this server does not know with a 400 (default: ignore "
+                             "them, logging each field name once)")
+    parser.add_argument("--no-access-log", dest="access_log", action="store_false",
+                        help="do not log one line per request (the periodic engine line stays)")
     parser.add_argument("--max-body-bytes", type=_positive_int, default=d.max_body_bytes,
                         help="largest request body, else 413 (default: %(default)s)")
     parser.add_argument("--max-concurrent-streams", type=_positive_int, default=d.max_concurrent_streams,
@@ -103,7 +131,8 @@ def add_arguments(parser) -> None:
                              "default: %(default)s)")
     parser.add_argument("--trace", default=None, metavar="FILE",
                         help="write per-request stage timelines as Chrome/Perfetto trace JSON")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                        help="least severe log messages shown (default: %(default)s)")
 
 
 def run(args) -> int:
@@ -115,6 +144,8 @@ def run(args) -> int:
                         chat_template=args.chat_template, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_queued_requests=args.max_queued_requests, mock_step_us=args.mock_step_us,
+                        kv_cache_bytes=args.kv_cache_memory, strict_params=args.strict_params,
+                        access_log=args.access_log,
                         enable_prefix_caching=args.enable_prefix_caching,
                         response_cache_size=args.response_cache_size,
                         host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -1,7 +1,8 @@
 """`tokenwire bench peers` (the command is cli.py): tokenwire against the servers users would otherwise run, on one mock engine.
 
 Servers (each its own process, pinned to one core; the load generator on another):
-  tokenwire   `tokenwire serve --backend mock`, HTTP/2 h2c, OpenAI SSE (also: -ndjson, -binary, -h1)
+  tokenwire   `tokenwire serve --backend mock`, HTTP/2 h2c, OpenAI SSE (also: -ndjson, -binary, -h1,
+              -grpc: tokenwire.v1.Generator/Generate on the same port)
   hypercorn   FastAPI + hypercorn, HTTP/2 h2c, SSE           (fastapi_app.py)
   uvicorn     FastAPI + uvicorn, HTTP/1.1 chunked, SSE        (fastapi_app.py)
   grpc        grpc.aio server-streaming RPC                   (grpc_peer.py, mock.proto)

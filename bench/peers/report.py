@@ -20,6 +20,7 @@ TARGET_TTFT_P99_US = 1000.0
 TARGET_CPU_US_PER_TOKEN = 3.5
 TARGET_CPU_RATIO = 5.0
 TARGET_TTFT_RATIO = 1.5
+TARGET_GRPC_CPU_RATIO = 3.0     # tokenwire-grpc against grpc.aio, CPU per token at concurrency 64 (issue 15)
 
 
 def pick(rows: list, server: str, concurrency: int) -> Optional[dict]:
@@ -100,7 +101,7 @@ def targets(summary: list, floor_p50_us: float, ours: str = "tokenwire") -> list
     mine = next((s for s in summary if s["server"] == ours), None)
     peers = _peers(summary)
     if mine is None:
-        return []
+        return grpc_target(summary)
     out = [(f"TTFT p50 @{mine['ttft_p50_concurrency']} <= {TARGET_TTFT_P50_US:.0f} µs "
             f"(ping-pong floor p50 {floor_p50_us:.0f} µs)", _num(mine["ttft_p50_us"]),
             _le(mine["ttft_p50_us"], TARGET_TTFT_P50_US)),
@@ -118,7 +119,18 @@ def targets(summary: list, floor_p50_us: float, ours: str = "tokenwire") -> list
         ratio = best_ttft["ttft_p50_us"] / mine["ttft_p50_us"] if mine["ttft_p50_us"] else math.nan
         out.append((f"TTFT p50 >= {TARGET_TTFT_RATIO:g}x better than the best peer ({best_ttft['server']})",
                     f"{ratio:.2f}x", ratio >= TARGET_TTFT_RATIO))
-    return out
+    return out + grpc_target(summary)
+
+
+def grpc_target(summary: list) -> list:
+    """tokenwire's gRPC route against grpc.aio on CPU per token, when both ran."""
+    ours = next((s for s in summary if s["server"] == "tokenwire-grpc"), None)
+    peer = next((s for s in summary if s["server"] == "grpc"), None)
+    if ours is None or peer is None or not ours["cpu_us_per_token"] or peer["cpu_us_per_token"] is None:
+        return []
+    ratio = peer["cpu_us_per_token"] / ours["cpu_us_per_token"]
+    return [(f"tokenwire-grpc CPU/token @{ours['cpu_concurrency']} >= {TARGET_GRPC_CPU_RATIO:g}x lower than "
+             f"grpc.aio's", f"{ratio:.2f}x", ratio >= TARGET_GRPC_CPU_RATIO)]
 
 
 def targets_table(rows: list) -> str:

@@ -52,6 +52,8 @@ def peer_specs(port: int, step_us: float, trace: Optional[str] = None, max_token
                  "/generate", (("accept", "application/octet-stream"),)),
         PeerSpec("tokenwire-h1", "tokenwire, HTTP/1.1, OpenAI SSE /v1/completions", tokenwire, "h1", "sse",
                  "/v1/completions"),
+        PeerSpec("tokenwire-grpc", "tokenwire, gRPC tokenwire.v1.Generator/Generate on its HTTP/2 port", tokenwire,
+                 "grpc", "grpc", "/tokenwire.v1.Generator/Generate"),
         PeerSpec("hypercorn", "FastAPI StreamingResponse on hypercorn, HTTP/2 h2c, uvloop",
                  fastapi + ["--server", "hypercorn"], "h2", "sse", "/v1/completions"),
         PeerSpec("uvicorn", "FastAPI StreamingResponse on uvicorn, HTTP/1.1, uvloop",
