@@ -8,9 +8,15 @@ belongs to the dispatcher (dispatch.py), which writes the engine's outputs as th
 Routes:
     POST /v1/completions, POST /v1/chat/completions    OpenAI, SSE when stream=true
     POST /generate                                      native NDJSON, or binary with Accept: application/octet-stream
-    GET  /v1/models, /health, /metrics
-Authentication (optional Bearer key) covers /v1/* and /generate; /health and /metrics stay
-open for load balancers and scrapers.
+    GET  /v1/models, /health, /metrics                  and HEAD: the GET's headers and content-length
+Any other method is 405 with `Allow`. Authentication (optional Bearer key) covers /v1/* and
+/generate; /health and /metrics stay open for load balancers and scrapers.
+
+A response that fails while it is being written resets its stream (HTTP/1.1: closes after
+it), logged; it never takes the connection, or another stream, down. A prompt is bounded
+by its byte length before it is tokenized, and a large one is tokenized on a worker thread
+(prompt_limits.py); the request is submitted when its ids are ready, unless its stream was
+reset meanwhile.
 """
 
 import hmac
@@ -20,6 +26,7 @@ import time
 from dataclasses import replace
 
 import orjson
+from h2.errors import ErrorCodes
 
 from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
@@ -33,6 +40,7 @@ from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
 from .openai_api import GenerationRequest, parse_chat, parse_completions, parse_generate, parse_json
+from .prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens
 
 log = logging.getLogger("tokenwire.net")
 
@@ -53,6 +61,10 @@ class App:
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
         self.shutting_down = False
+        self.loop = None
+        self.tokenizing: Tokenizing | None = None   # the worker thread for large prompts, made by `attach`
+        self._max_token_bytes: int | None = None    # prompt bytes one token covers at most (None: no bound)
+        self._bos_ids: list = []                    # what `model.encode` puts before the text's ids
         self.routes = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
@@ -71,6 +83,10 @@ class App:
         engine.on_step = self.handoff.on_step_threadsafe
         self.model = model
         self.engine = engine
+        self.loop = loop
+        self.tokenizing = Tokenizing(model.tokenizer)
+        self._max_token_bytes = max_token_bytes(model.tokenizer)
+        self._bos_ids = list(model.encode(""))
 
     def detach(self) -> None:
         """The loop is stopping: the engine thread must never wait for it again."""
@@ -82,6 +98,8 @@ class App:
         """Release what the hand-off holds, once the engine thread has stopped."""
         if self.handoff is not None:
             self.handoff.close()
+        if self.tokenizing is not None:
+            self.tokenizing.close()
 
     # --------------------------------------------------- connection events
 
@@ -93,6 +111,7 @@ class App:
     def connection_lost(self, proto) -> None:
         self.connections.discard(proto)
         self.dispatcher.cancel_all(proto)
+        self.metrics.count_closed(proto.close_cause or "peer")
 
     def on_events(self, proto, events: list) -> None:
         """Everything one read brought, in order.
@@ -128,12 +147,12 @@ class App:
             methods = self.routes.get(path)
             if methods is None:
                 raise ApiError(404, f"no route for {path!r}", code="unknown_url")
-            handler = methods.get(req.method)
+            handler = methods.get("GET" if req.method == "HEAD" else req.method)
             if handler is None:
-                allowed = ", ".join(methods)
+                allowed = ", ".join(list(methods) + (["HEAD"] if "GET" in methods else []))
                 raise ApiError(405, f"method {req.method} is not allowed on {path}; use {allowed}",
                                code="method_not_allowed", headers=[(b"allow", allowed.encode())])
-            handler(proto, req)
+            handler(proto, req)      # HEAD: the session sends the GET's headers without the body
         except ApiError as exc:
             self._respond_error(proto, req.stream_id, exc)
         except Exception as exc:  # a bug here must not take the connection down
@@ -144,7 +163,11 @@ class App:
     def _respond_error(self, proto, stream_id: int, exc: ApiError) -> None:
         if exc.status >= 400 and exc.status not in (404, 405):
             self.metrics.count_request("rejected")
-        proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body())
+        try:
+            proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body())
+        except Exception:       # a response that cannot be written ends its stream, not the connection
+            log.exception("could not write the %d response on stream %d", exc.status, stream_id)
+            proto.session.reset_stream(stream_id, ErrorCodes.INTERNAL_ERROR)
 
     # ---------------------------------------------------------- info routes
 
@@ -189,7 +212,8 @@ class App:
         return parse_json(req.body)
 
     def _submit(self, proto, req: Request, g: GenerationRequest, id_prefix: str) -> None:
-        """Tokenize, stamp and hand the request to the engine; the stream opens with its first token."""
+        """Tokenize (a large prompt on the worker thread), stamp and hand the request to the
+        engine; the stream opens with its first token."""
         model = self.model
         if g.model is not None and g.model != model.name:
             raise ApiError(404, f"the model {g.model!r} does not exist; this server serves {model.name!r}",
@@ -200,9 +224,51 @@ class App:
         if g.best_of > g.n and not model.supports_logprobs:
             raise ApiError(400, f"best_of > n ranks choices by log-probability; the {model.name!r} engine "
                            "does not compute them", param="best_of", code="unsupported_parameter")
-        prompt_ids = self._prompt_ids(g)
-        timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
+        text, encode, prefix = self._prompt(g)
         request_id = next(self._ids)
+        if text is None:
+            self._enqueue(proto, req, g, id_prefix, request_id, g.prompt_token_ids)
+        elif len(text) < LARGE_PROMPT_CHARS:
+            self._enqueue(proto, req, g, id_prefix, request_id, encode(text))
+        else:
+            self._tokenize_off_loop(proto, req, g, id_prefix, request_id, text, prefix)
+
+    def _tokenize_off_loop(self, proto, req: Request, g: GenerationRequest, id_prefix: str, request_id: int,
+                           text: str, prefix: list) -> None:
+        """Large prompts: ids from the worker thread, then `_tokenized` on the loop. The stream is
+        marked in flight meanwhile (a reset or a lost connection unmarks it: then nothing is submitted)."""
+        proto.outbox.streams[req.stream_id] = request_id
+        future = self.tokenizing.submit(text, prefix)
+        future.add_done_callback(lambda f: self._tokenized_threadsafe(proto, req, g, id_prefix, request_id, f))
+
+    def _tokenized_threadsafe(self, *args) -> None:
+        """Worker thread: back to the loop, unless it has stopped (the server is going away)."""
+        try:
+            self.loop.call_soon_threadsafe(self._tokenized, *args)
+        except RuntimeError:
+            pass
+
+    def _tokenized(self, proto, req: Request, g: GenerationRequest, id_prefix: str, request_id: int, future) -> None:
+        streams = proto.outbox.streams
+        if proto.closing or streams.get(req.stream_id) != request_id or future.cancelled():
+            return          # the client left meanwhile
+        del streams[req.stream_id]
+        try:
+            self._enqueue(proto, req, g, id_prefix, request_id, future.result())
+        except ApiError as exc:
+            self._respond_error(proto, req.stream_id, exc)
+        except Exception as exc:
+            log.exception("internal error tokenizing %s %s", req.method, req.target)
+            self._respond_error(proto, req.stream_id, ApiError(
+                500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
+        finally:
+            self.engine.wake()
+            proto.flush()
+
+    def _enqueue(self, proto, req: Request, g: GenerationRequest, id_prefix: str, request_id: int,
+                 prompt_ids: list) -> None:
+        """Stamp the request and hand it to the engine (woken by the caller)."""
+        timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
         try:
             if g.best_of == 1:
                 self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False)
@@ -247,19 +313,34 @@ class App:
             group.add(ex)
             self.dispatcher.add(ex)
 
-    def _prompt_ids(self, g: GenerationRequest) -> list:
+    def _prompt(self, g: GenerationRequest) -> tuple:
+        """-> (text, encode, ids before the text's) for a text prompt, within the context by its
+        byte length (prompt_limits.py); (None, None, None) for token ids."""
         model = self.model
         if g.route == "chat":
             if model.chat_template is None:
                 raise ApiError(400, f"the model {model.name!r} has no chat template; use /v1/completions, "
                                "or start the server with --chat-template FILE", code="no_chat_template")
-            text = model.chat_template.render(g.messages)
-            return model.tokenizer.encode(text, add_special_tokens=False).ids
-        if g.prompt_token_ids is not None:
-            return g.prompt_token_ids
-        if not g.prompt:
+            text, encode, prefix = model.chat_template.render(g.messages), self._encode_plain, []
+        elif g.prompt_token_ids is not None:
+            return None, None, None
+        elif not g.prompt:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_prompt")
-        return model.encode(g.prompt)
+        else:
+            text, encode, prefix = g.prompt, model.encode, self._bos_ids
+        token_bytes = self._max_token_bytes
+        if token_bytes is not None and len(text) >= model.max_model_len:
+            num_tokens = len(prefix) + min_prompt_tokens(text, token_bytes)
+            if num_tokens >= model.max_model_len:
+                raise ApiError(400, f"the prompt has at least {num_tokens} tokens (no token covers more than "
+                               f"{token_bytes} bytes); this model's context is {model.max_model_len} tokens, "
+                               f"so a prompt may have at most {model.max_model_len - 1}",
+                               param="messages" if g.route == "chat" else "prompt", code="context_length_exceeded")
+        return text, encode, prefix
+
+    def _encode_plain(self, text: str) -> list:
+        """A rendered chat template -> ids, adding nothing: templates write their own BOS."""
+        return self.model.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, index: int = 0):
         if g.route == "generate":
@@ -301,11 +382,13 @@ class App:
         """GOAWAY / Connection: close on every connection; in-flight streams run to their end."""
         self.shutting_down = True
         for proto in list(self.connections):
+            proto.close_cause = proto.close_cause or "shutdown"
             proto.begin_shutdown()
 
-    def close_idle(self, idle_timeout_s: float) -> None:
-        """Close connections with no stream for `idle_timeout_s` (called periodically)."""
-        cutoff = time.monotonic() - idle_timeout_s
+    def sweep(self) -> None:
+        """Every connection's deadlines (protocol.py: handshake, idle, write); called periodically.
+        A stream reset for its write timeout has its request cancelled."""
+        now = time.monotonic()
         for proto in list(self.connections):
-            if proto.is_idle and proto.last_active < cutoff:
-                proto.begin_shutdown()
+            for stream_id in proto.check_deadlines(now):
+                self.dispatcher.cancel(proto, stream_id)

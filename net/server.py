@@ -256,10 +256,12 @@ class Server:
             self.app.trace.close()
 
     def _sweep_interval(self) -> float:
-        return max(0.05, min(self.limits.idle_timeout_s / 4, 5.0))
+        limits = self.limits
+        shortest = min(limits.idle_timeout_s, limits.handshake_timeout_s, limits.write_timeout_s)
+        return max(0.05, min(shortest / 4, 5.0))
 
     def _sweep(self) -> None:
-        self.app.close_idle(self.limits.idle_timeout_s)
+        self.app.sweep()
         if not self._stop.is_set():
             self.loop.call_later(self._sweep_interval(), self._sweep)
 
