@@ -24,6 +24,8 @@ BENCHES = {
     "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
     "prefix": ("tokenwire.bench.prefix", "prefix cache on against off: shared system prompt TTFT, multi-turn prefill"),
     "response-cache": ("tokenwire.bench.response_cache", "TTFT of a response-cache answer against the mock engine's"),
+    "abuse": ("tokenwire.bench.abuse", "floods, slow clients and oversized requests against a server, "
+                                       "a legitimate client beside them"),
 }
 
 
