@@ -158,11 +158,11 @@ class H1Session:
     def start_response(self, stream_id: int, status: int, headers: list) -> None:
         self._check(stream_id)
         if self._draining or self._too_large:
-            headers = headers + [(b"connection", b"close")]
+            headers = [*headers, (b"connection", b"close")]
         self._chunked = (self.conn.their_http_version == b"1.1" and not self._head
                          and not any(name == b"content-length" for name, _ in headers))
         if self._chunked and self._trailers_ok:
-            headers = headers + [(b"trailer", TRAILER_NAMES)]
+            headers = [*headers, (b"trailer", TRAILER_NAMES)]
         self._send(h11.Response(status_code=status, headers=headers, reason=_reason(status)))
 
     def data_writer(self, stream_id: int):
