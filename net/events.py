@@ -24,8 +24,8 @@ class Limits:
     write_timeout_s: float = 30.0               # unsent output that makes no progress this long: stream reset /
                                                 # connection closed, requests cancelled
     max_unsent_bytes: int = 8 * 1024 * 1024     # output waiting for the peer (windows + socket), per connection
-    max_resets_per_s: float = 200.0             # streams reset before their response ended (by the client, or
-                                                # by us for its errors): the rapid-reset budget
+    max_resets_per_s: float = 200.0             # streams the client resets before their response started, or
+                                                # we reset for its errors: the rapid-reset budget
     max_settings_per_s: float = 100.0           # SETTINGS frames received
     max_pings_per_s: float = 100.0              # PING frames received
     max_window_updates_per_s: float = 10000.0   # WINDOW_UPDATE frames received

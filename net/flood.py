@@ -7,9 +7,10 @@ ENHANCE_YOUR_CALM (RFC 9113 5.4.1, 11.2) and is counted under its cause in
 `tokenwire_connections_closed_total{reason}` (metrics.py).
 
 Why each budget exists (the attack each one ends):
-    resets          rapid reset (CVE-2023-44487): HEADERS + RST_STREAM, the stream's work
-                    is done for nothing; our own RST_STREAM for the client's stream errors
-                    counts too ("made you reset")
+    resets          rapid reset (CVE-2023-44487): HEADERS + RST_STREAM before the response
+                    started, the stream's work done for nothing; our own RST_STREAM for the
+                    client's stream errors counts too ("made you reset"). A client that
+                    cancels a stream it is already reading spends nothing.
     settings, ping  every one costs an ACK we must queue (CVE-2019-9515, CVE-2019-9512)
     window_update   each is a dict lookup and maybe a drain pass, for no data
     empty           frames that carry nothing (CVE-2019-9518), PRIORITY (CVE-2019-9513)

@@ -37,8 +37,10 @@ Rule 6: whatever h2 produces is moved into the output list right after each h2 c
 Rule 7: every stream has its own send queue: a stream whose window is shut queues its bytes
         and never holds up the others; WINDOW_UPDATE and SETTINGS changes drain it.
 Rule 8: nothing here awaits or touches a socket.
-Rule 9: a peer spends from per-connection budgets (flood.py, `Limits`): streams reset before
-        their response ended, SETTINGS, PING, WINDOW_UPDATE, frames that do nothing, and
+Rule 9: a peer spends from per-connection budgets (flood.py, `Limits`): streams it resets
+        before their response started (a client cancelling a stream it is reading spends
+        nothing) and streams we reset for its errors, SETTINGS, PING, WINDOW_UPDATE, frames
+        that do nothing, and
         control frames we owe it while it does not read. Over one: GOAWAY ENHANCE_YOUR_CALM.
         Queued response bytes are counted (`num_pending_bytes`) and a stream whose queue made
         no progress for the write timeout can be reset (`expire_stalled`); the shell enforces
@@ -165,7 +167,7 @@ class _Stream:
     """One request/response exchange as the session sees it."""
     __slots__ = ("id", "state", "method", "target", "headers", "body", "body_len", "content_length",
                  "arrived_ns", "too_large", "send_window", "recv_window", "recv_unacked", "held", "pending",
-                 "end_after", "stalled_ns")
+                 "end_after", "stalled_ns", "started")
 
     def __init__(self, stream_id, method, target, headers, content_length, arrived_ns, send_window, recv_window):
         self.id = stream_id
@@ -185,6 +187,7 @@ class _Stream:
         self.pending = bytearray()      # response bytes waiting for window
         self.end_after = None           # trailers list (maybe empty) once the response is ended
         self.stalled_ns = 0             # when `pending` last made progress (or filled), monotonic ns
+        self.started = False            # the response HEADERS went out
 
 
 def transition(st: _Stream, event: int) -> int:
@@ -518,7 +521,8 @@ class H2Session:
             if sid > self.highest_stream_id:
                 raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             return                                  # already closed: nothing to do
-        self._spend_reset()
+        if not st.started:                          # its work was for nothing: the rapid-reset budget
+            self._spend_reset()
         transition(st, RECV_RST_STREAM)
         held = sid in self.streams
         self._close(st, CLOSED_BY_RESET_RECV)
@@ -744,7 +748,9 @@ class H2Session:
     def start_response(self, stream_id: int, status: int, headers) -> None:
         """Send the response HEADERS (once per request). `headers`: (name, value) byte pairs;
         pass the same tuple for every stream and its block is encoded once per connection."""
-        self._send_headers(self.streams[stream_id], status, headers, 0)
+        st = self.streams[stream_id]
+        st.started = True
+        self._send_headers(st, status, headers, 0)
 
     def _send_headers(self, st: _Stream, status: int | None, headers, flags: int) -> None:
         """One HEADERS frame (response or trailers), continued by CONTINUATION frames if it is too big."""

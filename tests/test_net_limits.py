@@ -125,12 +125,17 @@ def test_rapid_reset_is_goaway_enhance_your_calm():
     assert goaway_code(s.data_to_send()) == ErrorCodes.ENHANCE_YOUR_CALM
 
 
-def test_resets_of_finished_streams_do_not_count():
+def test_resets_of_finished_or_streaming_streams_do_not_count():
     s, ref, enc = connected(Limits(max_resets_per_s=5))
     for sid in range(1, 41, 2):
         (req,) = s.receive_data(frame(1, 5, sid, request_block(enc)))
         s.respond(sid, 200, [], b"ok")
         assert s.receive_data(frame(3, 0, sid, struct.pack(">I", 8))) == []
+    for sid in range(41, 81, 2):       # a client cancelling streams it is reading
+        (req,) = s.receive_data(frame(1, 5, sid, request_block(enc)))
+        s.start_response(sid, 200, [])
+        s.send_data(sid, b"token")
+        assert s.receive_data(frame(3, 0, sid, struct.pack(">I", 8))) == [StreamReset(sid)]
     assert not s.closed
 
 

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 import tokenwire
-from tokenwire.core.mock_executor import build_mock_engine_core
+from tokenwire.kernels.mock import build_mock_engine_core
 from tokenwire.net.prompt_limits import LARGE_PROMPT_CHARS, max_token_bytes, min_prompt_tokens
 
 from clients.rawh2 import RawH2

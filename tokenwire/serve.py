@@ -113,8 +113,8 @@ def add_arguments(parser) -> None:
                         help="response bytes a connection may leave unread (windows + socket) before it "
                              "is closed, GOAWAY ENHANCE_YOUR_CALM (default: %(default)s)")
     parser.add_argument("--max-resets-per-s", type=_positive_float, default=d.max_resets_per_s, metavar="N",
-                        help="HTTP/2 streams a client may reset (or make us reset) before their response "
-                             "ends, per second: the rapid-reset budget (default: %(default)s)")
+                        help="HTTP/2 streams a client may reset before their response starts (or make us "
+                             "reset), per second: the rapid-reset budget (default: %(default)s)")
     parser.add_argument("--max-settings-per-s", type=_positive_float, default=d.max_settings_per_s, metavar="N",
                         help="HTTP/2 SETTINGS frames per second (default: %(default)s)")
     parser.add_argument("--max-pings-per-s", type=_positive_float, default=d.max_pings_per_s, metavar="N",
