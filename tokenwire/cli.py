@@ -26,6 +26,7 @@ BENCHES = {
     "response-cache": ("tokenwire.bench.response_cache", "TTFT of a response-cache answer against the mock engine's"),
     "abuse": ("tokenwire.bench.abuse", "floods, slow clients and oversized requests against a server, "
                                        "a legitimate client beside them"),
+    "soak": ("tokenwire.bench.soak", "10k cancelled requests and a 100k-request h2load run; the engine must end clean"),
 }
 
 
