@@ -108,6 +108,10 @@ class App:
         if self.shutting_down:
             proto.begin_shutdown()
 
+    def connection_ended(self, proto) -> None:
+        """The shell ended the connection for one of its limits: its requests are cancelled now."""
+        self.dispatcher.cancel_all(proto)
+
     def connection_lost(self, proto) -> None:
         self.connections.discard(proto)
         self.dispatcher.cancel_all(proto)

@@ -177,7 +177,7 @@ class ServerProtocol(asyncio.Protocol):
             if data and not self.paused:
                 self.transport.write(data)
             if events:
-                self.app.on_events(self, events)
+                self.app.connection_ended(self)
         self._held.clear()
         self.num_held_bytes = 0
         self._close_transport()
