@@ -40,8 +40,8 @@ Rule 8: nothing here awaits or touches a socket.
 Rule 9: a peer spends from per-connection budgets (flood.py, `Limits`): streams it resets
         before their response started (a client cancelling a stream it is reading spends
         nothing) and streams we reset for its errors, SETTINGS, PING, WINDOW_UPDATE, frames
-        that do nothing, and
-        control frames we owe it while it does not read. Over one: GOAWAY ENHANCE_YOUR_CALM.
+        that do nothing. Over one: GOAWAY ENHANCE_YOUR_CALM. Control frames we owe a peer that
+        does not read are counted (`num_control_frames`).
         Queued response bytes are counted (`num_pending_bytes`) and a stream whose queue made
         no progress for the write timeout can be reset (`expire_stalled`); the shell enforces
         both (protocol.py).
@@ -590,7 +590,7 @@ class H2Session:
                                    f"{budget.capacity:g} per second", cause)
 
     def _spend_reset(self) -> None:
-        """A stream ends before its response did, by the client's doing (rule 9)."""
+        """A stream ends before its response started, by the client's doing (rule 9)."""
         self._spend(self._resets, "rapid_reset", "streams reset before their response")
 
     def _on_push_promise(self, flags, sid, data, pos, stop, events):
