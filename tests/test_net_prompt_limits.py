@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 import tokenwire
-from tokenwire.kernels.mock import build_mock_engine_core
+from tokenwire.kernels.mock import build_mock_tokenizer
 from tokenwire.net.prompt_limits import LARGE_PROMPT_CHARS, max_token_bytes, min_prompt_tokens
 
 from clients.rawh2 import RawH2
@@ -18,7 +18,7 @@ from clients.rawh2 import RawH2
 
 @pytest.fixture(scope="module")
 def mock_tokenizer():
-    return build_mock_engine_core(0).executor.tokenizer
+    return build_mock_tokenizer()
 
 
 def random_text(rng, n):
@@ -119,4 +119,4 @@ def test_a_large_prompt_reset_while_tokenizing_is_never_submitted(server):
             break
         time.sleep(0.01)
     assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0
-    assert not any(p.requests for p in list(server.app.connections))
+    assert not any(p.outbox.streams for p in list(server.app.connections))

@@ -28,7 +28,7 @@ GOOD = {"prompt": "hi", "max_tokens": 2}
 @pytest.fixture(scope="module", params=["asyncio", "uvloop"])
 def server(request):
     s = tokenwire.Server(backend="mock", port=0, loop=request.param, api_key=KEY, max_num_seqs=1,
-                         mock_step_us=2000, limits=Limits(max_body_bytes=1000, max_queued_requests=1)).start()
+                         mock_step_us=2000, max_queued_requests=1, limits=Limits(max_body_bytes=1000)).start()
 
     def boom(proto, req):
         raise RuntimeError("a route that fails")
