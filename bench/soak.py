@@ -28,6 +28,13 @@ BODY = b'{"prompt": "Once upon a time", "max_tokens": 200, "stream": true, "igno
 
 def cancel_worker(port: int, num_requests: int, errors: list) -> None:
     """Abandon `num_requests` streaming requests (see the module docstring)."""
+    try:
+        _cancel_requests(port, num_requests, errors)
+    except Exception as exc:        # the soak's own failure is an error too, never a silent short run
+        errors.append(f"client thread failed: {type(exc).__name__}: {exc}")
+
+
+def _cancel_requests(port: int, num_requests: int, errors: list) -> None:
     done, batch = 0, 0
     sock = conn = None
     while done < num_requests:
@@ -48,7 +55,8 @@ def cancel_worker(port: int, num_requests: int, errors: list) -> None:
         else:
             _read_until(sock, conn, sids, errors)
         for sid in sids:
-            conn.reset_stream(sid)
+            if sid in conn.streams and not conn.streams[sid].closed:      # it may have finished already
+                conn.reset_stream(sid)
         sock.sendall(conn.data_to_send())
         done += n
     if sock is not None:

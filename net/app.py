@@ -43,6 +43,7 @@ from .openai_api import GenerationRequest, parse_chat, parse_completions, parse_
 from .prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens
 
 log = logging.getLogger("tokenwire.net")
+SWEEP_BATCH = 32            # connections whose deadlines one pass of the loop checks (ending one costs ~0.2 ms)
 
 
 class App:
@@ -392,7 +393,16 @@ class App:
     def sweep(self) -> None:
         """Every connection's deadlines (protocol.py: handshake, idle, write); called periodically.
         A stream reset for its write timeout has its request cancelled."""
-        now = time.monotonic()
-        for proto in list(self.connections):
+        self._sweep_some(list(self.connections), time.monotonic())
+
+    def _sweep_some(self, protos: list, now: float) -> None:
+        """`SWEEP_BATCH` connections per pass of the loop, the rest in the next: connections that
+        reach a deadline together (500 slowloris connections opened at once) are ended a batch
+        at a time, never in one stall of the loop."""
+        for proto in protos[:SWEEP_BATCH]:
             for stream_id in proto.check_deadlines(now):
                 self.dispatcher.cancel(proto, stream_id)
+        if len(protos) > SWEEP_BATCH and self.loop is not None:
+            self.loop.call_soon(self._sweep_some, protos[SWEEP_BATCH:], now)
+        elif len(protos) > SWEEP_BATCH:
+            self._sweep_some(protos[SWEEP_BATCH:], now)
