@@ -33,7 +33,8 @@ from .http1 import H1Session
 from .http2 import H2Session
 from .outbox import Outbox
 
-PRI = b"PRI "       # the first bytes of the HTTP/2 preface: no HTTP/1.1 method is spelled so
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+PRI = b"PRI "       # how the HTTP/2 preface starts: no HTTP/1.1 method is spelled so
 LINGER_S = 2.0      # after our FIN, how long to keep reading what the peer still sends
 
 
@@ -240,9 +241,14 @@ class ServerProtocol(asyncio.Protocol):
     # -------------------------------------------------------------- internal
 
     def _sniff(self, data: bytes) -> bytes:
-        """Choose HTTP/2 (prior knowledge: `PRI `, checked whole by the session) or HTTP/1.1."""
+        """Choose HTTP/2 (prior knowledge) or HTTP/1.1 from the first bytes. A session is made
+        only once the bytes decide (the whole preface, or where they leave it), so a client
+        trickling the preface costs a buffer of at most 23 bytes, no session. Bytes that start
+        `PRI ` and then leave the preface go to HTTP/2 too: its session answers them with
+        GOAWAY PROTOCOL_ERROR."""
         buf = self._sniffed + data
-        if len(buf) < len(PRI) and buf == PRI[:len(buf)]:
+        n = min(len(buf), len(PREFACE))
+        if n < len(PREFACE) and buf[:n] == PREFACE[:n]:
             self._sniffed = buf
             return b""
         self._sniffed = b""
