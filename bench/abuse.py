@@ -13,7 +13,6 @@ during the abuse.
 """
 
 import multiprocessing
-import os
 import socket
 import subprocess
 import sys
@@ -230,11 +229,7 @@ def run_abuses(served: Served, scale: Scale, limit: int, only: set | None = None
         before = served.rss_bytes()
         peak = [before]
         done = threading.Event()
-
-        def sample():
-            while not done.wait(0.01):
-                peak[0] = max(peak[0], served.rss_bytes())
-        sampler = threading.Thread(target=sample, daemon=True)
+        sampler = threading.Thread(target=_sample_rss, args=(served, peak, done), daemon=True)
         sampler.start()
         t0 = time.monotonic()
         answer = run()
@@ -251,6 +246,12 @@ def run_abuses(served: Served, scale: Scale, limit: int, only: set | None = None
         p50, worst, n, failed = ttft_between(samples, t0, t1)
         rows.append(Row(name, answer, tuple(x / MIB for x in rss), (p50, worst), n, failed))
     return baseline, rows
+
+
+def _sample_rss(served: Served, peak: list, done: threading.Event) -> None:
+    """Every 10 ms until `done`: the largest RSS seen goes to peak[0]."""
+    while not done.wait(0.01):
+        peak[0] = max(peak[0], served.rss_bytes())
 
 
 def format_table(baseline: tuple, rows: list[Row]) -> str:

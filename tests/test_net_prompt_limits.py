@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, models, normalizers
 
 import tokenwire
 from tokenwire.kernels.mock import build_mock_tokenizer
