@@ -8,6 +8,7 @@ client little and never depends on the server being polite. `Scale` sets how har
 pushes: CI runs them small, `tokenwire bench abuse` large.
 """
 
+import select
 import selectors
 import socket
 import struct
@@ -200,7 +201,6 @@ def body_over_limit(port: int, limit: int, declared: bool) -> Answer:
     sock.sendall(conn.data_to_send())
     t0 = time.monotonic()
     body_left, status, reset, chunk = limit + 1 + (0 if declared else 1 << 20), None, None, bytes(16384)
-    sock.setblocking(False)
     while time.monotonic() - t0 < 10 and (status is None or reset is None):
         n = min(body_left, conn.local_flow_control_window(1), 16384) if reset is None else 0
         if n > 0:
@@ -208,18 +208,11 @@ def body_over_limit(port: int, limit: int, declared: bool) -> Answer:
             body_left -= n
         out = conn.data_to_send()
         if out:
-            try:
-                sock.sendall(out)
-            except BlockingIOError:
-                sock.setblocking(True)
-                sock.sendall(out)
-                sock.setblocking(False)
-        try:
-            data = sock.recv(1 << 16)
-        except BlockingIOError:
-            if n <= 0:
-                time.sleep(0.0005)
+            sock.sendall(out)           # blocking: a partial non-blocking send would garble the frames
+        readable, _, _ = select.select([sock], [], [], 0 if n > 0 else 0.01)
+        if not readable:
             continue
+        data = sock.recv(1 << 16)
         if not data:
             break
         for ev in conn.receive_data(data):
@@ -326,10 +319,13 @@ def never_reads(port: int, scale: Scale) -> Answer:
     t0 = time.monotonic()
     deadline = t0 + scale.wait_s
     alive = True
+    sock.settimeout(1.0)
     while alive and time.monotonic() < deadline:       # probe without reading: a reset shows as an error
         time.sleep(0.1)
         try:
             sock.send(frame(PING, 0, 0, bytes(8)))
+        except socket.timeout:
+            pass                                        # our send buffer is full too: still connected
         except OSError:
             alive = False
     sock.close()
