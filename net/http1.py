@@ -23,7 +23,7 @@ import orjson
 
 from .events import BodyTooLarge, ConnectionClosed, Limits, Request, UpgradeRequested
 
-TRAILER_NAMES = b"server-timing"        # the trailers the routes send (dispatch.py), for `Trailer:`
+TRAILER_NAMES = b"server-timing, tokenwire-cached-tokens"     # the trailers dispatch.py sends, for `Trailer:`
 
 
 class H1Session:

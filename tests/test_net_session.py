@@ -423,7 +423,8 @@ def test_h1_request_and_chunked_stream_with_trailers():
     s.send_data(1, b"")                      # an empty chunk would end the body: nothing is written
     s.end_response(1, [(b"server-timing", b"total;dur=1")])
     raw = s.data_to_send()
-    assert raw.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntrailer: server-timing\r\n"
+    assert raw.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                          b"trailer: server-timing, tokenwire-cached-tokens\r\n"
                           b"Transfer-Encoding: chunked\r\n\r\n")
     assert raw.endswith(b"9\r\ndata: x\n\n\r\n0\r\nserver-timing: total;dur=1\r\n\r\n")
     assert not s.wants_close
