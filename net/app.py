@@ -8,16 +8,23 @@ belongs to the dispatcher (dispatch.py), which writes the engine's outputs as th
 Routes:
     POST /v1/completions, POST /v1/chat/completions    OpenAI, SSE when stream=true
     POST /generate                                      native NDJSON, or binary with Accept: application/octet-stream
-    GET  /v1/models, /v1/models/{id}, /health, /metrics
+    GET  /v1/models, /v1/models/{id}, /health, /metrics   and HEAD: the GET's headers and content-length
     gRPC (content-type application/grpc): tokenwire.v1.Generator, grpc.health.v1.Health,
          server reflection (net/grpc.py)
-Authentication (optional Bearer key) covers /v1/*, /generate and tokenwire.v1.Generator;
-/health, /metrics and the gRPC health service stay open for load balancers and scrapers.
+Any other method is 405 with `Allow`. Authentication (optional Bearer key) covers /v1/*,
+/generate and tokenwire.v1.Generator; /health, /metrics and the gRPC health service stay
+open for load balancers and scrapers.
 A generation request's `priority` header (RFC 9218: `u=0` most urgent .. `u=7`, default 3)
 is its scheduler priority, and HTTP/2 PRIORITY_UPDATE frames change it while it waits or
 runs (net/priority.py). A generation request may carry `x-request-timeout-ms: N` (gRPC:
 grpc-timeout): N ms after it arrived it is cancelled and ends with finish_reason "deadline"
 (504 when nothing was sent).
+
+A response that fails while it is being written resets its stream (HTTP/1.1: closes after
+it), logged; it never takes the connection, or another stream, down. A prompt is bounded
+by its byte length before it is tokenized, and a large one is tokenized on a worker thread
+(prompt_limits.py); the request is submitted when its ids are ready, unless its stream was
+reset meanwhile.
 """
 
 import hmac
@@ -25,9 +32,11 @@ import itertools
 import logging
 import time
 from dataclasses import replace
+from typing import NamedTuple
 from urllib.parse import unquote
 
 import orjson
+from h2.errors import ErrorCodes
 
 from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
@@ -42,11 +51,36 @@ from .grpc import RESOURCE_EXHAUSTED, GenerateEncoder, GrpcRoutes
 from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
-from .openai_api import (GenerationRequest, max_tokens_problem, parse_chat, parse_completions, parse_generate,
-                         parse_json)
+from .openai_api import (
+    GenerationRequest,
+    max_tokens_problem,
+    parse_chat,
+    parse_completions,
+    parse_generate,
+    parse_json,
+)
 from .priority import urgency
+from .prompt_limits import (
+    LARGE_PROMPT_CHARS,
+    Tokenizing,
+    max_token_bytes,
+    min_prompt_tokens,
+)
 
 log = logging.getLogger("tokenwire.net")
+SWEEP_BATCH = 32            # connections whose deadlines one pass of the loop checks (ending one costs ~0.2 ms)
+
+
+class Submission(NamedTuple):
+    """A generation request between its route and the engine (tokenized on the loop, or on
+    the worker thread for a large prompt)."""
+    proto: object                       # protocol.ServerProtocol
+    req: Request
+    g: GenerationRequest
+    id_prefix: str                      # "cmpl-", "chatcmpl-", "gen-", "grpc-"
+    request_id: int
+    priority: int                       # RFC 9218 urgency (priority.py)
+    deadline_ns: int | None             # monotonic; None: no deadline
 
 
 class App:
@@ -73,6 +107,10 @@ class App:
         self._ids = itertools.count(1)
         self._current = (None, None)        # (proto, Request) being routed: its error's access line
         self.shutting_down = False
+        self.loop = None
+        self.tokenizing: Tokenizing | None = None   # the worker thread for large prompts, made by `attach`
+        self._max_token_bytes: int | None = None    # prompt bytes one token covers at most (None: no bound)
+        self._bos_ids: list = []                    # what `model.encode` puts before the text's ids
         self.routes = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
@@ -92,6 +130,10 @@ class App:
         engine.on_step = self.handoff.on_step_threadsafe
         self.model = model
         self.engine = engine
+        self.loop = loop
+        self.tokenizing = Tokenizing(model.tokenizer)
+        self._max_token_bytes = max_token_bytes(model.tokenizer)
+        self._bos_ids = list(model.encode(""))
 
     def detach(self) -> None:
         """The loop is stopping: the engine thread must never wait for it again."""
@@ -103,6 +145,8 @@ class App:
         """Release what the hand-off holds, once the engine thread has stopped."""
         if self.handoff is not None:
             self.handoff.close()
+        if self.tokenizing is not None:
+            self.tokenizing.close()
 
     # --------------------------------------------------- connection events
 
@@ -111,9 +155,14 @@ class App:
         if self.shutting_down:
             proto.begin_shutdown()
 
+    def connection_ended(self, proto) -> None:
+        """The shell ended the connection for one of its limits: its requests are cancelled now."""
+        self.dispatcher.cancel_all(proto)
+
     def connection_lost(self, proto) -> None:
         self.connections.discard(proto)
         self.dispatcher.cancel_all(proto)
+        self.metrics.count_closed(proto.close_cause or "peer")
 
     def on_events(self, proto, events: list) -> None:
         """Everything one read brought, in order.
@@ -162,14 +211,12 @@ class App:
                 methods = self.routes["/v1/models/"]
             if methods is None:
                 raise ApiError(404, f"no route for {path!r}", code="unknown_url")
-            handler = methods.get(req.method)
-            if handler is None and req.method == "HEAD":
-                handler = methods.get("GET")        # RFC 9110 9.3.2: HEAD is GET without the body
+            handler = methods.get("GET" if req.method == "HEAD" else req.method)
             if handler is None:
-                allowed = ", ".join(methods)
+                allowed = ", ".join(list(methods) + (["HEAD"] if "GET" in methods else []))
                 raise ApiError(405, f"method {req.method} is not allowed on {path}; use {allowed}",
                                code="method_not_allowed", headers=[(b"allow", allowed.encode())])
-            handler(proto, req)
+            handler(proto, req)      # HEAD: the session sends the GET's headers without the body
         except ApiError as exc:
             self._respond_error(proto, req.stream_id, exc)
         except Exception as exc:  # a bug here must not take the connection down
@@ -181,8 +228,11 @@ class App:
         if exc.status >= 400 and exc.status not in (404, 405):
             self.metrics.count_request("rejected")
         method, target = self._request_line(proto, stream_id)
-        body = exc.body() if method != "HEAD" else b""       # h11 refuses a body on a HEAD response
-        proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, body)
+        try:        # to a HEAD request the session sends the headers only (http1.py, http2.py)
+            proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body())
+        except Exception:       # a response that cannot be written ends its stream, not the connection
+            log.exception("could not write the %d response on stream %d", exc.status, stream_id)
+            proto.session.reset_stream(stream_id, ErrorCodes.INTERNAL_ERROR)
         self.access_log.request(peer_name(proto), method, target, exc.status)
 
     def _request_line(self, proto, stream_id: int) -> tuple:
@@ -192,9 +242,8 @@ class App:
         return "-", "-"
 
     def _respond(self, proto, req: Request, body: bytes, content_type: bytes = JSON) -> None:
-        """A whole 200 response to an info route, with its access line."""
-        proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)],
-                              body if req.method != "HEAD" else b"")
+        """A whole 200 response to an info route, with its access line (HEAD: the session drops the body)."""
+        proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)], body)
         self.access_log.request(peer_name(proto), req.method, req.target, 200)
 
     # ---------------------------------------------------------- info routes
@@ -256,8 +305,9 @@ class App:
         return parse_json(req.body)
 
     def _submit(self, proto, req: Request, g: GenerationRequest, id_prefix: str, deadline_ns: int | None = None) -> None:
-        """Tokenize, stamp and hand the request to the engine; the stream opens with its first token.
-        `deadline_ns` (monotonic; gRPC's grpc-timeout): else the x-request-timeout-ms header's."""
+        """Tokenize (a large prompt on the worker thread), stamp and hand the request to the
+        engine; the stream opens with its first token. `deadline_ns` (monotonic; gRPC's
+        grpc-timeout): else the x-request-timeout-ms header's."""
         if deadline_ns is None and "x-request-timeout-ms" in req.headers:
             deadline_ns = req.arrived_ns + request_timeout_ns(req.headers["x-request-timeout-ms"])
         model = self.model
@@ -270,18 +320,61 @@ class App:
         if g.best_of > g.n and not model.supports_logprobs:
             raise ApiError(400, f"best_of > n ranks choices by log-probability; the {model.name!r} engine "
                            "does not compute them", param="best_of", code="unsupported_parameter")
-        prompt_ids = self._prompt_ids(g)
-        problem = max_tokens_problem(g.params.max_tokens, len(prompt_ids), model.max_model_len)
+        priority = urgency(req.headers.get("priority"))
+        text, encode, prefix = self._prompt(g)
+        job = Submission(proto, req, g, id_prefix, next(self._ids), priority, deadline_ns)
+        if text is None:
+            self._enqueue(job, g.prompt_token_ids)
+        elif len(text) < LARGE_PROMPT_CHARS:
+            self._enqueue(job, encode(text))
+        else:
+            self._tokenize_off_loop(job, text, prefix)
+
+    def _tokenize_off_loop(self, job: "Submission", text: str, prefix: list) -> None:
+        """Large prompts: ids from the worker thread, then `_tokenized` on the loop. The stream is
+        marked in flight meanwhile (a reset or a lost connection unmarks it: then nothing is submitted)."""
+        job.proto.outbox.streams[job.req.stream_id] = job.request_id
+        future = self.tokenizing.submit(text, prefix)
+        future.add_done_callback(lambda f: self._tokenized_threadsafe(job, f))
+
+    def _tokenized_threadsafe(self, job: "Submission", future) -> None:
+        """Worker thread: back to the loop, unless it has stopped (the server is going away)."""
+        try:
+            self.loop.call_soon_threadsafe(self._tokenized, job, future)
+        except RuntimeError:
+            pass
+
+    def _tokenized(self, job: "Submission", future) -> None:
+        proto, req = job.proto, job.req
+        streams = proto.outbox.streams
+        if proto.closing or streams.get(req.stream_id) != job.request_id or future.cancelled():
+            return          # the client left meanwhile
+        del streams[req.stream_id]
+        try:
+            self._enqueue(job, future.result())
+        except ApiError as exc:
+            self._respond_error(proto, req.stream_id, exc)
+        except Exception as exc:
+            log.exception("internal error tokenizing %s %s", req.method, req.target)
+            self._respond_error(proto, req.stream_id, ApiError(
+                500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
+        finally:
+            self.engine.wake()
+            proto.flush()
+
+    def _enqueue(self, job: "Submission", prompt_ids: list) -> None:
+        """Check max_tokens against what the context leaves, stamp the request and hand it to
+        the engine (woken by the caller)."""
+        proto, req, g, request_id = job.proto, job.req, job.g, job.request_id
+        problem = max_tokens_problem(g.params.max_tokens, len(prompt_ids), self.model.max_model_len)
         if problem is not None:
             raise bad_param("max_tokens", problem)
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
-        request_id = next(self._ids)
         try:
-            priority = urgency(req.headers.get("priority"))
             if g.best_of == 1:
-                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False, priority=priority)
+                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False, priority=job.priority)
             else:
-                members = self._submit_choices(request_id, prompt_ids, g, timeline, priority)
+                members = self._submit_choices(request_id, prompt_ids, g, timeline, job.priority)
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", headers=[(b"retry-after", b"1")]) from None
         except PromptTooLong as exc:
@@ -292,14 +385,14 @@ class App:
         self.metrics.tokenize.observe_ns(timeline.tokenized_ns - timeline.arrived_ns)
         self.engine_log.num_prompt_tokens += len(prompt_ids)
         created = int(time.time())
-        response_id = f"{id_prefix}{request_id}"
+        response_id = f"{job.id_prefix}{request_id}"
         if g.best_of > 1:
             self._add_choices(proto, req, g, members, response_id, created, len(prompt_ids))
             return
         encoder = self._encoder(g, req, response_id, created, num_prompt=len(prompt_ids)) if g.stream else None
         self.dispatcher.add(Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream,
                                      timeline, response_id, created, g.params.logprobs is not None,
-                                     req.method, req.target), deadline_ns)
+                                     req.method, req.target), job.deadline_ns)
 
     def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline,
                         priority: int) -> list:
@@ -324,19 +417,34 @@ class App:
             group.add(ex)
             self.dispatcher.add(ex)
 
-    def _prompt_ids(self, g: GenerationRequest) -> list:
+    def _prompt(self, g: GenerationRequest) -> tuple:
+        """-> (text, encode, ids before the text's) for a text prompt, within the context by its
+        byte length (prompt_limits.py); (None, None, None) for token ids."""
         model = self.model
         if g.route == "chat":
             if model.chat_template is None:
                 raise ApiError(400, f"the model {model.name!r} has no chat template; use /v1/completions, "
                                "or start the server with --chat-template FILE", code="no_chat_template")
-            text = model.chat_template.render(g.messages)
-            return model.tokenizer.encode(text, add_special_tokens=False).ids
-        if g.prompt_token_ids is not None:
-            return g.prompt_token_ids
-        if not g.prompt:
+            text, encode, prefix = model.chat_template.render(g.messages), self._encode_plain, []
+        elif g.prompt_token_ids is not None:
+            return None, None, None
+        elif not g.prompt:
             raise ApiError(400, "the prompt is empty", param="prompt", code="invalid_prompt")
-        return model.encode(g.prompt)
+        else:
+            text, encode, prefix = g.prompt, model.encode, self._bos_ids
+        token_bytes = self._max_token_bytes
+        if token_bytes is not None and len(text) >= model.max_model_len:
+            num_tokens = len(prefix) + min_prompt_tokens(text, token_bytes)
+            if num_tokens >= model.max_model_len:
+                raise ApiError(400, f"the prompt has at least {num_tokens} tokens (no token covers more than "
+                               f"{token_bytes} bytes); this model's context is {model.max_model_len} tokens, "
+                               f"so a prompt may have at most {model.max_model_len - 1}",
+                               param="messages" if g.route == "chat" else "prompt", code="context_length_exceeded")
+        return text, encode, prefix
+
+    def _encode_plain(self, text: str) -> list:
+        """A rendered chat template -> ids, adding nothing: templates write their own BOS."""
+        return self.model.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, index: int = 0,
                  num_prompt: int = 0):
@@ -383,15 +491,25 @@ class App:
         self.shutting_down = True
         self.grpc.notify_watchers(end=True)        # health watchers hear NOT_SERVING, their streams end
         for proto in list(self.connections):
+            proto.close_cause = proto.close_cause or "shutdown"
             proto.begin_shutdown()
 
-    def close_idle(self, idle_timeout_s: float) -> None:
-        """Close connections with no stream for `idle_timeout_s` (called periodically)."""
-        cutoff = time.monotonic() - idle_timeout_s
-        for proto in list(self.connections):
-            if proto.is_idle and proto.last_active < cutoff:
-                proto.begin_shutdown()
+    def sweep(self) -> None:
+        """Every connection's deadlines (protocol.py: handshake, idle, write); called periodically.
+        A stream reset for its write timeout has its request cancelled."""
+        self._sweep_some(list(self.connections), time.monotonic())
 
+    def _sweep_some(self, protos: list, now: float) -> None:
+        """`SWEEP_BATCH` connections per pass of the loop, the rest in the next: connections that
+        reach a deadline together (500 slowloris connections opened at once) are ended a batch
+        at a time, never in one stall of the loop."""
+        for proto in protos[:SWEEP_BATCH]:
+            for stream_id in proto.check_deadlines(now):
+                self.dispatcher.cancel(proto, stream_id)
+        if len(protos) > SWEEP_BATCH and self.loop is not None:
+            self.loop.call_soon(self._sweep_some, protos[SWEEP_BATCH:], now)
+        elif len(protos) > SWEEP_BATCH:
+            self._sweep_some(protos[SWEEP_BATCH:], now)
 
 
 def request_timeout_ns(value: str) -> int:

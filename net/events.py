@@ -12,18 +12,36 @@ from typing import NamedTuple
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-connection limits; every one is a `tokenwire serve` flag."""
+    """Per-connection limits; every one is a `tokenwire serve` flag (README: "Limits").
+
+    A flood limit is a rate per second with one second's worth of burst (flood.RateBudget);
+    going over it ends the connection with GOAWAY ENHANCE_YOUR_CALM."""
     max_body_bytes: int = 4 * 1024 * 1024       # request bodies above this get 413
     max_concurrent_streams: int = 256           # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
     max_header_list_size: int = 64 * 1024       # HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE; HTTP/1.1 header block bytes
-    idle_timeout_s: float = 75.0                # a connection with no open stream for this long is closed
+    idle_timeout_s: float = 75.0                # no request in flight for this long (bytes do not count): closed
+    handshake_timeout_s: float = 10.0           # connect to first complete request (preface included), else closed
+    write_timeout_s: float = 30.0               # unsent output that makes no progress this long: stream reset /
+                                                # connection closed, requests cancelled
+    max_unsent_bytes: int = 8 * 1024 * 1024     # output waiting for the peer (windows + socket), per connection
+    max_resets_per_s: float = 200.0             # streams the client resets before their response started, or
+                                                # we reset for its errors: the rapid-reset budget
+    max_settings_per_s: float = 100.0           # SETTINGS frames received
+    max_pings_per_s: float = 100.0              # PING frames received
+    max_window_updates_per_s: float = 10000.0   # WINDOW_UPDATE frames received
+    max_empty_frames_per_s: float = 100.0       # frames that do nothing: empty DATA / HEADERS / CONTINUATION
+                                                # that end nothing, PRIORITY, unknown types
+    max_queued_control_frames: int = 10000      # control frames we owe a peer that does not read (ACKs, RST_STREAM)
 
     def __post_init__(self):
-        for name in ("max_body_bytes", "max_concurrent_streams", "max_header_list_size"):
+        for name in ("max_body_bytes", "max_concurrent_streams", "max_header_list_size", "max_unsent_bytes",
+                     "max_queued_control_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        for name in ("idle_timeout_s", "handshake_timeout_s", "write_timeout_s", "max_resets_per_s",
+                     "max_settings_per_s", "max_pings_per_s", "max_window_updates_per_s", "max_empty_frames_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 BUSY_POLL_US = 500.0        # default busy-poll window (dispatch.py): a client's turn-around at concurrency 1
@@ -68,3 +86,4 @@ class PriorityUpdate(NamedTuple):
 class ConnectionClosed(NamedTuple):
     """The peer ended the connection (GOAWAY, EOF) or broke the protocol; nothing more will come."""
     reason: str
+    cause: str = "peer"         # the `reason` label of tokenwire_connections_closed_total (flood.CLOSE_CAUSES)

@@ -3,7 +3,9 @@
 For clients that do not speak HTTP/2 (the OpenAI Python SDK's default client is one).
 Requests are served one at a time, in order: h11 holds pipelined bytes until the current
 response is complete, and `poll_events()` picks them up then. A streamed response uses
-chunked transfer encoding; trailers ride on the last chunk.
+chunked transfer encoding; trailers ride on the last chunk, only for a client that said
+`TE: trailers` (RFC 9110 6.5.1), and are announced with `Trailer:` in the response head.
+A response to HEAD carries the headers only (h11 refuses body bytes for it).
 
 Rules: h11 owns the state machine; a transition it refuses is a `LocalProtocolError` (our
 bug) or `RemoteProtocolError` (the client's: answered with 400 and a closed connection).
@@ -20,6 +22,8 @@ import h11
 import orjson
 
 from .events import BodyTooLarge, ConnectionClosed, Limits, Request, UpgradeRequested
+
+TRAILER_NAMES = b"server-timing, tokenwire-cached-tokens"     # the trailers dispatch.py sends, for `Trailer:`
 
 
 class H1Session:
@@ -38,8 +42,12 @@ class H1Session:
         self._active = False            # a request was handed out and its response is not complete
         self._chunked = False           # the current response uses chunked encoding (trailers allowed)
         self._draining = False
+        self._head = False              # the current request is HEAD: no body goes out
+        self._trailers_ok = False       # the current request said `TE: trailers`
         self.closed = False
         self.wants_poll = False         # a response completed: pipelined bytes may hold the next request
+        self.num_pending_bytes = 0      # the H2Session counters the shell reads: nothing is ever queued here
+        self.num_control_frames = 0
 
     # ----------------------------------------------------------------- input
 
@@ -78,6 +86,8 @@ class H1Session:
             return
         self._stream_id += 1
         self._request = ev
+        self._head = ev.method == b"HEAD"
+        self._trailers_ok = _accepts_trailers(ev.headers)
         self._arrived_ns = self._received_ns
         self._body = bytearray()
         self._too_large = False
@@ -134,7 +144,7 @@ class H1Session:
             self._send(h11.Data(data=body))
             self._send(h11.EndOfMessage())
         self.closed = True
-        events.append(ConnectionClosed(f"HTTP/1.1 request refused: {message}"))
+        events.append(ConnectionClosed(f"HTTP/1.1 request refused: {message}", "protocol_error"))
 
     # ---------------------------------------------------------------- output
 
@@ -148,9 +158,11 @@ class H1Session:
     def start_response(self, stream_id: int, status: int, headers: list) -> None:
         self._check(stream_id)
         if self._draining or self._too_large:
-            headers = headers + [(b"connection", b"close")]
-        self._chunked = (self.conn.their_http_version == b"1.1"
+            headers = [*headers, (b"connection", b"close")]
+        self._chunked = (self.conn.their_http_version == b"1.1" and not self._head
                          and not any(name == b"content-length" for name, _ in headers))
+        if self._chunked and self._trailers_ok:
+            headers = [*headers, (b"trailer", TRAILER_NAMES)]
         self._send(h11.Response(status_code=status, headers=headers, reason=_reason(status)))
 
     def data_writer(self, stream_id: int):
@@ -184,7 +196,7 @@ class H1Session:
     def end_response(self, stream_id: int, trailers: list | None = None) -> None:
         if stream_id != self._stream_id or not self._active:
             return
-        self._send(h11.EndOfMessage(headers=trailers if (trailers and self._chunked) else []))
+        self._send(h11.EndOfMessage(headers=trailers if (trailers and self._chunked and self._trailers_ok) else []))
         self._active = False
         if self.conn.our_state is h11.MUST_CLOSE or self.conn.their_state is not h11.DONE:
             self.closed = True      # the client asked to close, or its body was never read
@@ -195,9 +207,21 @@ class H1Session:
     def respond(self, stream_id: int, status: int, headers: list, body: bytes,
                 trailers: list | None = None) -> None:
         self.start_response(stream_id, status, headers + [(b"content-length", str(len(body)).encode())])
-        if body:
+        if body and not self._head:
             self.send_data(stream_id, body)
         self.end_response(stream_id, trailers)
+
+    def end_connection(self, cause: str, message: str, calm: bool = True) -> list:
+        """The shell ends the connection for one of its limits; -> the events to hand the app."""
+        if self.closed:
+            return []
+        self.closed = True
+        self._active = False
+        return [ConnectionClosed(f"HTTP/1.1 connection ended: {message}", cause)]
+
+    def expire_stalled(self, cutoff_ns: int) -> list:
+        """Nothing queues per stream here (the transport holds HTTP/1.1 output)."""
+        return []
 
     def reset_stream(self, stream_id: int, error_code: int = 0) -> None:
         """HTTP/1.1 has no stream reset: the only way to abandon a response is to close."""
@@ -242,6 +266,14 @@ def _reason(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b""
+
+
+def _accepts_trailers(headers) -> bool:
+    """`TE: trailers` (a list of transfer codings; `trailers` is one token of it)."""
+    for name, value in headers:
+        if name == b"te" and b"trailers" in {t.split(b";", 1)[0].strip().lower() for t in value.split(b",")}:
+            return True
+    return False
 
 
 def _content_length(headers) -> int | None:

@@ -20,9 +20,13 @@ Rule 3: flow control is exact and ours in both directions. Out: every DATA frame
         against both receive windows, and a peer that overruns one ends the connection
         (FLOW_CONTROL_ERROR). Consumed bytes go back in at most one connection WINDOW_UPDATE per
         read, once half the window is used (our connection window is 2**24: one WINDOW_UPDATE
-        follows our SETTINGS); a stream's window is as large as the largest body
-        we accept, so a request body never needs a stream WINDOW_UPDATE (a body being discarded
-        gets its window back in batches the same way).
+        follows our SETTINGS). A body's bytes count as consumed for the connection only once its
+        request is complete (or dropped), so the bodies one connection can make us hold are
+        bounded by the connection window. A stream's window starts as large as the largest body
+        we accept (a request body usually needs no stream WINDOW_UPDATE) and is handed back in
+        batches of half a window as its bytes arrive, so the window is flow control, never the
+        size limit: a body past `max_body_bytes` (or a content-length over it, before any body)
+        is `BodyTooLarge`, answered 413, then RST_STREAM(NO_ERROR) (RFC 9113 8.1).
 Rule 4: every header block is HPACK-decoded, in arrival order, also for streams we refuse or
         reset: the dynamic table must see them all. Repeated blocks replay from a memo that is
         valid only against the same table (request_headers.py).
@@ -33,7 +37,15 @@ Rule 6: whatever h2 produces is moved into the output list right after each h2 c
 Rule 7: every stream has its own send queue: a stream whose window is shut queues its bytes
         and never holds up the others; WINDOW_UPDATE and SETTINGS changes drain it.
 Rule 8: nothing here awaits or touches a socket.
-Rule 9: of the extension frames, PRIORITY_UPDATE (RFC 9218 7.1) is read: on stream 0, for
+Rule 9: a peer spends from per-connection budgets (flood.py, `Limits`): streams it resets
+        before their response started (a client cancelling a stream it is reading spends
+        nothing) and streams we reset for its errors, SETTINGS, PING, WINDOW_UPDATE, frames
+        that do nothing. Over one: GOAWAY ENHANCE_YOUR_CALM. Control frames we owe a peer that
+        does not read are counted (`num_control_frames`).
+        Queued response bytes are counted (`num_pending_bytes`) and a stream whose queue made
+        no progress for the write timeout can be reset (`expire_stalled`); the shell enforces
+        both (protocol.py).
+Rule 10: of the extension frames, PRIORITY_UPDATE (RFC 9218 7.1) is read: on stream 0, for
         a request stream the app holds, it becomes a `PriorityUpdate` event; every other
         unknown frame type is ignored (RFC 9113 5.5).
 
@@ -75,6 +87,7 @@ import hpack
 from h2.errors import ErrorCodes
 
 from .events import BodyTooLarge, ConnectionClosed, Limits, PriorityUpdate, Request, StreamReset
+from .flood import RateBudget
 from .hpack_plain import encode_block
 from .request_headers import MalformedRequest, RequestDecoder
 
@@ -136,11 +149,13 @@ _RECV_INPUTS = frozenset({RECV_HEADERS, RECV_DATA, RECV_TRAILERS, RECV_END_STREA
 
 
 class ConnectionError_(Exception):
-    """A connection error (RFC 9113 5.4.1): GOAWAY with `code`, then nothing more."""
+    """A connection error (RFC 9113 5.4.1): GOAWAY with `code`, then nothing more.
+    `cause`: the metric's reason (flood.CLOSE_CAUSES)."""
 
-    def __init__(self, code: ErrorCodes, message: str):
+    def __init__(self, code: ErrorCodes, message: str, cause: str = "protocol_error"):
         super().__init__(message)
         self.code = code
+        self.cause = cause
 
 
 class StreamError(Exception):
@@ -155,7 +170,8 @@ class StreamError(Exception):
 class _Stream:
     """One request/response exchange as the session sees it."""
     __slots__ = ("id", "state", "method", "target", "headers", "body", "body_len", "content_length",
-                 "arrived_ns", "too_large", "send_window", "recv_window", "recv_unacked", "pending", "end_after")
+                 "arrived_ns", "too_large", "send_window", "recv_window", "recv_unacked", "held", "pending",
+                 "end_after", "stalled_ns", "started")
 
     def __init__(self, stream_id, method, target, headers, content_length, arrived_ns, send_window, recv_window):
         self.id = stream_id
@@ -170,9 +186,12 @@ class _Stream:
         self.too_large = False
         self.send_window = send_window  # bytes we may send (the peer's window for this stream)
         self.recv_window = recv_window  # bytes the peer may send
-        self.recv_unacked = 0           # discarded body bytes not yet handed back (too-large bodies)
+        self.recv_unacked = 0           # received bytes whose stream window is not handed back yet
+        self.held = 0                   # body bytes held here, not yet consumed for the connection window
         self.pending = bytearray()      # response bytes waiting for window
         self.end_after = None           # trailers list (maybe empty) once the response is ended
+        self.stalled_ns = 0             # when `pending` last made progress (or filled), monotonic ns
+        self.started = False            # the response HEADERS went out
 
 
 def transition(st: _Stream, event: int) -> int:
@@ -221,6 +240,14 @@ class H2Session:
         self.closed = False                         # peer went away or broke the protocol
         self.wants_poll = False                     # HTTP/1.1 pipelining flag; never set here
         self.peer_goaway = False                    # the peer sent GOAWAY(NO_ERROR): finish and close
+        self._credit_due: dict[int, _Stream] = {}   # streams owed a WINDOW_UPDATE at the end of this read
+        self.num_pending_bytes = 0                  # response bytes queued in streams (waiting for windows)
+        self.num_control_frames = 0                 # control frames we wrote (ACKs, RST_STREAM, WINDOW_UPDATE)
+        self._resets = RateBudget(limits.max_resets_per_s)
+        self._settings = RateBudget(limits.max_settings_per_s)
+        self._pings = RateBudget(limits.max_pings_per_s)
+        self._window_updates = RateBudget(limits.max_window_updates_per_s)
+        self._empty = RateBudget(limits.max_empty_frames_per_s)
         if upgrade_settings is None:
             self.conn.initiate_connection()
         else:
@@ -248,10 +275,12 @@ class H2Session:
                 data = self._take_preface(data)
             pos = self._frames(data, events)
         except ConnectionError_ as exc:
-            self._connection_error(exc.code, str(exc), events)
+            self._connection_error(exc.code, str(exc), events, exc.cause)
             return events
         if pos < len(data):
             self._buf = data[pos:]
+        if self._credit_due:
+            self._hand_back_stream_windows()
         if self._recv_unacked >= CONNECTION_WINDOW // 2:
             self._hand_back_connection_window()
         return events
@@ -288,7 +317,8 @@ class H2Session:
                     handlers[ftype](self, flags, stream_id, data, pos, stop, events)
                 elif ftype == PRIORITY_UPDATE:
                     self._on_priority_update(stream_id, data, pos + 9, stop, events)
-                # other unknown frame types are ignored (RFC 9113 5.5)
+                else:               # other unknown frame types are ignored (RFC 9113 5.5), within the budget
+                    self._spend(self._empty, "empty_frame_flood", "frames of unknown types")
             except StreamError as exc:
                 self._stream_error(exc.stream_id, exc.code, events)
             pos = stop
@@ -314,6 +344,8 @@ class H2Session:
             self_dependent = False
         fragment = data[start:stop]
         if not flags & END_HEADERS:
+            if not fragment:
+                self._spend(self._empty, "empty_frame_flood", "empty HEADERS frames")
             self._header_block = (sid, flags, [fragment], self_dependent)
             return
         self._on_header_block(sid, flags, fragment, self_dependent, events)
@@ -324,6 +356,8 @@ class H2Session:
             raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"CONTINUATION on stream {sid} without a header block "
                                    "in progress on it")
         fragments = block[2]
+        if stop == pos + 9 and not flags & END_HEADERS:
+            self._spend(self._empty, "empty_frame_flood", "empty CONTINUATION frames")
         fragments.append(data[pos + 9:stop])
         if len(fragments) > MAX_CONTINUATIONS:
             raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"more than {MAX_CONTINUATIONS} CONTINUATION frames")
@@ -350,9 +384,11 @@ class H2Session:
         try:
             method, target, headers, content_length = self._decode_request(block)
         except MalformedRequest:         # RFC 9113 8.1.1: a stream error, not a connection error
+            self._spend_reset()
             self._reset(sid, ErrorCodes.PROTOCOL_ERROR)
             return
         if self_dependent:
+            self._spend_reset()
             self._reset(sid, ErrorCodes.PROTOCOL_ERROR)
             return
         if ((self.goaway_last_id is not None and sid > self.goaway_last_id)
@@ -362,6 +398,8 @@ class H2Session:
         st = _Stream(sid, method, target, headers, content_length, self._received_ns,
                      self.peer_initial_window, self.stream_recv_window)
         self._open[sid] = self.streams[sid] = st
+        if content_length is not None and content_length > self.limits.max_body_bytes:
+            self._too_large(st, events)         # 413 before any of the body is read
         if flags & END_STREAM:
             self._end_request(st, events)
 
@@ -383,26 +421,28 @@ class H2Session:
         self._recv_window -= length
         if self._recv_window < 0:
             raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
-        self._recv_unacked += length
         if flags & PADDED:
             start, stop = _unpad(data, start, stop)
         st = self._open.get(sid)
         if st is None:
+            self._recv_unacked += length
             self._on_data_closed(sid)
             return
         st.recv_window -= length
         if st.recv_window < 0:
             raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR, f"DATA beyond the window of stream {sid}")
         transition(st, RECV_DATA)
-        if stop > start:
-            if st.too_large or st.end_after is not None:
-                self._discard(st, length)
-            else:
-                self._add_body(st, data[start:stop], events)
-        elif length and (st.too_large or st.end_after is not None):
-            self._discard(st, length)
+        if stop > start and not st.too_large and st.end_after is None:
+            self._recv_unacked += length - (stop - start)       # padding: consumed now; the body when it is used
+            self._add_body(st, data[start:stop], events)
+        else:
+            self._recv_unacked += length
+            if not length and not flags & END_STREAM:
+                self._spend(self._empty, "empty_frame_flood", "empty DATA frames")
         if flags & END_STREAM:
             self._end_request(st, events)
+        elif length:
+            self._credit_stream(st, length)
 
     def _on_data_closed(self, sid: int) -> None:
         """DATA on a stream not open: on an idle one, a connection error; on one we reset,
@@ -415,13 +455,13 @@ class H2Session:
     def _add_body(self, st: _Stream, chunk: bytes, events: list) -> None:
         n = st.body_len + len(chunk)
         if n > self.limits.max_body_bytes:
-            st.too_large = True
-            st.body = None
-            self._discard(st, 0)
-            events.append(BodyTooLarge(st.id, st.method, st.target, st.headers, st.arrived_ns))
+            self._recv_unacked += len(chunk)
+            self._too_large(st, events)
             return
         if st.content_length is not None and n > st.content_length:
+            self._recv_unacked += len(chunk)
             raise StreamError(st.id, ErrorCodes.PROTOCOL_ERROR, "body longer than its content-length")
+        st.held += len(chunk)
         body = st.body
         if body is None:
             st.body = chunk
@@ -431,16 +471,38 @@ class H2Session:
             st.body = [body, chunk]
         st.body_len = n
 
-    def _discard(self, st: _Stream, length: int) -> None:
-        """Body bytes nobody will read: hand the stream's window back in batches, so the client can finish."""
+    def _too_large(self, st: _Stream, events: list) -> None:
+        """The body is over the limit: what is held is dropped, the app answers 413 at once
+        (RST_STREAM(NO_ERROR) follows the response, see `_finish`)."""
+        st.too_large = True
+        st.body = None
+        self._release_body(st)
+        events.append(BodyTooLarge(st.id, st.method, st.target, st.headers, st.arrived_ns))
+
+    def _release_body(self, st: _Stream) -> None:
+        """The held body is no longer ours to keep: its bytes count as consumed for the connection."""
+        self._recv_unacked += st.held
+        st.held = 0
+
+    def _credit_stream(self, st: _Stream, length: int) -> None:
+        """Received bytes of a stream that goes on: its window comes back in batches of half a
+        window, after the read (the peer cannot have seen a WINDOW_UPDATE written during it)."""
         st.recv_unacked += length
-        if st.recv_unacked >= self.stream_recv_window // 2 and st.state in (OPEN, HALF_CLOSED_LOCAL):
-            self._out.append(WINDOW_UPDATE_FRAME.pack(0, 4, WINDOW_UPDATE, 0, st.id, st.recv_unacked))
-            st.recv_window += st.recv_unacked
-            st.recv_unacked = 0
+        if st.recv_unacked >= self.stream_recv_window // 2:
+            self._credit_due[st.id] = st
+
+    def _hand_back_stream_windows(self) -> None:
+        for st in self._credit_due.values():
+            if st.id in self._open and (st.state == OPEN or st.state == HALF_CLOSED_LOCAL):    # more may come
+                self._out.append(WINDOW_UPDATE_FRAME.pack(0, 4, WINDOW_UPDATE, 0, st.id, st.recv_unacked))
+                self.num_control_frames += 1
+                st.recv_window += st.recv_unacked
+                st.recv_unacked = 0
+        self._credit_due.clear()
 
     def _end_request(self, st: _Stream, events: list) -> None:
         """The peer's END_STREAM: the request is complete (unless it was too large)."""
+        self._release_body(st)
         if transition(st, RECV_END_STREAM) == CLOSED:
             self._close(st, CLOSED_BY_END)
         if st.too_large or st.end_after is not None:
@@ -465,6 +527,8 @@ class H2Session:
             if sid > self.highest_stream_id:
                 raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             return                                  # already closed: nothing to do
+        if not st.started:                          # its work was for nothing: the rapid-reset budget
+            self._spend_reset()
         transition(st, RECV_RST_STREAM)
         held = sid in self.streams
         self._close(st, CLOSED_BY_RESET_RECV)
@@ -474,6 +538,7 @@ class H2Session:
     def _on_window_update(self, flags, sid, data, pos, stop, events):
         if stop - pos != 13:
             raise ConnectionError_(ErrorCodes.FRAME_SIZE_ERROR, "WINDOW_UPDATE must be 4 bytes")
+        self._spend(self._window_updates, "window_update_flood", "WINDOW_UPDATE frames")
         increment = U32.unpack_from(data, pos + 9)[0] & 0x7FFFFFFF
         if sid == 0:
             if not increment:
@@ -498,7 +563,8 @@ class H2Session:
             self._drain_stream(st)
 
     def _on_priority(self, flags, sid, data, pos, stop, events):
-        """Priority signals are ignored, once checked (RFC 9113 6.3)."""
+        """Priority signals are ignored, once checked (RFC 9113 6.3), within the budget of frames that do nothing."""
+        self._spend(self._empty, "empty_frame_flood", "PRIORITY frames")
         if sid == 0:
             raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "PRIORITY on stream 0")
         if stop - pos != 14:
@@ -527,9 +593,24 @@ class H2Session:
 
     # ------------------------------------------------ connection frames
 
-    def _on_connection_frame(self, flags, sid, data, pos, stop, events):
-        """SETTINGS and PING: h2's (see rule 2)."""
+    def _on_settings(self, flags, sid, data, pos, stop, events):
+        """SETTINGS: h2's (see rule 2), within its budget."""
+        self._spend(self._settings, "settings_flood", "SETTINGS frames")
         self._to_h2(data[pos:stop], events)
+
+    def _on_ping(self, flags, sid, data, pos, stop, events):
+        """PING: h2's (see rule 2), within its budget."""
+        self._spend(self._pings, "ping_flood", "PING frames")
+        self._to_h2(data[pos:stop], events)
+
+    def _spend(self, budget: RateBudget, cause: str, what: str) -> None:
+        if not budget.take(self._received_ns):
+            raise ConnectionError_(ErrorCodes.ENHANCE_YOUR_CALM, f"more {what} than the limit of "
+                                   f"{budget.capacity:g} per second", cause)
+
+    def _spend_reset(self) -> None:
+        """A stream ends before its response started, by the client's doing (rule 9)."""
+        self._spend(self._resets, "rapid_reset", "streams reset before their response")
 
     def _on_push_promise(self, flags, sid, data, pos, stop, events):
         raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "a client may not send PUSH_PROMISE")
@@ -553,7 +634,8 @@ class H2Session:
         except (h2.exceptions.ProtocolError, ValueError) as exc:  # h2 queued its own GOAWAY: ours replaces it
             self.conn.data_to_send()
             raise ConnectionError_(getattr(exc, "error_code", ErrorCodes.PROTOCOL_ERROR), str(exc)) from None
-        self._drain_h2()            # ACKs go before anything written after this frame
+        if self._drain_h2():        # ACKs go before anything written after this frame
+            self.num_control_frames += 1
         for ev in h2_events:
             if type(ev) is h2.events.RemoteSettingsChanged:
                 self._on_settings_changed(ev)
@@ -582,13 +664,37 @@ class H2Session:
 
     # ------------------------------------------------------------ errors
 
-    def _connection_error(self, code: ErrorCodes, message: str, events: list) -> None:
+    def _connection_error(self, code: ErrorCodes, message: str, events: list, cause: str = "protocol_error") -> None:
         self._send_goaway(self.highest_stream_id, code)
         self.closed = True
-        events.append(ConnectionClosed(f"HTTP/2 protocol error ({_code_name(code)}): {message}"))
+        events[:] = [ev for ev in events if type(ev) is not Request]     # no response could reach the peer
+        events.append(ConnectionClosed(f"HTTP/2 protocol error ({_code_name(code)}): {message}", cause))
+
+    def end_connection(self, cause: str, message: str, calm: bool = True) -> list:
+        """The shell ends the connection for one of its limits (protocol.py): GOAWAY
+        ENHANCE_YOUR_CALM (`calm`: an abuse), else NO_ERROR (a deadline); -> the events to
+        hand the app (ConnectionClosed)."""
+        events = []
+        if not self.closed:
+            code = ErrorCodes.ENHANCE_YOUR_CALM if calm else ErrorCodes.NO_ERROR
+            self._connection_error(code, message, events, cause)
+        return events
+
+    def expire_stalled(self, cutoff_ns: int) -> list:
+        """Reset (CANCEL) every stream whose queued response made no progress since `cutoff_ns`
+        (the peer does not read it); -> the ids of those the app held."""
+        expired = []
+        for st in list(self._blocked.values()):
+            if st.stalled_ns < cutoff_ns and st.id in self.streams:
+                self._reset(st.id, ErrorCodes.CANCEL)
+                expired.append(st.id)
+        if expired:
+            self._maybe_goaway()
+        return expired
 
     def _stream_error(self, sid: int, code: ErrorCodes, events: list) -> None:
         """RST_STREAM; the app hears of it if it holds the stream."""
+        self._spend_reset()
         held = sid in self.streams
         self._reset(sid, code)
         if held:
@@ -615,12 +721,17 @@ class H2Session:
         else:
             self._remember_closed(sid, CLOSED_BY_RESET_SENT)
         self._out.append(RST_STREAM_FRAME.pack(0, 4, RST_STREAM, 0, sid, code))
+        self.num_control_frames += 1
 
     def _close(self, st: _Stream, how: int) -> None:
         del self._open[st.id]
         self.streams.pop(st.id, None)
         if st.pending:
             self._blocked.pop(st.id, None)
+            self.num_pending_bytes -= len(st.pending)
+            st.pending = bytearray()
+        if st.held:
+            self._release_body(st)
         self._remember_closed(st.id, how)
 
     def _remember_closed(self, sid: int, how: int) -> None:
@@ -656,7 +767,9 @@ class H2Session:
     def start_response(self, stream_id: int, status: int, headers) -> None:
         """Send the response HEADERS (once per request). `headers`: (name, value) byte pairs;
         pass the same tuple for every stream and its block is encoded once per connection."""
-        self._send_headers(self.streams[stream_id], status, headers, 0)
+        st = self.streams[stream_id]
+        st.started = True
+        self._send_headers(st, status, headers, 0)
 
     def _send_headers(self, st: _Stream, status: int | None, headers, flags: int) -> None:
         """One HEADERS frame (response or trailers), continued by CONTINUATION frames if it is too big."""
@@ -731,7 +844,10 @@ class H2Session:
                 or st.state >= HALF_CLOSED_LOCAL):
             if st.id not in self.streams:
                 raise KeyError(f"stream {st.id} is not open for a response (reset, or its response ended)")
+            if not st.pending:
+                st.stalled_ns = time.monotonic_ns()
             st.pending += payload
+            self.num_pending_bytes += n
             self._drain_stream(st)
             return
         self.send_window -= n
@@ -751,9 +867,10 @@ class H2Session:
 
     def respond(self, stream_id: int, status: int, headers: list, body: bytes,
                 trailers: list | None = None) -> None:
-        """A complete response in one call (errors, JSON bodies)."""
+        """A complete response in one call (errors, JSON bodies). To a HEAD request: the
+        headers only, with the content-length the body would have."""
         self.start_response(stream_id, status, headers + [(b"content-length", str(len(body)).encode())])
-        if body:
+        if body and self.streams[stream_id].method != "HEAD":
             self.send_data(stream_id, body)
         self.end_response(stream_id, trailers)
 
@@ -821,15 +938,18 @@ class H2Session:
         self._recv_unacked = 0
         self._recv_window += n
         self._out.append(WINDOW_UPDATE_FRAME.pack(0, 4, WINDOW_UPDATE, 0, 0, n))
+        self.num_control_frames += 1
 
-    def _drain_h2(self) -> None:
+    def _drain_h2(self) -> bool:
         data = self.conn.data_to_send()
         if data:
             self._out.append(data)
+        return bool(data)
 
     def _drain_stream(self, st: _Stream) -> None:
         """Send as much of the stream's queue as both windows and the frame size allow."""
         pending = st.pending
+        num_sent = 0
         while pending:
             n = min(len(pending), self.send_window, st.send_window, self.max_frame_size)
             if n <= 0:
@@ -839,6 +959,10 @@ class H2Session:
             self._out.append(DATA_HEADER.pack(n >> 16, n & 0xFFFF, 0, 0, st.id))
             self._out.append(bytes(pending[:n]))
             del pending[:n]
+            num_sent += n
+        self.num_pending_bytes -= num_sent
+        if num_sent and pending:
+            st.stalled_ns = time.monotonic_ns()     # progress: the write timeout starts over
         if pending:
             self._blocked.pop(st.id, None)
             self._blocked[st.id] = st       # to the back: the others get the next window first
@@ -863,10 +987,12 @@ class H2Session:
             self._out.append(FRAME_HEADER.pack(0, 0, DATA, END_STREAM, st.id))
         if transition(st, SEND_END_STREAM) == CLOSED:
             self._close(st, CLOSED_BY_END)
+        elif st.too_large:          # answered 413 while the body still comes: stop it (RFC 9113 8.1)
+            self._reset(st.id, ErrorCodes.NO_ERROR)
         self._maybe_goaway()
 
-    _handlers = (_on_data, _on_headers, _on_priority, _on_rst_stream, _on_connection_frame, _on_push_promise,
-                 _on_connection_frame, _on_goaway, _on_window_update, _on_continuation)
+    _handlers = (_on_data, _on_headers, _on_priority, _on_rst_stream, _on_settings, _on_push_promise,
+                 _on_ping, _on_goaway, _on_window_update, _on_continuation)
 
 
 def _unpad(data: bytes, start: int, stop: int) -> tuple:

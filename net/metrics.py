@@ -11,6 +11,8 @@ from bisect import bisect_left
 
 from ..core.outputs import EngineStats
 
+from .flood import CLOSE_CAUSES
+
 # Sub-millisecond resolution at the low end: per-token latencies on this path are microseconds.
 BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,
              100e-3, 250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -77,10 +79,14 @@ class Metrics:
         self.tokenize = h("tokenwire_tokenize_seconds",
                           "Request arrival to prompt token ids ready (parse, validate, template, tokenize).")
         self.requests = {outcome: 0 for outcome in OUTCOMES}
+        self.connections_closed = {cause: 0 for cause in CLOSE_CAUSES}
         self.streamed_tokens = 0
 
     def count_request(self, outcome: str) -> None:
         self.requests[outcome] += 1
+
+    def count_closed(self, cause: str) -> None:
+        self.connections_closed[cause] += 1
 
     def render(self, stats: EngineStats | None) -> bytes:
         lines: list[str] = []
@@ -88,6 +94,9 @@ class Metrics:
             hist.render(lines)
         _family(lines, "tokenwire_requests_total", "counter", "Finished requests by outcome.",
                 [(f'{{outcome="{o}"}}', n) for o, n in self.requests.items()])
+        _family(lines, "tokenwire_connections_closed_total", "counter",
+                "Connections ended, by why: the peer, a deadline, a limit (GOAWAY ENHANCE_YOUR_CALM), an error.",
+                [(f'{{reason="{c}"}}', n) for c, n in self.connections_closed.items()])
         _family(lines, "tokenwire_streamed_tokens_total", "counter",
                 "Tokens written to clients.", [("", self.streamed_tokens)])
         s = stats or EngineStats(0, 0, 0, 0, 0, 0, 0, 0, False)

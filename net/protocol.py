@@ -1,11 +1,24 @@
 """The asyncio Protocol shell: one per connection, thin on purpose.
 
 It picks the session (TLS ALPN `h2` -> HTTP/2, `http/1.1` -> HTTP/1.1; otherwise the first
-bytes: the HTTP/2 preface -> HTTP/2 with prior knowledge; anything else -> HTTP/1.1, which
-may upgrade to h2c), moves bytes between the transport and the session, hands the
-session's events to the app, and honours transport back-pressure: while the transport is
-paused, output stays in the session and leaves on `resume_writing`. It runs unchanged on
-uvloop and on asyncio.
+bytes: `PRI ` -> HTTP/2 with prior knowledge, whose session answers a preface that is not
+exactly right with GOAWAY PROTOCOL_ERROR; anything else -> HTTP/1.1, which may upgrade to
+h2c), moves bytes between the transport and the session, hands the session's events to the
+app, and honours transport back-pressure: while the transport is paused, output is held
+here and leaves on `resume_writing`.
+
+It also keeps the connection's deadlines and memory caps (`Limits`), checked by the app's
+periodic sweep (`check_deadlines`) and on every flush:
+- handshake: connect to the first complete request within `handshake_timeout_s`;
+- idle: no request in flight for `idle_timeout_s`; only events (a request, a reset) count
+  as activity, never bytes, so a trickle of bytes refreshes neither deadline;
+- write: a paused transport, or a stream's queued response, that makes no progress for
+  `write_timeout_s` ends the connection, or resets that stream (its request is cancelled);
+- unsent output (held here + queued in the session's streams) above `max_unsent_bytes`,
+  or more than `max_queued_control_frames` control frames owed while the peer does not
+  read, end the connection with GOAWAY ENHANCE_YOUR_CALM.
+Why the connection ended is `close_cause`, counted by the app when it is lost.
+It runs unchanged on uvloop and on asyncio.
 """
 
 import asyncio
@@ -15,12 +28,13 @@ import time
 
 import h2.exceptions
 
-from .events import Limits, UpgradeRequested
+from .events import BodyTooLarge, ConnectionClosed, Limits, Request, UpgradeRequested
 from .http1 import H1Session
 from .http2 import H2Session
 from .outbox import Outbox
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+PRI = b"PRI "       # how the HTTP/2 preface starts: no HTTP/1.1 method is spelled so
 LINGER_S = 2.0      # after our FIN, how long to keep reading what the peer still sends
 
 
@@ -35,7 +49,14 @@ class ServerProtocol(asyncio.Protocol):
         self.outbox = Outbox(self)      # the per-step writer's side of this connection (outbox.py)
         self.paused = False
         self.closing = False
-        self.last_active = time.monotonic()
+        self.connected_at = self.last_active = time.monotonic()
+        self.served_any = False         # a complete request arrived: the handshake deadline is met
+        self.paused_at = 0.0            # monotonic s when the transport paused
+        self.close_cause = None         # why we end it (flood.CLOSE_CAUSES); None: the peer did
+        self.num_held_bytes = 0         # output held while the transport is paused
+        self._held: list[bytes] = []
+        self._control_at_pause = 0      # session.num_control_frames when the transport paused
+        self._shutdown_at = 0.0         # when the idle deadline began a graceful close
         self._sniffed = b""
         self._linger = None
 
@@ -57,13 +78,13 @@ class ServerProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closing:
             return              # lingering after our FIN: read and drop (see close)
-        self.last_active = time.monotonic()
         if self.session is None:
             data = self._sniff(data)
             if self.session is None:
                 return
         events = self.session.receive_data(data)
         if events:
+            self.last_active = time.monotonic()     # events, not bytes, are activity
             self._dispatch(events)
         self.flush()
 
@@ -78,22 +99,38 @@ class ServerProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.paused = True
+        self.paused_at = time.monotonic()
+        if self.session is not None:
+            self._control_at_pause = self.session.num_control_frames
 
     def resume_writing(self) -> None:
         self.paused = False
+        if self._held and not self.closing:
+            data = b"".join(self._held)
+            self._held.clear()
+            self.num_held_bytes = 0
+            self.transport.write(data)
         self.flush()
 
     # ------------------------------------------------------------- app side
 
     def flush(self) -> None:
         """Write what the session produced in one transport write (hot path: once per step)."""
-        if self.paused or self.closing:
+        if self.closing:
             return
         session = self.session
         data = session.data_to_send()
+        if self.paused:
+            if data:
+                self._held.append(data)
+                self.num_held_bytes += len(data)
+            self._check_backlog()
+            return
         if data:
             self.transport.write(data)
-        if session.wants_close:
+        if session.num_pending_bytes > self.limits.max_unsent_bytes:
+            self._check_backlog()
+        elif session.wants_close:
             self.close()
         elif session.wants_poll:
             events = session.poll_events()
@@ -108,12 +145,86 @@ class ServerProtocol(asyncio.Protocol):
         if self.closing:
             return
         self.closing = True
+        self._close_transport()
+
+    def _close_transport(self) -> None:
         transport = self.transport
+        if self.paused:         # the peer does not read: nothing more can reach it, drop what it owes
+            transport.abort()
+            return
         if transport.can_write_eof():
             transport.write_eof()
-            self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+            self._linger = asyncio.get_running_loop().call_later(LINGER_S, self._end_linger)
         else:
             transport.close()
+
+    def _end_linger(self) -> None:
+        if self.paused:
+            self.transport.abort()      # still not reading: what it owes is dropped
+        else:
+            self.transport.close()
+
+    def end(self, cause: str, message: str, calm: bool = True) -> None:
+        """End the connection for one of its limits: HTTP/2 GOAWAY (ENHANCE_YOUR_CALM for an
+        abuse, else NO_ERROR), every request on it cancelled, then close."""
+        if self.closing:
+            return
+        self.close_cause = cause
+        self.closing = True             # nothing more is written or read from here on
+        session = self.session
+        if session is not None:
+            events = session.end_connection(cause, message, calm)
+            data = session.data_to_send()
+            if data and not self.paused:
+                self.transport.write(data)
+            if events:
+                self.app.connection_ended(self)
+        self._held.clear()
+        self.num_held_bytes = 0
+        self._close_transport()
+
+    def check_deadlines(self, now: float) -> list:
+        """The sweep (app.sweep, a few times per shortest deadline): end or reset what is past
+        its deadline; -> stream ids reset for the write timeout (the app cancels them)."""
+        if self.closing:
+            return []
+        limits = self.limits
+        if not self.served_any and now - self.connected_at > limits.handshake_timeout_s:
+            self.end("handshake_timeout", f"no complete request within {limits.handshake_timeout_s:g} s", calm=False)
+            return []
+        if self.paused and now - self.paused_at > limits.write_timeout_s:
+            self.end("write_timeout", f"the peer read nothing for {limits.write_timeout_s:g} s")
+            return []
+        expired = []
+        if self.session is not None and self.session.num_pending_bytes:
+            expired = self.session.expire_stalled(time.monotonic_ns() - int(limits.write_timeout_s * 1e9))
+            if expired:
+                self.flush()
+        if self.outbox.streams:
+            self.last_active = now
+        elif now - self.last_active > limits.idle_timeout_s:
+            self._close_idle(now)
+        return expired
+
+    def _close_idle(self, now: float) -> None:
+        """Idle: GOAWAY and close once the streams are done; one handshake deadline later
+        (a stream whose request never completes), closed anyway."""
+        if not self._shutdown_at:
+            self._shutdown_at = now
+            self.close_cause = self.close_cause or "idle"
+            self.begin_shutdown()
+        elif now - self._shutdown_at > self.limits.handshake_timeout_s:
+            self.end("idle", f"idle for {self.limits.idle_timeout_s:g} s", calm=False)
+
+    def _check_backlog(self) -> None:
+        """Unsent output and owed control frames within their caps, else the connection ends."""
+        session, limits = self.session, self.limits
+        unsent = self.num_held_bytes + session.num_pending_bytes
+        if unsent > limits.max_unsent_bytes:
+            self.end("unsent_bytes", f"{unsent} bytes unsent, over the limit of {limits.max_unsent_bytes}")
+        elif self.paused and session.num_control_frames - self._control_at_pause > limits.max_queued_control_frames:
+            self.end("control_frame_backlog", f"more than {limits.max_queued_control_frames} control frames "
+                     "queued for a peer that does not read")
 
     def begin_shutdown(self) -> None:
         """Graceful: GOAWAY / Connection: close; the connection closes once its streams finish."""
@@ -130,19 +241,28 @@ class ServerProtocol(asyncio.Protocol):
     # -------------------------------------------------------------- internal
 
     def _sniff(self, data: bytes) -> bytes:
-        """Choose HTTP/2 (prior knowledge) or HTTP/1.1 from the first bytes."""
+        """Choose HTTP/2 (prior knowledge) or HTTP/1.1 from the first bytes. A session is made
+        only once the bytes decide (the whole preface, or where they leave it), so a client
+        trickling the preface costs a buffer of at most 23 bytes, no session. Bytes that start
+        `PRI ` and then leave the preface go to HTTP/2 too: its session answers them with
+        GOAWAY PROTOCOL_ERROR."""
         buf = self._sniffed + data
         n = min(len(buf), len(PREFACE))
         if n < len(PREFACE) and buf[:n] == PREFACE[:n]:
             self._sniffed = buf
             return b""
         self._sniffed = b""
-        self.session = H2Session(self.limits) if buf[:n] == PREFACE else H1Session(self.limits)
+        self.session = H2Session(self.limits) if buf[:len(PRI)] == PRI else H1Session(self.limits)
         return buf
 
     def _dispatch(self, events: list) -> None:
-        if type(events[-1]) is UpgradeRequested:     # h11 pauses after an upgrade offer: always last
+        last = type(events[-1])
+        if last is UpgradeRequested:     # h11 pauses after an upgrade offer: always last
             events = events[:-1] + self._upgrade(events[-1])
+        elif last is ConnectionClosed and self.close_cause is None:
+            self.close_cause = events[-1].cause
+        if not self.served_any:
+            self.served_any = any(type(ev) is Request or type(ev) is BodyTooLarge for ev in events)
         self.app.on_events(self, events)
 
     def _upgrade(self, offer: UpgradeRequested) -> list:

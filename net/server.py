@@ -286,7 +286,9 @@ class Server:
             self.app.trace.close()
 
     def _sweep_interval(self) -> float:
-        return max(0.05, min(self.limits.idle_timeout_s / 4, 5.0))
+        limits = self.limits
+        shortest = min(limits.idle_timeout_s, limits.handshake_timeout_s, limits.write_timeout_s)
+        return max(0.05, min(shortest / 4, 5.0))
 
     def _log_engine(self) -> None:
         if self.engine is not None:
@@ -295,7 +297,7 @@ class Server:
             self._engine_log_timer = self.loop.call_later(self.engine_log_interval_s, self._log_engine)
 
     def _sweep(self) -> None:
-        self.app.close_idle(self.limits.idle_timeout_s)
+        self.app.sweep()
         self.app.grpc.notify_watchers()
         if not self._stop.is_set():
             self.loop.call_later(self._sweep_interval(), self._sweep)

@@ -414,17 +414,40 @@ def h1_request(body=b"{}", extra=b""):
 
 
 def test_h1_request_and_chunked_stream_with_trailers():
+    """Trailers only for a client that said `TE: trailers`, announced with `Trailer:`."""
     s = H1Session(Limits())
-    (ev,) = s.receive_data(h1_request(b'{"a":1}'))
+    (ev,) = s.receive_data(h1_request(b'{"a":1}', b"TE: trailers\r\n"))
     assert (type(ev), ev.stream_id, ev.method, ev.target, ev.body) == (Request, 1, "POST", "/v1/completions", b'{"a":1}')
     s.start_response(1, 200, [(b"content-type", b"text/event-stream")])
     s.send_data(1, b"data: x\n\n")
     s.send_data(1, b"")                      # an empty chunk would end the body: nothing is written
     s.end_response(1, [(b"server-timing", b"total;dur=1")])
     raw = s.data_to_send()
-    assert raw.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert raw.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                          b"trailer: server-timing, tokenwire-cached-tokens\r\n"
+                          b"Transfer-Encoding: chunked\r\n\r\n")
     assert raw.endswith(b"9\r\ndata: x\n\n\r\n0\r\nserver-timing: total;dur=1\r\n\r\n")
     assert not s.wants_close
+
+
+def test_h1_no_trailers_without_te_trailers():
+    s = H1Session(Limits())
+    s.receive_data(h1_request(b'{"a":1}'))
+    s.start_response(1, 200, [(b"content-type", b"text/event-stream")])
+    s.send_data(1, b"data: x\n\n")
+    s.end_response(1, [(b"server-timing", b"total;dur=1")])
+    raw = s.data_to_send()
+    assert b"trailer" not in raw.lower().split(b"\r\n\r\n")[0]
+    assert raw.endswith(b"9\r\ndata: x\n\n\r\n0\r\n\r\n")
+
+
+def test_h1_head_gets_headers_and_the_content_length_only():
+    s = H1Session(Limits())
+    (ev,) = s.receive_data(b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert ev.method == "HEAD"
+    s.respond(1, 405, [(b"allow", b"GET, HEAD")], b'{"error": "x"}')
+    raw = s.data_to_send()
+    assert raw.endswith(b"content-length: 14\r\n\r\n") and not s.wants_close
 
 
 def test_h1_pipelined_requests_served_in_order():

@@ -29,6 +29,9 @@ BENCHES = {
     "prefix": ("tokenwire.bench.prefix", "prefix cache on against off: shared system prompt TTFT, multi-turn prefill"),
     "response-cache": ("tokenwire.bench.response_cache", "TTFT of a response-cache answer against the mock engine's"),
     "deploy": ("tokenwire.bench.deploy", "the binary against the pip install; HAProxy against one replica"),
+    "abuse": ("tokenwire.bench.abuse", "floods, slow clients and oversized requests against a server, "
+                                       "a legitimate client beside them"),
+    "soak": ("tokenwire.bench.soak", "10k cancelled requests and a 100k-request h2load run; the engine must end clean"),
 }
 
 

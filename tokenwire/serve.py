@@ -26,6 +26,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -65,6 +72,7 @@ def _non_negative_int(text: str) -> int:
 
 _non_negative_int.__name__ = "non-negative integer"
 _positive_int.__name__ = "positive integer"     # argparse names the type in its error message
+_positive_float.__name__ = "positive number"
 _port.__name__ = "port (0-65535)"
 _non_negative_float.__name__ = "non-negative number"
 byte_size.__name__ = "size (bytes, or with a unit: 512MiB, 2GB, 1g)"
@@ -123,6 +131,30 @@ def add_arguments(parser) -> None:
                         help="largest request header block in bytes (default: %(default)s)")
     parser.add_argument("--idle-timeout", type=_non_negative_float, default=d.idle_timeout_s, metavar="SECONDS",
                         help="close connections idle this long (default: %(default)s)")
+    parser.add_argument("--handshake-timeout", type=_positive_float, default=d.handshake_timeout_s, metavar="SECONDS",
+                        help="connect to first complete request (HTTP/2 preface included), else closed; "
+                             "trickled bytes do not extend it (default: %(default)s)")
+    parser.add_argument("--write-timeout", type=_positive_float, default=d.write_timeout_s, metavar="SECONDS",
+                        help="output that makes no progress this long: the stream is reset and its request "
+                             "cancelled, or a connection that reads nothing is closed (default: %(default)s)")
+    parser.add_argument("--max-unsent-bytes", type=_positive_int, default=d.max_unsent_bytes,
+                        help="response bytes a connection may leave unread (windows + socket) before it "
+                             "is closed, GOAWAY ENHANCE_YOUR_CALM (default: %(default)s)")
+    parser.add_argument("--max-resets-per-s", type=_positive_float, default=d.max_resets_per_s, metavar="N",
+                        help="HTTP/2 streams a client may reset before their response starts (or make us "
+                             "reset), per second: the rapid-reset budget (default: %(default)s)")
+    parser.add_argument("--max-settings-per-s", type=_positive_float, default=d.max_settings_per_s, metavar="N",
+                        help="HTTP/2 SETTINGS frames per second (default: %(default)s)")
+    parser.add_argument("--max-pings-per-s", type=_positive_float, default=d.max_pings_per_s, metavar="N",
+                        help="HTTP/2 PING frames per second (default: %(default)s)")
+    parser.add_argument("--max-window-updates-per-s", type=_positive_float, default=d.max_window_updates_per_s,
+                        metavar="N", help="HTTP/2 WINDOW_UPDATE frames per second (default: %(default)s)")
+    parser.add_argument("--max-empty-frames-per-s", type=_positive_float, default=d.max_empty_frames_per_s,
+                        metavar="N", help="HTTP/2 frames that do nothing (empty DATA/HEADERS/CONTINUATION, "
+                                          "PRIORITY, unknown types) per second (default: %(default)s)")
+    parser.add_argument("--max-queued-control-frames", type=_positive_int, default=d.max_queued_control_frames,
+                        help="HTTP/2 control frames (ACKs, RST_STREAM) owed to a client that does not read "
+                             "(default: %(default)s)")
     parser.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"),
                         help="event loop (default: %(default)s)")
     parser.add_argument("--busy-poll-us", type=_non_negative_float, default=BUSY_POLL_US, metavar="US",
@@ -139,7 +171,13 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         limits = Limits(max_body_bytes=args.max_body_bytes, max_concurrent_streams=args.max_concurrent_streams,
-                        max_header_list_size=args.max_header_list_size, idle_timeout_s=args.idle_timeout)
+                        max_header_list_size=args.max_header_list_size, idle_timeout_s=args.idle_timeout,
+                        handshake_timeout_s=args.handshake_timeout, write_timeout_s=args.write_timeout,
+                        max_unsent_bytes=args.max_unsent_bytes, max_resets_per_s=args.max_resets_per_s,
+                        max_settings_per_s=args.max_settings_per_s, max_pings_per_s=args.max_pings_per_s,
+                        max_window_updates_per_s=args.max_window_updates_per_s,
+                        max_empty_frames_per_s=args.max_empty_frames_per_s,
+                        max_queued_control_frames=args.max_queued_control_frames)
         server = Server(args.model, backend=args.backend, served_model_name=args.served_model_name,
                         chat_template=args.chat_template, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -31,6 +31,7 @@ class RawH2:
         self.ended: set[int] = set()
         self.resets: dict[int, int] = {}
         self.status: dict[int, bytes] = {}
+        self.headers: dict[int, list] = {}
         self.trailers: dict[int, list] = {}
         self.goaway = None
 
@@ -69,6 +70,7 @@ class RawH2:
                     self.conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
             elif isinstance(ev, h2.events.ResponseReceived):
                 self.status[ev.stream_id] = dict(ev.headers)[b":status"]
+                self.headers[ev.stream_id] = ev.headers
             elif isinstance(ev, h2.events.TrailersReceived):
                 self.trailers[ev.stream_id] = ev.headers
             elif isinstance(ev, h2.events.StreamEnded):
