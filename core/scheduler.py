@@ -232,7 +232,7 @@ class Scheduler:
         self.num_samples += sample
         scheduled.append(req)
         seqs.append(SeqStep(req.request_id, req.tokens(start, end), start, req.block_table, sample,
-                            req.params, req.seed, req.prompt_token_ids, req.output_token_ids))
+                            req.params, req.seed, req.prompt_token_ids, req.output_token_ids, req.constraint))
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the request's cache, send it back to the waiting heap."""
@@ -318,6 +318,8 @@ class Scheduler:
                 text = stream.push(token_id)
                 finish = FINISH_STOP if stream.stopped else \
                     FINISH_LENGTH if num_output >= req.max_output_tokens else None
+                if req.constraint is not None and finish is None:
+                    finish = self._advance_constraint(req, token_id)
             if finish is not None:
                 text += req.text_stream.finish()
                 self._finish(req, RequestState.FINISHED, finish, now_ns)
@@ -329,6 +331,15 @@ class Scheduler:
                 continue
             append(_new_tuple(RequestOutput, (req.request_id, token_ids, text, None, finish, req.num_prompt_tokens,
                                               num_output, now_ns, None, req.num_cached_tokens)))
+
+    @staticmethod
+    def _advance_constraint(req: Request, token_id: int) -> Optional[str]:
+        """The grammar takes the token (the sampler's mask allowed only tokens it takes); once
+        nothing but EOS can follow, the output is complete: stop now rather than a step later."""
+        if not req.constraint.accept(token_id):
+            raise RuntimeError(f"request {req.request_id}: token {token_id} breaks its grammar "
+                               "(the sampler must mask constrained rows)")
+        return FINISH_STOP if req.constraint.is_finished() else None
 
     @staticmethod
     def _attach_logprobs(outputs: list, logprobs) -> None:

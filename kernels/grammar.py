@@ -1,0 +1,150 @@
+"""Grammars as token masks, on llguidance: compile a `ConstraintSpec`, make each request's
+`TokenConstraint`, fill a step's bitmask for every constrained row at once, apply it.
+
+Why llguidance (bench/grammar_engines.py, figures in docs/ARCHITECTURE.md): it installs
+with no dependency (xgrammar needs torch and triton), compiles a JSON schema lazily in
+milliseconds (outlines-core builds the whole token-level automaton first: ~0.15 s at a
+781-token vocabulary, far more at 150k), and fills a mask in tens of microseconds.
+
+Contract:
+- `GrammarCompiler(tokenizer, vocab_size, eos_token_ids)` for one model;
+  `compile(spec) -> CompiledGrammar` (thread-safe, cached by spec; raises
+  `core.constraint.InvalidConstraint` naming the problem). net/ calls it off the event
+  loop, before the request is queued. `CompiledGrammar.constraint()` makes one request's
+  `GrammarConstraint` (core/constraint.py's `TokenConstraint`).
+- `mask_logits(logits, rows, constraints)`: kernels/sampling.py's one call per step with
+  constrained rows: fills int32 `[k, ceil(V / 32)]` (bit j of word w allows token 32 w + j)
+  in parallel and sets every disallowed logit of those rows to -inf, in place.
+"""
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import NamedTuple, Sequence
+
+import llguidance
+import llguidance.numpy as llg_np
+import numpy as np
+
+from ..core.constraint import ConstraintSpec, InvalidConstraint
+
+CACHE_SIZE = 256                        # compiled grammars kept per model
+NEG_INF = np.float32(-np.inf)
+_EXECUTOR = llguidance.LLExecutor()     # llguidance's own thread pool for batch mask fills
+JSON_OPTIONS = {"whitespace_flexible": False}   # compact JSON: a model cannot pad it with endless spaces
+
+
+class CompiledGrammar(NamedTuple):
+    tokenizer: object                   # llguidance.LLTokenizer
+    grammar: str                        # llguidance's grammar text, validated
+    compile_ns: int                     # what compiling it cost (0 when it came from the cache)
+
+    def constraint(self) -> "GrammarConstraint":
+        return GrammarConstraint(llguidance.LLMatcher(self.tokenizer, self.grammar))
+
+
+class GrammarConstraint:
+    """One request's matcher (a `TokenConstraint`); advanced on the engine thread."""
+    __slots__ = ("matcher", "mask_ns")
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.mask_ns = 0                # mask filling charged to this request
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.consume_token(token_id)
+
+    def is_finished(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Specs -> compiled grammars for one model's tokenizer (cached by spec, thread-safe)."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
+                                                eos_token=list(eos_token_ids))
+        self._cache = OrderedDict()     # ConstraintSpec -> CompiledGrammar
+        self._lock = threading.Lock()
+
+    def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit._replace(compile_ns=0)
+        t0 = time.perf_counter_ns()
+        grammar = grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise InvalidConstraint(f"invalid {spec.kind.replace('_', ' ')}: {error.strip()}")
+        compiled = CompiledGrammar(self.tokenizer, grammar, 0)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar)     # the lazy parts, built once here
+        if matcher.is_error():
+            raise InvalidConstraint(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error()}")
+        compiled = compiled._replace(compile_ns=time.perf_counter_ns() - t0)
+        with self._lock:
+            self._cache[spec] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+
+def grammar_text(spec: ConstraintSpec) -> str:
+    """A spec -> llguidance's grammar text (its own compile errors become InvalidConstraint)."""
+    try:
+        if spec.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+        if spec.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
+        if spec.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec.source)
+        if spec.kind == "choice":
+            choices = json.loads(spec.source)
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        if spec.kind == "grammar":
+            return llguidance.grammar_from("grammar", spec.source)
+    except ValueError as exc:
+        raise InvalidConstraint(f"invalid {spec.kind.replace('_', ' ')}: {exc}") from None
+    raise InvalidConstraint(f"unknown constraint kind {spec.kind!r}")
+
+
+class MaskBuffer:
+    """The step's bitmask, int32 [rows, ceil(V / 32)], grown on demand and reused."""
+
+    def __init__(self):
+        self.bitmask = np.empty((0, 0), dtype=np.int32)
+
+    def rows(self, num_rows: int, vocab_size: int) -> np.ndarray:
+        words = (vocab_size + 31) // 32
+        if self.bitmask.shape[0] < num_rows or self.bitmask.shape[1] != words:
+            self.bitmask = np.empty((max(num_rows, 2 * self.bitmask.shape[0]), words), dtype=np.int32)
+        return self.bitmask[:num_rows]
+
+
+_MASKS = threading.local()              # one buffer per sampling thread (the engine thread)
+
+
+def mask_logits(logits: np.ndarray, rows: Sequence[int], constraints: Sequence[GrammarConstraint]) -> None:
+    """float32 [S, V], in place: rows[k]'s disallowed tokens -> -inf (hot path: once per step
+    with constrained rows). Each constraint is charged an equal share of the step's mask time."""
+    t0 = time.perf_counter_ns()
+    buffer = getattr(_MASKS, "buffer", None) or _new_buffer()
+    vocab_size = logits.shape[1]
+    bitmask = buffer.rows(len(rows), vocab_size)                                       # [k, W]
+    if len(rows) == 1:
+        llg_np.fill_next_token_bitmask(constraints[0].matcher, bitmask, 0)
+    else:
+        llg_np.fill_next_token_bitmask_par(_EXECUTOR, [(c.matcher, k) for k, c in enumerate(constraints)], bitmask)
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")   # [k, V] uint8
+    for k, i in enumerate(rows):
+        np.copyto(logits[i], NEG_INF, where=allowed[k] == 0)
+    share = (time.perf_counter_ns() - t0) // len(rows)
+    for c in constraints:
+        c.mask_ns += share
+
+
+def _new_buffer() -> MaskBuffer:
+    _MASKS.buffer = MaskBuffer()
+    return _MASKS.buffer
