@@ -6,8 +6,9 @@ library's sources, cached under ~/.cache/tokenwire/bench; nothing downloads), it
 - compile: JSON schema -> a matcher with its first token mask ready (nothing cached);
 - mask: the per-step token-mask fill, median over a walk that samples, seeded, one allowed
   token per step until the grammar ends (or `--steps`).
-xgrammar imports torch (it needs torch and triton at install), so it is timed here only,
-never in the serving path. Figures on a shared machine are noisy: medians of repetitions.
+llguidance is a dependency; outlines-core and xgrammar are imported only when timed (not
+installed: skipped). xgrammar imports torch (it needs torch and triton at install), so it
+is timed here only, never in the serving path. Figures on a shared machine are noisy: medians of repetitions.
 """
 
 import argparse
@@ -17,6 +18,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+import llguidance
+import llguidance.numpy as lnp
 import numpy as np
 import tokenizers
 
@@ -100,8 +103,6 @@ def bits(bitmask: np.ndarray) -> np.ndarray:
 
 
 def run_llguidance(tok, eos: int, steps: int, seed: int):
-    import llguidance
-    import llguidance.numpy as lnp
     t0 = time.perf_counter_ns()
     lt = llguidance.LLTokenizer(tok.to_str(), n_vocab=tok.get_vocab_size(), eos_token=eos)
     tokenizer_ns = time.perf_counter_ns() - t0

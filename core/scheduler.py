@@ -355,6 +355,8 @@ class Scheduler:
         self._release(req, cache=state is not RequestState.FAILED)
         if req.followers:
             self._release_followers(req)
+        if req.constraint is not None:
+            req.timeline.mask_ns = req.constraint.mask_ns
         req.finish_reason = reason
         req.error = error
         req.timeline.finished_ns = now_ns

@@ -68,12 +68,19 @@ class GrammarCompiler:
         self._cache = OrderedDict()     # ConstraintSpec -> CompiledGrammar
         self._lock = threading.Lock()
 
-    def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
+    def cached(self, spec: ConstraintSpec):
+        """The compiled grammar if `spec` was compiled before (cheap: the event loop asks), else None."""
         with self._lock:
             hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                return hit._replace(compile_ns=0)
+            if hit is None:
+                return None
+            self._cache.move_to_end(spec)
+            return hit._replace(compile_ns=0)
+
+    def compile(self, spec: ConstraintSpec) -> CompiledGrammar:
+        hit = self.cached(spec)
+        if hit is not None:
+            return hit
         t0 = time.perf_counter_ns()
         grammar = grammar_text(spec)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)

@@ -64,6 +64,13 @@ def timings_us(t: Timeline, end_ns: int) -> dict:
             "total_us": round((end_ns - arrived) / 1000, 1) if arrived and end_ns else 0.0}
 
 
+def grammar_timings_us(t: Timeline, num_output: int) -> dict:
+    """A constrained request's grammar costs: compiling it (0 when it was cached) and filling
+    its token masks, per generated token."""
+    return {"grammar_compile_us": round(t.grammar_compile_ns / 1000, 1),
+            "mask_us_per_token": round(t.mask_ns / 1000 / max(1, num_output), 2)}
+
+
 def server_timing(timings: dict) -> bytes:
     """`Server-Timing` value (durations in milliseconds, as the header's spec wants)."""
     return _SERVER_TIMING % tuple([us / 1000 for us in timings.values()])
