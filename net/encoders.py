@@ -251,6 +251,27 @@ class ChatSse(_Sse):
         return b',"choices":[{"index":%d,"delta":' % self._index + delta + b',"logprobs":null,"finish_reason":'
 
 
+class ChatToolArgumentsSse(ChatSse):
+    """Chat chunks for `tool_choice` naming a function: the generated text is that call's
+    arguments, streamed as OpenAI `tool_calls` deltas (the first carries the call's id and
+    name), and a completion the grammar ended finishes with "tool_calls"."""
+    __slots__ = ()
+
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
+                 token_text: Callable[[int], str], call_id: str, name: str):
+        super().__init__(request_id, created, model, include_usage, token_text)
+        start = self._head + b',"choices":[{"index":0,"delta":{'
+        self._prefix = start + b'"tool_calls":[{"index":0,"function":{"arguments":'
+        self._first_prefix = (start + b'"role":"assistant","content":null,"tool_calls":[{"index":0,"id":'
+                              + orjson.dumps(call_id) + b',"type":"function","function":{"name":'
+                              + orjson.dumps(name) + b',"arguments":')
+        self._lp_mid = b'}}]},"logprobs":'
+        self._null_tail = b"}}]" + self._null_tail
+
+    def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
+        return super().finish(out, "tool_calls" if finish_reason == "stop" else finish_reason, use, timings, error)
+
+
 def chat_logprobs(token_ids, logprobs, token_text: Callable[[int], str]) -> list:
     def entry(tid, value):
         s = token_text(tid)

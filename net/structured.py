@@ -228,9 +228,12 @@ def _json_object(text: str):
     return value if isinstance(value, dict) else None
 
 
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
 def _call(name: str, arguments: str) -> dict:
-    return {"id": "call_" + secrets.token_hex(12), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def tool_response_chunks(fields: dict, content, calls: list, finish_reason: str, use: dict | None,

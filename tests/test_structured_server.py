@@ -14,6 +14,8 @@ import pydantic
 import pytest
 
 import tokenwire
+from tokenwire.net.chat_template import ChatTemplate
+from tokenwire.net.structured import ToolPlan, tool_calls, tool_family
 
 
 class Weather(pydantic.BaseModel):
@@ -149,7 +151,36 @@ def test_tool_round_trip(client, streamed):
 
 
 def test_named_tool_choice(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, seed=9, max_tokens=100,
-                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+                                       tool_choice=named)
     call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls"
     assert call.function.name == "get_time" and re.fullmatch("[A-Z]{3}", json.loads(call.function.arguments)["zone"])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, seed=9,
+                                                 max_tokens=100, tool_choice=named, stream=True))
+    deltas = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) > 3 and deltas[0].id and deltas[0].function.name == "get_time"   # token by token
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments     # same seed, same call
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_parses_hermes_and_llama3_markup():
+    plan = ToolPlan("auto", ("get_weather",), "hermes")
+    content, calls = tool_calls(plan, 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                      '</tool_call>')
+    assert content == "Sure." and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city":"Oslo"}'}
+    assert tool_calls(plan, "no call here") == ("no call here", [])
+    plan = ToolPlan("auto", ("get_weather", "get_time"), "llama3")
+    content, calls = tool_calls(plan, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                                      '{"name": "get_time", "parameters": {"zone": "CET"}}')
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"zone": "CET"}
+    assert tool_family("{% if tools %}<tool_call>{% endif %}") == "hermes"
+    assert tool_family("<|start_header_id|>ipython<|end_header_id|>") == "llama3"
+
+
+def test_tools_reach_the_chat_template():
+    template = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                            "{% for m in messages %}{{ m.role }}:{{ m.content }}{% endfor %}")
+    assert template.render([{"role": "user", "content": "hi"}], tools=TOOLS) == "[get_weather][get_time]user:hi"
