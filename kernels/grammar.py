@@ -30,6 +30,9 @@ import numpy as np
 from ..core.constraint import ConstraintSpec, InvalidConstraint
 
 CACHE_SIZE = 256                        # compiled grammars kept per model
+SPARSE_WORDS_DIVISOR = 64              # sparse masking while at most 1 word in 64 has a set bit
+PARALLEL_FILL_MIN_ROWS = 16             # fewer rows: one by one (llguidance's pool costs more than it saves;
+                                        # 64 rows at 150k on the shared 2-core machine: pool 7 ms, serial 0.7 ms)
 NEG_INF = np.float32(-np.inf)
 _EXECUTOR = llguidance.LLExecutor()     # llguidance's own thread pool for batch mask fills
 JSON_OPTIONS = {"whitespace_flexible": False}   # compact JSON: a model cannot pad it with endless spaces
@@ -152,16 +155,41 @@ def mask_logits(logits: np.ndarray, rows: Sequence[int], constraints: Sequence[G
     buffer = getattr(_MASKS, "buffer", None) or _new_buffer()
     vocab_size = logits.shape[1]
     bitmask = buffer.rows(len(rows), vocab_size)                                       # [k, W]
-    if len(rows) == 1:
-        llg_np.fill_next_token_bitmask(constraints[0].matcher, bitmask, 0)
+    if len(rows) < PARALLEL_FILL_MIN_ROWS:
+        for k, c in enumerate(constraints):
+            llg_np.fill_next_token_bitmask(c.matcher, bitmask, k)
     else:
         llg_np.fill_next_token_bitmask_par(_EXECUTOR, [(c.matcher, k) for k, c in enumerate(constraints)], bitmask)
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")   # [k, V] uint8
-    for k, i in enumerate(rows):
-        np.copyto(logits[i], NEG_INF, where=allowed[k] == 0)
+    apply_bitmask(logits, rows, bitmask)
     share = (time.perf_counter_ns() - t0) // len(rows)
     for c in constraints:
         c.mask_ns += share
+
+
+def apply_bitmask(logits: np.ndarray, rows: Sequence[int], bitmask: np.ndarray) -> None:
+    """logits float32 [S, V], bitmask int32 [k, W] for `rows`: every token whose bit is clear
+    -> -inf, in place. A grammar allows few tokens at most steps: then only the set bits are
+    expanded, the allowed logits kept aside, the rows filled with -inf, and the kept put back
+    (16 rows at V = 150k, 0.01% allowed: ~30x cheaper than the dense way). When many words
+    have a bit set (inside a free string), the dense way: every bit unpacked, a masked copy
+    per row (at 10% allowed it is ~4x cheaper than the sparse way)."""
+    vocab_size = logits.shape[1]
+    hit_rows, hit_words = np.nonzero(bitmask)                                          # [n] words with a set bit
+    if len(hit_rows) * SPARSE_WORDS_DIVISOR > bitmask.size:
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_size, bitorder="little")  # [k, V]
+        for k, i in enumerate(rows):
+            np.copyto(logits[i], NEG_INF, where=allowed[k] == 0)
+        return
+    bits = np.unpackbits(bitmask[hit_rows, hit_words].view(np.uint8).reshape(-1, 4), axis=1,
+                         bitorder="little")                                           # [n, 32]
+    word_k, bit = np.nonzero(bits)
+    token = hit_words[word_k] * 32 + bit                                               # allowed ids
+    row = np.asarray(rows, dtype=np.intp)[hit_rows[word_k]]
+    inside = token < vocab_size
+    row, token = row[inside], token[inside]
+    kept = logits[row, token]
+    logits[rows] = NEG_INF
+    logits[row, token] = kept
 
 
 def _new_buffer() -> MaskBuffer:

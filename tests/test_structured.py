@@ -15,6 +15,7 @@ from tokenwire.core.executor import SeqStep
 from tokenwire.core.options import EngineOptions
 from tokenwire.core.outputs import Timeline
 from tokenwire.core.sampling_params import SamplingParams
+from tokenwire.kernels.grammar import apply_bitmask
 from tokenwire.kernels.sampling import sample, sample_reference
 from tokenwire.net.structured import schema_spec
 from tokenwire.runtime import build_engine
@@ -132,3 +133,19 @@ def test_mask_is_applied_alike_by_fast_path_and_reference(built):
     assert fast == ref
     for i in range(0, 8, 2):
         assert card.tokenizer.id_to_token(fast[i]) == "{"      # the only token a JSON object starts with here
+
+
+def test_apply_bitmask_keeps_exactly_the_allowed_tokens():
+    rng = np.random.default_rng(1)
+    for vocab_size, density in ((781, 0.01), (781, 0.9), (1000, 0.0), (150_000, 0.0001), (150_000, 0.05)):
+        words = (vocab_size + 31) // 32
+        allowed = rng.random((3, words * 32)) < density                                  # [k, 32 W]
+        bitmask = np.packbits(allowed, axis=1, bitorder="little").view(np.int32)          # [k, W]
+        logits = rng.standard_normal((5, vocab_size)).astype(np.float32)
+        rows = [4, 0, 2]
+        got = logits.copy()
+        apply_bitmask(got, rows, bitmask)
+        want = logits.copy()
+        for k, i in enumerate(rows):
+            want[i][~allowed[k, :vocab_size]] = -np.inf
+        np.testing.assert_array_equal(got, want)
