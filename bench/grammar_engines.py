@@ -5,7 +5,9 @@ For each engine (llguidance, outlines-core, xgrammar — those installed) and ea
 library's sources, cached under ~/.cache/tokenwire/bench; nothing downloads), it measures:
 - compile: JSON schema -> a matcher with its first token mask ready (nothing cached);
 - mask: the per-step token-mask fill, median over a walk that samples, seeded, one allowed
-  token per step until the grammar ends (or `--steps`).
+  token per step until the grammar ends (or `--steps`);
+- then tokenwire's own `mask_logits` (fill + -inf, as sampling calls it) with every row's
+  matcher advancing, at batch 1 and 64, for each tokenizer.
 llguidance is a dependency; outlines-core and xgrammar are imported only when timed (not
 installed: skipped). xgrammar imports torch (it needs torch and triton at install), so it
 is timed here only, never in the serving path. Figures on a shared machine are noisy: medians of repetitions.
@@ -23,20 +25,12 @@ import llguidance.numpy as lnp
 import numpy as np
 import tokenizers
 
+from ..kernels.grammar import GrammarCompiler
+from ..net.structured import schema_spec
 from ..runtime import load_model
+from .grammar_stages import SCHEMA, ConstraintWalk, _masker
 from .stats import table
 
-SCHEMA = {
-    "type": "object", "additionalProperties": False, "required": ["id", "user", "tags", "score"],
-    "properties": {
-        "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-        "user": {"type": "object", "additionalProperties": False, "required": ["name", "role"],
-                 "properties": {"name": {"type": "string", "maxLength": 12},
-                                "role": {"enum": ["admin", "editor", "viewer"]}}},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
-        "score": {"type": "integer", "minimum": -50, "maximum": 500},
-    },
-}
 CACHE = Path.home() / ".cache" / "tokenwire" / "bench"
 BIG_VOCAB = 150_000
 
@@ -201,6 +195,28 @@ def run(args) -> int:
             rows.append([tok_name, engine, f"{tokenizer_ms:.1f}", f"{compile_us:.0f}", f"{mask_us:.1f}",
                          str(num_tokens)])
     print(table(["tokenizer", "engine", "tokenizer setup ms", "compile us", "mask us/token (median)", "tokens"], rows))
+    batch_rows = []
+    for tok_name, (tok, eos) in tokenizers_.items():
+        for batch in (1, 64):
+            us = batch_mask_us(tok, eos, batch, args.steps)
+            results.append({"tokenizer": tok_name, "engine": "tokenwire mask_logits", "batch": batch,
+                            "mask_us_per_token": us / batch})
+            batch_rows.append([tok_name, str(batch), f"{us:.0f}", f"{us / batch:.1f}"])
+    print(table(["tokenizer", "batch", "mask_logits + advance us (median)", "per token us"], batch_rows))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def batch_mask_us(tok, eos: int, batch: int, steps: int) -> float:
+    """kernels/grammar.mask_logits in place (fill + apply, as sampling calls it) plus every row's
+    matcher advancing, `batch` rows of the JSON schema: median us per call over `steps` calls."""
+    compiled = GrammarCompiler(tok, tok.get_vocab_size(), [eos]).compile(schema_spec(SCHEMA))
+    logits = np.random.default_rng(0).standard_normal((batch, tok.get_vocab_size()), dtype=np.float32)
+    fn = _masker(logits, ConstraintWalk(compiled, batch))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3

@@ -22,10 +22,21 @@ from ..core.executor import SeqStep
 from ..core.sampling_params import SamplingParams
 from ..kernels.grammar import GrammarCompiler, mask_logits
 from ..net.structured import schema_spec
-from .grammar_engines import SCHEMA
 from .stage_fns import Setup, Stage, _decode_batch
 
 GRAMMAR_STEP_BATCH = 16
+# the JSON schema every grammar row times: nested object, pattern, enum, bounded integer and array
+SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["id", "user", "tags", "score"],
+    "properties": {
+        "id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+        "user": {"type": "object", "additionalProperties": False, "required": ["name", "role"],
+                 "properties": {"name": {"type": "string", "maxLength": 12},
+                                "role": {"enum": ["admin", "editor", "viewer"]}}},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 4},
+        "score": {"type": "integer", "minimum": -50, "maximum": 500},
+    },
+}
 OVERHEAD_PAIRS = 30
 
 
