@@ -48,6 +48,8 @@ _sort_key = attrgetter("sort_key")
 _new_tuple = tuple.__new__          # NamedTuple construction without the Python-level __new__ (hot path)
 
 
+GRAMMAR_BROKEN = "the sampled token breaks the request's grammar (the executor must mask constrained rows)"
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, watermark: float = 0.01):
@@ -322,7 +324,10 @@ class Scheduler:
                     finish = self._advance_constraint(req, token_id)
             if finish is not None:
                 text += req.text_stream.finish()
-                self._finish(req, RequestState.FINISHED, finish, now_ns)
+                if finish is FINISH_ERROR:
+                    self._finish(req, RequestState.FAILED, finish, now_ns, GRAMMAR_BROKEN)
+                else:
+                    self._finish(req, RequestState.FINISHED, finish, now_ns)
                 self.finished_now.append(req)
             elif columns is not None:
                 add_id(req.request_id)
@@ -330,15 +335,15 @@ class Scheduler:
                 add_text(text)
                 continue
             append(_new_tuple(RequestOutput, (req.request_id, token_ids, text, None, finish, req.num_prompt_tokens,
-                                              num_output, now_ns, None, req.num_cached_tokens)))
+                                              num_output, now_ns, req.error, req.num_cached_tokens)))
 
     @staticmethod
     def _advance_constraint(req: Request, token_id: int) -> Optional[str]:
         """The grammar takes the token (the sampler's mask allowed only tokens it takes); once
-        nothing but EOS can follow, the output is complete: stop now rather than a step later."""
+        nothing but EOS can follow, the output is complete: stop now rather than a step later.
+        A token the grammar refuses (an executor that ignored the mask) fails the request."""
         if not req.constraint.accept(token_id):
-            raise RuntimeError(f"request {req.request_id}: token {token_id} breaks its grammar "
-                               "(the sampler must mask constrained rows)")
+            return FINISH_ERROR
         return FINISH_STOP if req.constraint.is_finished() else None
 
     @staticmethod

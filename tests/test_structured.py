@@ -9,6 +9,7 @@ import re
 import jsonschema
 import numpy as np
 import pytest
+from engines import mock_engine_core
 
 from tokenwire.core.constraint import ConstraintSpec, InvalidConstraint
 from tokenwire.core.executor import SeqStep
@@ -149,3 +150,27 @@ def test_apply_bitmask_keeps_exactly_the_allowed_tokens():
         for k, i in enumerate(rows):
             want[i][~allowed[k, :vocab_size]] = -np.inf
         np.testing.assert_array_equal(got, want)
+
+
+class RefusingConstraint:
+    """A TokenConstraint that takes nothing: what an executor ignoring the mask would meet."""
+    mask_ns = 0
+
+    def accept(self, token_id):
+        return False
+
+    def is_finished(self):
+        return False
+
+
+def test_a_token_the_grammar_refuses_fails_only_that_request():
+    core = mock_engine_core()
+    core.add_request(1, [1, 2], SamplingParams(max_tokens=5), Timeline(), constraint=RefusingConstraint())
+    core.add_request(2, [1, 2], SamplingParams(max_tokens=5), Timeline())
+    finished = {}
+    while core.has_unfinished():
+        for out in core.step():
+            if out.finish_reason is not None:
+                finished[out.request_id] = out
+    assert finished[1].finish_reason == "error" and "grammar" in finished[1].error
+    assert finished[2].finish_reason == "length" and finished[2].num_output_tokens == 5
