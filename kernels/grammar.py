@@ -13,8 +13,9 @@ Contract:
   loop, before the request is queued. `CompiledGrammar.constraint()` makes one request's
   `GrammarConstraint` (core/constraint.py's `TokenConstraint`).
 - `mask_logits(logits, rows, constraints)`: kernels/sampling.py's one call per step with
-  constrained rows: fills int32 `[k, ceil(V / 32)]` (bit j of word w allows token 32 w + j)
-  in parallel and sets every disallowed logit of those rows to -inf, in place.
+  constrained rows: fills int32 `[k, ceil(V / 32)]` (bit j of word w allows token 32 w + j;
+  llguidance's thread pool from PARALLEL_FILL_MIN_ROWS rows on) and sets every disallowed
+  logit of those rows to -inf, in place (`apply_bitmask`).
 """
 
 import json
