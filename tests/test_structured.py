@@ -141,6 +141,7 @@ def test_apply_bitmask_keeps_exactly_the_allowed_tokens():
     for vocab_size, density in ((781, 0.01), (781, 0.9), (1000, 0.0), (150_000, 0.0001), (150_000, 0.05)):
         words = (vocab_size + 31) // 32
         allowed = rng.random((3, words * 32)) < density                                  # [k, 32 W]
+        allowed[1] = rng.random(words * 32) < 0.5                                        # a dense row among sparse
         bitmask = np.packbits(allowed, axis=1, bitorder="little").view(np.int32)          # [k, W]
         logits = rng.standard_normal((5, vocab_size)).astype(np.float32)
         rows = [4, 0, 2]
