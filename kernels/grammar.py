@@ -175,10 +175,13 @@ def apply_bitmask(logits: np.ndarray, rows: Sequence[int], bitmask: np.ndarray) 
     way). A row with many words set (inside a free string) goes the dense way: every bit
     unpacked, a masked copy (10% allowed: ~4x cheaper than the sparse way)."""
     dense = np.count_nonzero(bitmask, axis=1) * SPARSE_WORDS_DIVISOR > bitmask.shape[1]   # [k]
-    for k in np.flatnonzero(dense).tolist():
-        allowed = np.unpackbits(bitmask[k].view(np.uint8), count=logits.shape[1], bitorder="little")   # [V]
-        np.copyto(logits[rows[k]], NEG_INF, where=allowed == 0)
-    if dense.all():
+    dense_ks = np.flatnonzero(dense).tolist()
+    if dense_ks:
+        allowed = np.unpackbits(bitmask[dense_ks].view(np.uint8), axis=1, count=logits.shape[1],
+                                bitorder="little")                                    # [d, V] uint8
+        for j, k in enumerate(dense_ks):
+            np.copyto(logits[rows[k]], NEG_INF, where=allowed[j] == 0)
+    if len(dense_ks) == len(rows):
         return
     sparse = np.flatnonzero(~dense)
     _apply_sparse(logits, np.asarray(rows, dtype=np.intp)[sparse], bitmask[sparse])
