@@ -175,3 +175,18 @@ def test_a_token_the_grammar_refuses_fails_only_that_request():
                 finished[out.request_id] = out
     assert finished[1].finish_reason == "error" and "grammar" in finished[1].error
     assert finished[2].finish_reason == "length" and finished[2].num_output_tokens == 5
+
+
+def test_a_constrained_request_is_never_answered_from_the_response_cache():
+    core, card = build_engine(EngineOptions(backend="cpu", response_cache_size=8))
+    prompt = card.encode_prompt("Answer:")
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12)
+    texts = {}
+    for request_id, constraint in ((1, None), (2, card.grammars.compile(ConstraintSpec("regex", "[0-9]{4}")))):
+        core.add_request(request_id, prompt, params, Timeline(),
+                         constraint=constraint.constraint() if constraint else None)
+        while core.has_unfinished():
+            for out in core.step():
+                texts[out.request_id] = texts.get(out.request_id, "") + out.text
+    assert re.fullmatch("[0-9]{4}", texts[2]), texts
+    assert core.response_cache.num_hits == 0
