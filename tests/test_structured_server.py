@@ -96,6 +96,7 @@ def test_guided_keys_and_generate(client, server):
     ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend", "not supported"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one output constraint"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"n": 2, "guided_regex": "a"}, "n", "not supported"),
 ])
 def test_bad_constraints_are_400s_naming_the_problem(server, body, param, words):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
