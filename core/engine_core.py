@@ -120,17 +120,14 @@ class EngineCore:
         self._enqueue([self._request(request_id, prompt, params, timeline, priority, constraint)], wake)
 
     def add_choices(self, request_ids: Sequence[int], prompt_token_ids: list, params: Sequence[SamplingParams],
-                    timelines: Sequence[Timeline], priority: int = 0, wake: bool = True,
-                    constraints: Optional[Sequence] = None) -> None:
+                    timelines: Sequence[Timeline], priority: int = 0, wake: bool = True) -> None:
         """Submit the n choices of one API request (n > 1) at once, all or none: one request per
         choice, with its own id, params (its own seed) and timeline. The first leads: the others
         wait until its prompt is computed and take its blocks from the prefix cache, computing
-        only the last partial block again (their copy-on-write of it). `constraints`: one
-        TokenConstraint per choice, or None. Raises as add_request."""
+        only the last partial block again (their copy-on-write of it). Raises as add_request.
+        (net/ refuses n > 1 with a constraint, so choices carry none.)"""
         prompt = self._check_prompt(prompt_token_ids)
-        constraints = constraints or [None] * len(request_ids)
-        reqs = [self._request(rid, prompt, p, t, priority, c)
-                for rid, p, t, c in zip(request_ids, params, timelines, constraints)]
+        reqs = [self._request(rid, prompt, p, t, priority) for rid, p, t in zip(request_ids, params, timelines)]
         for follower in reqs[1:]:
             follower.leader = reqs[0]
         self._enqueue(reqs, wake)

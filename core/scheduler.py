@@ -50,6 +50,7 @@ _new_tuple = tuple.__new__          # NamedTuple construction without the Python
 
 GRAMMAR_BROKEN = "the sampled token breaks the request's grammar (the executor must mask constrained rows)"
 
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, watermark: float = 0.01):
