@@ -25,6 +25,7 @@ from ..core.outputs import RequestOutput
 from ..net.encoders import CompletionSse
 from ..runtime import build_engine, load_model
 from .proc import pin_to_core
+from .grammar_stages import GRAMMAR_STEP_BATCH, grammar_stages, step_overhead
 from .stage_fns import BUILDERS, Setup
 from .stats import fmt_us, percentile, table
 
@@ -77,15 +78,20 @@ def run(args) -> int:
         print(f"tokenwire bench stages: cannot pin to core {args.core}", file=sys.stderr)
         return 2
     results = []
-    for builder in BUILDERS:
+    for builder in BUILDERS + (grammar_stages,):
         for stage in builder(setup):
             results.append(time_stage(stage, args.samples, args.max_seconds))
             print(f"  {stage.name}: median {_fmt(results[-1].median_us)}", file=sys.stderr, flush=True)
     print(format_table(results))
+    overhead = step_overhead(setup)
+    for o in overhead:
+        print(f"constrained decoding [{o['backend']}] at batch {o['batch']}: step {o['constrained_ms']:.2f} ms vs "
+              f"{o['unconstrained_ms']:.2f} ms unconstrained, median ratio {o['ratio']:.3f} "
+              f"({o['pairs']} alternating pairs, same run)")
     for backend, why in skipped.items():
         print(f"backend {backend}: not timed ({why})")
     if args.json:
-        write_json(args, setup, results, skipped)
+        write_json(args, setup, results, skipped, overhead)
     return 0
 
 
@@ -109,7 +115,7 @@ def build_setup(model, backends, prompt_len: int, batch: tuple, engine_batch: tu
     context = min(len(prompt_ids) + 2, engine.config.max_position_embeddings)
     for backend in [b.strip() for b in backends if b.strip()]:
         try:
-            executor = make_executor(engine, backend, context, max(engine_batch))
+            executor = make_executor(engine, backend, context, max(*engine_batch, GRAMMAR_STEP_BATCH))
         except (ValueError, RuntimeError, ImportError, OSError) as exc:
             skipped[backend] = str(exc)
             continue
@@ -220,13 +226,13 @@ def format_table(results: list) -> str:
                  left=(0, 1, 6))
 
 
-def write_json(args, setup, results: list, skipped: dict) -> None:
+def write_json(args, setup, results: list, skipped: dict, overhead: list = ()) -> None:
     doc = {"command": "stages", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "model": {"name": setup.engine.name, "path": str(setup.engine.path),
                      "architecture": setup.engine.config.architecture},
            "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
            "backends": sorted(setup.executors), "skipped_backends": skipped,
-           "stages": [r._asdict() for r in results]}
+           "stages": [r._asdict() for r in results], "constrained_step_overhead": list(overhead)}
     with open(args.json, "wb") as f:
         f.write(orjson.dumps(doc, option=orjson.OPT_INDENT_2))
     print(f"wrote {args.json}")

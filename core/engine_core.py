@@ -109,21 +109,23 @@ class EngineCore:
     # ------------------------------------------------------------------ event-loop side
 
     def add_request(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline,
-                    priority: int = 0, wake: bool = True) -> None:
+                    priority: int = 0, wake: bool = True, constraint=None) -> None:
         """Submit a request (thread-safe). `priority`: smaller is served first, ties first come
         first served. `wake=False` leaves waking the engine thread to a later `wake()`, so a
-        caller submitting several requests wakes it once, when done. Raises QueueFull,
+        caller submitting several requests wakes it once, when done. `constraint`: a
+        core/constraint.TokenConstraint the output must match. Raises QueueFull,
         PromptTooLong or InvalidRequest. (max_tokens beyond the context is capped here; the
         API routes refuse it before submitting.)"""
         prompt = self._check_prompt(prompt_token_ids)
-        self._enqueue([self._request(request_id, prompt, params, timeline, priority)], wake)
+        self._enqueue([self._request(request_id, prompt, params, timeline, priority, constraint)], wake)
 
     def add_choices(self, request_ids: Sequence[int], prompt_token_ids: list, params: Sequence[SamplingParams],
                     timelines: Sequence[Timeline], priority: int = 0, wake: bool = True) -> None:
         """Submit the n choices of one API request (n > 1) at once, all or none: one request per
         choice, with its own id, params (its own seed) and timeline. The first leads: the others
         wait until its prompt is computed and take its blocks from the prefix cache, computing
-        only the last partial block again (their copy-on-write of it). Raises as add_request."""
+        only the last partial block again (their copy-on-write of it). Raises as add_request.
+        (net/ refuses n > 1 with a constraint, so choices carry none.)"""
         prompt = self._check_prompt(prompt_token_ids)
         reqs = [self._request(rid, prompt, p, t, priority) for rid, p, t in zip(request_ids, params, timelines)]
         for follower in reqs[1:]:
@@ -131,11 +133,12 @@ class EngineCore:
         self._enqueue(reqs, wake)
 
     def _request(self, request_id: int, prompt: list, params: SamplingParams, timeline: Timeline,
-                 priority: int) -> Request:
+                 priority: int, constraint=None) -> Request:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
         return Request(request_id, prompt, params, timeline, seed=seed, priority=priority,
                        arrival_seq=next(self._arrival_seq), max_model_len=self.max_model_len,
-                       stop_token_ids=self._stop_ids(params), text_stream=self.detokenizer.stream(prompt, params))
+                       stop_token_ids=self._stop_ids(params), text_stream=self.detokenizer.stream(prompt, params),
+                       constraint=constraint)
 
     def _enqueue(self, reqs: list, wake: bool) -> None:
         with self._lock:

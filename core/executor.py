@@ -15,6 +15,7 @@ kernels), the CUDA backend, and the mock engine used by benchmarks.
 from typing import NamedTuple, Optional, Protocol, Sequence
 
 from .config import ModelConfig
+from .constraint import TokenConstraint
 from .sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class SeqStep(NamedTuple):
     seed: int                           # the request's resolved seed (drawn when the request gave none)
     prompt_token_ids: Sequence[int]     # repetition penalty context
     output_token_ids: Sequence[int]     # generated so far; len() is the RNG counter for the next draw
+    constraint: Optional[TokenConstraint] = None    # the request's grammar: the sampler masks this row
 
 
 class DecodeStep:
@@ -46,7 +48,7 @@ class DecodeStep:
 
     def __init__(self, seq_id: int, token_ids: Sequence[int], start_pos: int, block_table: Sequence[int],
                  sample: bool, sampling: SamplingParams, seed: int, prompt_token_ids: Sequence[int],
-                 output_token_ids: Sequence[int]):
+                 output_token_ids: Sequence[int], constraint: Optional[TokenConstraint] = None):
         self.seq_id = seq_id
         self.token_ids = token_ids
         self.start_pos = start_pos
@@ -56,6 +58,7 @@ class DecodeStep:
         self.seed = seed
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids = output_token_ids
+        self.constraint = constraint
 
     def __repr__(self) -> str:
         return (f"DecodeStep(seq_id={self.seq_id}, token_ids={self.token_ids}, start_pos={self.start_pos}, "

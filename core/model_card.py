@@ -21,3 +21,5 @@ class ModelCard(NamedTuple):
     special_tokens: dict                    # bos_token, eos_token, ... as the chat template sees them
     max_model_len: int
     supports_logprobs: bool = True          # False for the mock engine, which samples nothing
+    grammars: object = None                 # kernels/grammar.GrammarCompiler (compile / cached a ConstraintSpec);
+                                            # None: the backend does no constrained decoding

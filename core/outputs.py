@@ -30,6 +30,8 @@ class Timeline:
     first_token_emitted_ns: int = 0     # first token handed to the transport (net/)
     finished_ns: int = 0
     response_cached: bool = False       # answered from the exact-match response cache (core/response_cache.py)
+    grammar_compile_ns: int = 0         # compiling the request's grammar (0: none, or cached)
+    mask_ns: int = 0                    # filling its token masks, over all its steps (constrained only)
 
 
 class RequestOutput(NamedTuple):

@@ -62,11 +62,11 @@ class Request:
                  "max_total_tokens", "max_output_tokens", "stop_token_ids", "text_stream", "state",
                  "num_computed_tokens", "num_scheduled_tokens", "block_table", "decode_step",
                  "finish_reason", "error", "num_preemptions", "block_hashes", "num_hashed_blocks",
-                 "num_cached_tokens", "num_passed_over", "leader", "followers")
+                 "num_cached_tokens", "num_passed_over", "leader", "followers", "constraint")
 
     def __init__(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline, *,
                  seed: int, priority: int, arrival_seq: int, max_model_len: int,
-                 stop_token_ids: frozenset, text_stream):
+                 stop_token_ids: frozenset, text_stream, constraint=None):
         self.request_id = request_id
         self.params = params
         self.timeline = timeline
@@ -82,6 +82,7 @@ class Request:
         self.max_output_tokens = self.max_total_tokens - self.num_prompt_tokens   # the length stop, as a count
         self.stop_token_ids = stop_token_ids        # EOS (unless ignore_eos) + params.stop_token_ids
         self.text_stream = text_stream             # core/detokenizer: ids -> text, stop strings
+        self.constraint = constraint                # core/constraint.TokenConstraint or None: output must match it
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.num_scheduled_tokens = 0               # tokens fed in the current step
@@ -89,7 +90,7 @@ class Request:
         # this request's SeqStep while DECODING, updated in place each step: token_ids is
         # (output_token_ids[-1],), set when that token is appended; start_pos when scheduled
         self.decode_step = DecodeStep(request_id, (), 0, self.block_table, True, params, seed,
-                                      prompt_token_ids, self.output_token_ids)
+                                      prompt_token_ids, self.output_token_ids, constraint)
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
         self.num_preemptions = 0

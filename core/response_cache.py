@@ -42,7 +42,8 @@ class ResponseCache:
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.params
-        return (p.temperature == 0.0 or p.seed is not None) and p.logprobs is None
+        # a constrained request's answer depends on its grammar, which the key does not hold
+        return (p.temperature == 0.0 or p.seed is not None) and p.logprobs is None and req.constraint is None
 
     def get(self, req: Request) -> Optional[CachedAnswer]:
         if not self.eligible(req):

@@ -48,6 +48,9 @@ _sort_key = attrgetter("sort_key")
 _new_tuple = tuple.__new__          # NamedTuple construction without the Python-level __new__ (hot path)
 
 
+GRAMMAR_BROKEN = "the sampled token breaks the request's grammar (the executor must mask constrained rows)"
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, watermark: float = 0.01):
@@ -232,7 +235,7 @@ class Scheduler:
         self.num_samples += sample
         scheduled.append(req)
         seqs.append(SeqStep(req.request_id, req.tokens(start, end), start, req.block_table, sample,
-                            req.params, req.seed, req.prompt_token_ids, req.output_token_ids))
+                            req.params, req.seed, req.prompt_token_ids, req.output_token_ids, req.constraint))
 
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the request's cache, send it back to the waiting heap."""
@@ -318,9 +321,14 @@ class Scheduler:
                 text = stream.push(token_id)
                 finish = FINISH_STOP if stream.stopped else \
                     FINISH_LENGTH if num_output >= req.max_output_tokens else None
+                if req.constraint is not None and finish is None:
+                    finish = self._advance_constraint(req, token_id)
             if finish is not None:
                 text += req.text_stream.finish()
-                self._finish(req, RequestState.FINISHED, finish, now_ns)
+                if finish is FINISH_ERROR:
+                    self._finish(req, RequestState.FAILED, finish, now_ns, GRAMMAR_BROKEN)
+                else:
+                    self._finish(req, RequestState.FINISHED, finish, now_ns)
                 self.finished_now.append(req)
             elif columns is not None:
                 add_id(req.request_id)
@@ -328,7 +336,16 @@ class Scheduler:
                 add_text(text)
                 continue
             append(_new_tuple(RequestOutput, (req.request_id, token_ids, text, None, finish, req.num_prompt_tokens,
-                                              num_output, now_ns, None, req.num_cached_tokens)))
+                                              num_output, now_ns, req.error, req.num_cached_tokens)))
+
+    @staticmethod
+    def _advance_constraint(req: Request, token_id: int) -> Optional[str]:
+        """The grammar takes the token (the sampler's mask allowed only tokens it takes); once
+        nothing but EOS can follow, the output is complete: stop now rather than a step later.
+        A token the grammar refuses (an executor that ignored the mask) fails the request."""
+        if not req.constraint.accept(token_id):
+            return FINISH_ERROR
+        return FINISH_STOP if req.constraint.is_finished() else None
 
     @staticmethod
     def _attach_logprobs(outputs: list, logprobs) -> None:
@@ -344,6 +361,8 @@ class Scheduler:
         self._release(req, cache=state is not RequestState.FAILED)
         if req.followers:
             self._release_followers(req)
+        if req.constraint is not None:
+            req.timeline.mask_ns = req.constraint.mask_ns
         req.finish_reason = reason
         req.error = error
         req.timeline.finished_ns = now_ns

@@ -3,6 +3,10 @@
 Contract: `sample(logits, seqs) -> StepOutput`, where `logits` is float32 `[S, V]` for the
 S `SeqStep`s that asked for a token, in order. Per row, in this order:
 
+0. constrained rows (a `SeqStep.constraint`): the grammar's token mask, filled for all of
+   them at once (kernels/grammar.py), sets every token it disallows to -inf, in place, so
+   every rule below (and logprobs) sees only allowed tokens; other rows pay one attribute
+   read;
 1. penalties (only rows that set one): repetition over prompt + output (HF / CTRL rule:
    positive logits divided, negative multiplied), then OpenAI frequency and presence over
    the output;
@@ -57,6 +61,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..core.executor import SeqStep, StepOutput, TopLogprobs
+from .grammar import mask_logits
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX_1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -109,6 +114,7 @@ def sample(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
     """logits: float32 [S, V], one row per sampling SeqStep (hot path: once per step)."""
     num_seqs = len(seqs)
     assert logits.ndim == 2 and logits.shape[0] == num_seqs, (logits.shape, num_seqs)
+    apply_constraints(logits, seqs)
     params = [s.sampling for s in seqs]
     rows = _Rows(logits, seqs, {i for i, p in enumerate(params) if p.has_penalties})
     token_ids = np.empty(num_seqs, dtype=np.int64)                 # [S]
@@ -130,6 +136,17 @@ def sample(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
     if any(p.logprobs is not None for p in params):
         logprobs = compute_logprobs(logits, token_ids, params)
     return StepOutput(token_ids.tolist(), logprobs)
+
+
+def apply_constraints(logits: np.ndarray, seqs: Sequence[SeqStep]) -> None:
+    """Mask the rows whose request carries a grammar (float32 [S, V], in place). Hot path: an
+    unconstrained step costs one attribute read per row and a count in C (batch 64: ~7 µs on
+    the shared 2-core machine, against a decode step of tens of ms)."""
+    constraints = [s.constraint for s in seqs]
+    if constraints.count(None) == len(constraints):
+        return
+    rows = [i for i, c in enumerate(constraints) if c is not None]
+    mask_logits(logits, rows, [constraints[i] for i in rows])
 
 
 def is_filtered(p) -> bool:
@@ -369,6 +386,7 @@ def distinct_counts(ids: np.ndarray, vocab_size: Optional[int] = None) -> tuple:
 def sample_reference(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
     """The rules as whole-batch float64 arrays: what `sample` must equal, token for token."""
     num_seqs = len(seqs)
+    apply_constraints(logits, seqs)
     params = [s.sampling for s in seqs]
     raw = logits
     penalized = [i for i, p in enumerate(params) if p.has_penalties]

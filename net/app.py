@@ -27,6 +27,7 @@ by its byte length before it is tokenized, and a large one is tokenized on a wor
 reset meanwhile.
 """
 
+import asyncio
 import hmac
 import itertools
 import logging
@@ -38,6 +39,7 @@ from urllib.parse import unquote
 import orjson
 from h2.errors import ErrorCodes
 
+from ..core.constraint import InvalidConstraint
 from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
 from ..core.sampling_params import choice_params
@@ -60,6 +62,7 @@ from .openai_api import (
     parse_json,
 )
 from .priority import urgency
+from .structured import new_call_id, tool_family
 from .prompt_limits import (
     LARGE_PROMPT_CHARS,
     Tokenizing,
@@ -320,6 +323,10 @@ class App:
         if g.best_of > g.n and not model.supports_logprobs:
             raise ApiError(400, f"best_of > n ranks choices by log-probability; the {model.name!r} engine "
                            "does not compute them", param="best_of", code="unsupported_parameter")
+        if g.constraint is not None:
+            self._check_constraint(g)
+        if g.tools is not None:
+            g = g._replace(tools=g.tools._replace(family=model.tool_family))
         priority = urgency(req.headers.get("priority"))
         text, encode, prefix = self._prompt(g)
         job = Submission(proto, req, g, id_prefix, next(self._ids), priority, deadline_ns)
@@ -362,17 +369,36 @@ class App:
             self.engine.wake()
             proto.flush()
 
-    def _enqueue(self, job: "Submission", prompt_ids: list) -> None:
+    def _check_constraint(self, g: GenerationRequest) -> None:
+        model = self.model
+        if g.best_of > 1:
+            raise ApiError(400, "n > 1 (or best_of > 1) with structured output or tools is not supported; "
+                           "send one request per choice", param="n", code="unsupported_parameter")
+        if model.grammars is None:
+            raise ApiError(400, f"the {model.name!r} engine ({model.backend}) does no constrained decoding",
+                           param=_constraint_param(g), code="unsupported_parameter")
+
+    def _enqueue(self, job: "Submission", prompt_ids: list, compiled=None) -> None:
         """Check max_tokens against what the context leaves, stamp the request and hand it to
-        the engine (woken by the caller)."""
+        the engine (woken by the caller). A constrained request's grammar comes from the
+        model's cache at once, else is compiled on a worker thread first (`_compiled`)."""
         proto, req, g, request_id = job.proto, job.req, job.g, job.request_id
         problem = max_tokens_problem(g.params.max_tokens, len(prompt_ids), self.model.max_model_len)
         if problem is not None:
             raise bad_param("max_tokens", problem)
+        constraint = None
+        if g.constraint is not None:
+            compiled = compiled or self.model.grammars.cached(g.constraint)
+            if compiled is None:
+                return self._compile_off_loop(job, prompt_ids)
+            constraint = compiled.constraint()
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
+        if compiled is not None:
+            timeline.grammar_compile_ns = compiled.compile_ns
         try:
             if g.best_of == 1:
-                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False, priority=job.priority)
+                self.engine.add_request(request_id, prompt_ids, g.params, timeline, wake=False, priority=job.priority,
+                                        constraint=constraint)
             else:
                 members = self._submit_choices(request_id, prompt_ids, g, timeline, job.priority)
         except QueueFull as exc:
@@ -389,10 +415,45 @@ class App:
         if g.best_of > 1:
             self._add_choices(proto, req, g, members, response_id, created, len(prompt_ids))
             return
-        encoder = self._encoder(g, req, response_id, created, num_prompt=len(prompt_ids)) if g.stream else None
-        self.dispatcher.add(Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream,
-                                     timeline, response_id, created, g.params.logprobs is not None,
-                                     req.method, req.target), job.deadline_ns)
+        # a named function's arguments stream token by token; other tool-calling streams are
+        # read back, and sent, once complete
+        stream_tokens = g.stream and (g.tools is None or g.tools.mode == "named")
+        encoder = self._encoder(g, req, response_id, created, num_prompt=len(prompt_ids)) if stream_tokens else None
+        ex = Exchange(request_id, proto, req.stream_id, g.route, encoder, stream_tokens,
+                      timeline, response_id, created, g.params.logprobs is not None, req.method, req.target)
+        if g.tools is not None and not stream_tokens:
+            ex.tools, ex.tools_stream, ex.include_usage = g.tools, g.stream, g.include_usage
+        self.dispatcher.add(ex, job.deadline_ns)
+
+    def _compile_off_loop(self, job: "Submission", prompt_ids: list) -> None:
+        """A grammar not compiled before: on a worker thread, then `_compiled` on the loop. The
+        stream is marked in flight meanwhile, as for a large prompt's tokenization."""
+        job.proto.outbox.streams[job.req.stream_id] = job.request_id
+        future = asyncio.get_running_loop().run_in_executor(None, self.model.grammars.compile, job.g.constraint)
+        future.add_done_callback(lambda f: self._compiled(job, prompt_ids, f))
+
+    def _compiled(self, job: "Submission", prompt_ids: list, future) -> None:
+        """On the loop: queue the request with its grammar, or answer 400 naming the problem."""
+        proto, req = job.proto, job.req
+        streams = proto.outbox.streams
+        if proto.closing or streams.get(req.stream_id) != job.request_id or future.cancelled():
+            return          # the client left meanwhile
+        del streams[req.stream_id]
+        try:
+            try:
+                compiled = future.result()
+            except InvalidConstraint as exc:
+                raise ApiError(400, str(exc), param=_constraint_param(job.g), code="invalid_constraint") from None
+            self._enqueue(job, prompt_ids, compiled)
+        except ApiError as exc:
+            self._respond_error(proto, req.stream_id, exc)
+        except Exception as exc:
+            log.exception("internal error compiling the grammar of %s %s", req.method, req.target)
+            self._respond_error(proto, req.stream_id, ApiError(
+                500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
+        finally:
+            self.engine.wake()
+            proto.flush()
 
     def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline,
                         priority: int) -> list:
@@ -425,7 +486,7 @@ class App:
             if model.chat_template is None:
                 raise ApiError(400, f"the model {model.name!r} has no chat template; use /v1/completions, "
                                "or start the server with --chat-template FILE", code="no_chat_template")
-            text, encode, prefix = model.chat_template.render(g.messages), self._encode_plain, []
+            text, encode, prefix = model.chat_template.render(g.messages, tools=g.template_tools), self._encode_plain, []
         elif g.prompt_token_ids is not None:
             return None, None, None
         elif not g.prompt:
@@ -453,6 +514,9 @@ class App:
         if g.route == "generate":
             accept = req.headers.get("accept", "")
             return encoders.BinaryTokens() if "application/octet-stream" in accept else encoders.Ndjson()
+        if g.tools is not None:
+            return encoders.ChatToolArgumentsSse(response_id, created, self.model.name, g.include_usage,
+                                                 self.engine.detokenizer.token_text, new_call_id(), g.tools.names[0])
         cls = encoders.ChatSse if g.route == "chat" else encoders.CompletionSse
         return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text, index,
                    num_prompt if g.continuous_usage else None)
@@ -522,3 +586,9 @@ def request_timeout_ns(value: str) -> int:
         raise ApiError(400, f"x-request-timeout-ms must be a number of milliseconds in (0, 86400000], got {value!r}",
                        param="x-request-timeout-ms", code="invalid_header")
     return int(ms * 1e6)
+
+
+def _constraint_param(g: GenerationRequest) -> str:
+    if g.tools is not None:
+        return "tools"
+    return "response_format" if g.route == "chat" else "guided_json"

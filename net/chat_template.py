@@ -4,8 +4,9 @@ transformers' conventions, kept so a model's template renders here exactly as it
 a sandboxed environment with `trim_blocks` and `lstrip_blocks`, the `loopcontrols`
 extension, `raise_exception(msg)` and `strftime_now(fmt)` as globals, a `tojson` filter
 that keeps non-ASCII text (`ensure_ascii=False`), and the variables `messages`,
-`add_generation_prompt`, `bos_token`, `eos_token` (plus the other special tokens the
-config names). The rendered text already holds the template's special tokens, so it is
+`add_generation_prompt`, `tools` (the request's, as OpenAI sends them: {"type": "function",
+"function": {...}}, which is what transformers' apply_chat_template(tools=...) passes),
+`bos_token`, `eos_token` (plus the other special tokens the config names). The rendered text already holds the template's special tokens, so it is
 tokenized without adding any more (transformers does the same).
 """
 
@@ -60,11 +61,11 @@ class ChatTemplate:
         self.special_tokens.setdefault("bos_token", "")
         self.special_tokens.setdefault("eos_token", "")
 
-    def render(self, messages: list, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list, add_generation_prompt: bool = True, tools: list | None = None) -> str:
         """The prompt text for `messages`; a template's own refusal becomes a 400."""
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        tools=None, documents=None, **self.special_tokens)
+                                        tools=tools, documents=None, **self.special_tokens)
         except TemplateRaised as exc:
             raise ApiError(400, f"the model's chat template rejected the messages: {exc}",
                            param="messages", code="invalid_messages") from None

@@ -16,7 +16,7 @@ from collections import deque
 from orjson import dumps
 
 from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
-from . import choices, encoders
+from . import choices, encoders, structured
 from .access_log import AccessLog
 from .busy_poll import BusyPoller
 from .errors import ApiError
@@ -31,7 +31,8 @@ class Exchange:
     __slots__ = ("request_id", "proto", "outbox", "stream_id", "route", "encoder", "streaming", "timeline",
                  "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
                  "send", "encode", "prefix", "suffix", "key", "queue", "group", "index", "method", "path",
-                 "deadline_timer", "expired")
+                 "deadline_timer", "expired",
+                 "tools", "tools_stream", "include_usage")
 
     def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
                  created, want_logprobs, method="POST", path="-"):
@@ -62,6 +63,9 @@ class Exchange:
         self.queue = proto.outbox.sends.append                  # outbox until the end of the step
         self.group = None                   # n > 1: the ChoiceGroup of the request's choices (net/choices.py)
         self.index = 0                      # the choice's index in it
+        self.tools = None                   # structured.ToolPlan: the text is read back as tool calls at the end
+        self.tools_stream = False           # ... and sent as one SSE body (the client asked for a stream)
+        self.include_usage = False
 
 
 class Dispatcher:
@@ -261,8 +265,12 @@ class Dispatcher:
         if ex.timeline.response_cached:
             timings["response_cached"] = True
         error = out.error if reason == FINISH_ERROR else None
+        if ex.timeline.mask_ns or ex.timeline.grammar_compile_ns:
+            timings.update(encoders.grammar_timings_us(ex.timeline, out.num_output_tokens))
         opened = ex.last_ns or (ex.group is not None and ex.group.opened)
-        if ex.streaming and (opened or ex.encoder.in_band_errors or (error is None and reason != FINISH_DEADLINE)):
+        if ex.tools is not None and error is None:
+            self._respond_tools(ex, reason, use, timings, trailers)
+        elif ex.streaming and (opened or ex.encoder.in_band_errors or (error is None and reason != FINISH_DEADLINE)):
             if not ex.last_ns:
                 self._open_stream(ex)
             session = ex.proto.session
@@ -306,6 +314,33 @@ class Dispatcher:
                                        reason, use, ex.token_ids, ex.logprobs if ex.want_logprobs else None, token_text)
         session.respond(ex.stream_id, 200, [(b"content-type", JSON), (b"x-request-id", ex.response_id.encode())],
                         body, trailers)
+
+    def _respond_tools(self, ex: Exchange, reason: str, use: dict, timings: dict, trailers: list) -> None:
+        """A chat completion with tools, read back as OpenAI tool calls (finish reason
+        "tool_calls" when there are some), as a whole body or as one SSE body."""
+        text = "".join(ex.texts)
+        try:
+            content, calls = structured.tool_calls(ex.tools, text)
+        except ValueError:                  # a constrained call cut short by max_tokens
+            content, calls = text, []
+        if calls and reason == "stop":
+            reason = "tool_calls"
+        session = ex.proto.session
+        if ex.tools_stream:
+            fields = {"id": ex.response_id, "object": "chat.completion.chunk", "created": ex.created,
+                      "model": self.model.name}
+            body = structured.tool_response_chunks(fields, content, calls, reason,
+                                                   use if ex.include_usage else None, timings)
+            headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        else:
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            body = dumps({"id": ex.response_id, "object": "chat.completion", "created": ex.created,
+                          "model": self.model.name, "usage": use, "choices": [
+                              {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}]})
+            headers = [(b"content-type", JSON), (b"x-request-id", ex.response_id.encode())]
+        session.respond(ex.stream_id, 200, headers, body, trailers)
 
     def _record_finish(self, ex: Exchange, reason: str, now: int, num_cached_tokens: int = 0) -> None:
         m = self.metrics

@@ -64,6 +64,13 @@ def timings_us(t: Timeline, end_ns: int) -> dict:
             "total_us": round((end_ns - arrived) / 1000, 1) if arrived and end_ns else 0.0}
 
 
+def grammar_timings_us(t: Timeline, num_output: int) -> dict:
+    """A constrained request's grammar costs: compiling it (0 when it was cached) and filling
+    its token masks, per generated token."""
+    return {"grammar_compile_us": round(t.grammar_compile_ns / 1000, 1),
+            "mask_us_per_token": round(t.mask_ns / 1000 / max(1, num_output), 2)}
+
+
 def server_timing(timings: dict) -> bytes:
     """`Server-Timing` value (durations in milliseconds, as the header's spec wants)."""
     return _SERVER_TIMING % tuple([us / 1000 for us in timings.values()])
@@ -242,6 +249,27 @@ class ChatSse(_Sse):
     def _finish_choice(self) -> bytes:
         delta = b"{}" if self._started else b'{"role":"assistant","content":""}'
         return b',"choices":[{"index":%d,"delta":' % self._index + delta + b',"logprobs":null,"finish_reason":'
+
+
+class ChatToolArgumentsSse(ChatSse):
+    """Chat chunks for `tool_choice` naming a function: the generated text is that call's
+    arguments, streamed as OpenAI `tool_calls` deltas (the first carries the call's id and
+    name), and a completion the grammar ended finishes with "tool_calls"."""
+    __slots__ = ()
+
+    def __init__(self, request_id: str, created: int, model: str, include_usage: bool,
+                 token_text: Callable[[int], str], call_id: str, name: str):
+        super().__init__(request_id, created, model, include_usage, token_text)
+        start = self._head + b',"choices":[{"index":0,"delta":{'
+        self._prefix = start + b'"tool_calls":[{"index":0,"function":{"arguments":'
+        self._first_prefix = (start + b'"role":"assistant","content":null,"tool_calls":[{"index":0,"id":'
+                              + orjson.dumps(call_id) + b',"type":"function","function":{"name":'
+                              + orjson.dumps(name) + b',"arguments":')
+        self._lp_mid = b'}}]},"logprobs":'
+        self._null_tail = b"}}]" + self._null_tail
+
+    def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
+        return super().finish(out, "tool_calls" if finish_reason == "stop" else finish_reason, use, timings, error)
 
 
 def chat_logprobs(token_ids, logprobs, token_text: Callable[[int], str]) -> list:

@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 from ..core.model_card import ModelCard
 from .chat_template import ChatTemplate
 from .prompt_encoder import piece_encoder
+from .structured import tool_family
 
 log = logging.getLogger("tokenwire.net")
 
@@ -27,13 +28,17 @@ class ModelInfo(NamedTuple):
     created: int                            # unix seconds, for /v1/models
     description: str                        # shown in /v1/models ("owned_by" stays "tokenwire")
     supports_logprobs: bool = True          # False for the mock engine, which samples nothing
+    grammars: object = None                 # the card's grammar compiler; None: no constrained decoding
+    backend: str = ""
+    tool_family: str = "hermes"             # the tool-call markup `tool_choice=auto` parses (structured.py)
 
 
 def model_info(card: ModelCard) -> ModelInfo:
     template = ChatTemplate(card.chat_template, card.special_tokens) if card.chat_template else None
     return ModelInfo(name=card.name, tokenizer=card.tokenizer, encode=prompt_encoder(card), chat_template=template,
                      max_model_len=card.max_model_len, created=int(time.time()), description=card.description,
-                     supports_logprobs=card.supports_logprobs)
+                     supports_logprobs=card.supports_logprobs, grammars=card.grammars, backend=card.backend,
+                     tool_family=tool_family(card.chat_template))
 
 
 def prompt_encoder(card: ModelCard) -> Callable[[str], list]:

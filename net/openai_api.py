@@ -6,7 +6,7 @@
 - `POST /generate`             tokenwire's native stream (NDJSON or binary token ids)
 
 Every parameter is type-checked here and range-checked by `SamplingParams`; a parameter
-this server knows but does not implement (echo, logit_bias, tools, ...) is a 400
+this server knows but does not implement (echo, logit_bias, ...) is a 400
 naming it. A key the route does not know at all (clients written for vLLM send their own)
 goes to the caller's `on_unknown(name)` (the app logs each name once and goes on), or is a
 400 naming it when there is no `on_unknown` (`--strict-params`). Accepted no-ops: `user`
@@ -25,7 +25,9 @@ import orjson
 
 from ..core.sampling_params import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
 
+from ..core.constraint import ConstraintSpec
 from .errors import ApiError, bad_param, unsupported
+from .structured import GUIDED_KEYS, REFUSED_GUIDED_KEYS, ToolPlan, constraint_spec, tool_plan
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 16                        # n and best_of
@@ -44,6 +46,9 @@ class GenerationRequest(NamedTuple):
     model: str | None                   # as the client named it (checked against the served name)
     n: int = 1                          # choices returned
     best_of: int = 1                    # choices sampled (>= n; completions only, not streamed)
+    constraint: ConstraintSpec | None = None    # the output must match it (response_format, guided_*, tools)
+    tools: ToolPlan | None = None       # chat with tools: how the output is read back
+    template_tools: list | None = None  # the tools as the chat template receives them
 
 
 def max_tokens_problem(max_tokens: int | None, num_prompt: int, max_model_len: int) -> str | None:
@@ -75,13 +80,15 @@ def parse_json(body: bytes) -> dict:
 _IGNORED = {"user", "nvext"}            # accepted and without effect
 _COMMON = _IGNORED | {"model", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
            "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "skip_special_tokens", "stream", "stream_options", "n", "logit_bias"}
+           "skip_special_tokens", "stream", "stream_options", "n", "logit_bias",
+           "response_format", "structured_outputs", *GUIDED_KEYS, *REFUSED_GUIDED_KEYS}
 _COMPLETIONS_KEYS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-_CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+_CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                         "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _GENERATE_KEYS = _IGNORED | {"prompt", "prompt_token_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                   "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop",
-                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "model"}
+                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "model",
+                  "response_format", "structured_outputs", *GUIDED_KEYS, *REFUSED_GUIDED_KEYS}
 
 
 def parse_completions(body: dict, on_unknown=None) -> GenerationRequest:
@@ -104,21 +111,20 @@ def parse_completions(body: dict, on_unknown=None) -> GenerationRequest:
     if best_of > n and stream:
         raise bad_param("best_of", "best_of > n cannot be streamed: the best choices are known only at the end")
     return GenerationRequest("completions", prompt, prompt_ids, None, params, stream, include_usage, continuous,
-                             _opt(body, "model", str, None), n, best_of)
+                             _opt(body, "model", str, None), n, best_of, constraint=constraint_spec(body))
 
 
 def parse_chat(body: dict, on_unknown=None) -> GenerationRequest:
     _check_keys(body, _CHAT_KEYS, on_unknown)
     _check_common_unsupported(body)
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise unsupported(name, f"{name} (tool calling) is not supported")
-    for name in ("tool_choice", "function_call", "parallel_tool_calls"):
-        if body.get(name) not in (None, "none", False):
-            raise unsupported(name, f"{name} is not supported: this server does no tool calling")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format", 'only response_format {"type": "text"} is supported')
+    plan, template_tools, tool_constraint = tool_plan(body)
+    _opt(body, "parallel_tool_calls", bool, True)
+    constraint = constraint_spec(body)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise bad_param("tool_choice", "tool_choice required or a named function constrains the output "
+                            "already; drop response_format / guided_*")
+        constraint = tool_constraint
     messages = _messages(body)
     max_tokens = _opt(body, "max_completion_tokens", int, None)
     if max_tokens is None:
@@ -131,7 +137,8 @@ def parse_chat(body: dict, on_unknown=None) -> GenerationRequest:
     stream, include_usage, continuous = _stream(body)
     n = _num_choices(body)
     return GenerationRequest("chat", None, None, messages, params, stream, include_usage, continuous,
-                             _opt(body, "model", str, None), n, n)
+                             _opt(body, "model", str, None), n, n, constraint=constraint, tools=plan,
+                             template_tools=template_tools)
 
 
 def parse_generate(body: dict, on_unknown=None) -> GenerationRequest:
@@ -143,7 +150,7 @@ def parse_generate(body: dict, on_unknown=None) -> GenerationRequest:
     prompt_ids = _token_ids(body["prompt_token_ids"], "prompt_token_ids") if has_ids else None
     params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, None), logprobs=None)
     return GenerationRequest("generate", prompt, prompt_ids, None, params, True, True, False,
-                             _opt(body, "model", str, None))
+                             _opt(body, "model", str, None), constraint=constraint_spec(body))
 
 
 # ---------------------------------------------------------------- helpers
@@ -304,8 +311,6 @@ def _message(i: int, m) -> dict:
     role = m.get("role")
     if role not in _ROLES:
         raise bad_param("messages", f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}")
-    if m.get("tool_calls"):
-        raise unsupported("messages", f"{where}.tool_calls: tool calling is not supported")
     content = m.get("content")
     if content is None:
         content = ""
@@ -316,7 +321,28 @@ def _message(i: int, m) -> dict:
     out = {"role": role, "content": content}
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
+    if m.get("tool_calls"):
+        if role != "assistant" or not isinstance(m["tool_calls"], list):
+            raise bad_param("messages", f"{where}.tool_calls must be an array on an assistant message")
+        out["tool_calls"] = [_tool_call(where, j, c) for j, c in enumerate(m["tool_calls"])]
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise bad_param("messages", f"{where}.tool_call_id is required on a tool message")
+        out["tool_call_id"] = m["tool_call_id"]
     return out
+
+
+def _tool_call(where: str, j: int, call) -> dict:
+    """An earlier turn's call, as transformers' templates read it: arguments as an object."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+        raise bad_param("messages", f"{where}.tool_calls[{j}] must be {{id, type: function, "
+                        "function: {name, arguments (a JSON string)}}")
+    try:
+        arguments = orjson.loads(fn["arguments"])
+    except orjson.JSONDecodeError:
+        raise bad_param("messages", f"{where}.tool_calls[{j}].function.arguments is not valid JSON") from None
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": arguments}}
 
 
 def _text_part(where: str, j: int, part) -> str:

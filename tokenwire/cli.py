@@ -32,6 +32,7 @@ BENCHES = {
     "abuse": ("tokenwire.bench.abuse", "floods, slow clients and oversized requests against a server, "
                                        "a legitimate client beside them"),
     "soak": ("tokenwire.bench.soak", "10k cancelled requests and a 100k-request h2load run; the engine must end clean"),
+    "grammar-engines": ("tokenwire.bench.grammar_engines", "llguidance, outlines-core, xgrammar: compile and mask times"),
 }
 
 

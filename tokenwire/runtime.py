@@ -22,6 +22,7 @@ from .core.options import DEFAULTS, EngineOptions
 from .engine_build.resolve import resolve_model
 from .kernels import backend
 from .kernels.engine_format import load_engine
+from .kernels.grammar import GrammarCompiler
 
 log = logging.getLogger("tokenwire")
 
@@ -49,7 +50,9 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
                      backend=options.backend, tokenizer=model.tokenizer, encode_prompt=model.encode_prompt,
                      bos_token_id=model.bos_token_id, add_bos=model.add_bos,
                      chat_template=template or model.chat_template, special_tokens=model.special_tokens,
-                     max_model_len=max_model_len, supports_logprobs=row.samples_logprobs)
+                     max_model_len=max_model_len, supports_logprobs=row.samples_logprobs,
+                     grammars=GrammarCompiler(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
+                     if row.samples_constrained else None)
     return BuiltEngine(core, card)
 
 

@@ -1,0 +1,255 @@
+"""Structured output and tool calling on the API side: request keys -> a `ConstraintSpec`
+(core/constraint.py) and a `ToolPlan`; a finished tool-calling completion -> OpenAI
+`tool_calls`.
+
+Accepted (each validated here; compiling the grammar is kernels/grammar.py's, off the loop):
+- `response_format`: {"type": "text"}, {"type": "json_object"}, {"type": "json_schema",
+  "json_schema": {"name", "schema", "strict", "description"}};
+- vLLM's `guided_json` (a schema object or its JSON text), `guided_regex`, `guided_choice`
+  (strings), `guided_grammar` (Lark or GBNF), and the newer `structured_outputs` object
+  with the same four as `json`, `regex`, `choice`, `grammar`. At most one of them per request.
+  Refused with a 400 naming them: `guided_decoding_backend`, `guided_whitespace_pattern`,
+  `structured_outputs.structural_tag` / `json_object` / `whitespace_pattern`.
+- `tools` ({"type": "function", "function": {name, description, parameters}}) with
+  `tool_choice` "none" | "auto" | "required" | {"type": "function", "function": {"name"}}:
+  required and named constrain the output to the tools' argument schemas; auto parses the
+  model's own markup (`TOOL_FAMILIES`).
+"""
+
+import json
+import re
+import secrets
+from typing import NamedTuple
+
+import orjson
+
+from ..core.constraint import ConstraintSpec
+from .errors import bad_param, unsupported
+
+GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+REFUSED_GUIDED_KEYS = ("guided_decoding_backend", "guided_whitespace_pattern")
+_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                       "grammar": "guided_grammar"}
+
+
+class ToolPlan(NamedTuple):
+    """How a chat request with tools is generated and read back."""
+    mode: str                           # "auto" | "required" | "named"
+    names: tuple                        # the functions offered (named: the one chosen)
+    family: str                         # "hermes" | "llama3": the markup `auto` parses
+
+
+def constraint_spec(body: dict) -> ConstraintSpec | None:
+    """The one output constraint the body asks for, or None."""
+    for key in REFUSED_GUIDED_KEYS:
+        if body.get(key) is not None:
+            raise unsupported(key, f"{key} is not supported (the grammar engine is llguidance)")
+    found = [(key, body[key]) for key in GUIDED_KEYS if body.get(key) is not None]
+    found += _structured_outputs(body.get("structured_outputs"))
+    fmt = body.get("response_format")
+    if fmt is not None:
+        spec = _response_format(fmt)
+        if spec is not None:
+            found.append(("response_format", spec))
+    if len(found) > 1:
+        raise bad_param(found[1][0], f"give one output constraint, got {', '.join(k for k, _ in found)}")
+    if not found:
+        return None
+    key, value = found[0]
+    return value if key == "response_format" else _guided(key, value)
+
+
+def _structured_outputs(value) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise bad_param("structured_outputs", "structured_outputs must be an object")
+    out = []
+    for key, item in value.items():
+        if key not in _STRUCTURED_OUTPUTS:
+            raise unsupported("structured_outputs", f"structured_outputs.{key} is not supported; "
+                              f"use one of {', '.join(_STRUCTURED_OUTPUTS)}")
+        if item is not None:
+            out.append((_STRUCTURED_OUTPUTS[key], item))
+    return out
+
+
+def _response_format(fmt) -> ConstraintSpec | None:
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise bad_param("response_format", 'response_format must be an object with a "type"')
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ConstraintSpec("json_object", "")
+    if kind != "json_schema":
+        raise bad_param("response_format", f"response_format.type must be text, json_object or json_schema, "
+                        f"got {kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise bad_param("response_format", "response_format.json_schema must be an object with a \"name\"")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad_param("response_format", "response_format.json_schema.schema must be an object")
+    return schema_spec(schema)
+
+
+def schema_spec(schema: dict) -> ConstraintSpec:
+    """Canonical text (sorted keys), so equal schemas share one compiled grammar."""
+    return ConstraintSpec("json_schema", orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode())
+
+
+def _guided(key: str, value) -> ConstraintSpec:
+    if key == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise bad_param(key, f"{key} is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise bad_param(key, f"{key} must be a JSON schema object")
+        return schema_spec(value)
+    if key == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad_param(key, f"{key} must be a non-empty array of non-empty strings")
+        return ConstraintSpec("choice", json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise bad_param(key, f"{key} must be a non-empty string")
+    return ConstraintSpec("regex" if key == "guided_regex" else "grammar", value)
+
+
+# ------------------------------------------------------------------ tools
+
+def tool_family(chat_template_source: str | None) -> str:
+    """The markup a model's chat template teaches it for tool calls."""
+    if chat_template_source and ("<|python_tag|>" in chat_template_source or "ipython" in chat_template_source):
+        return "llama3"
+    return "hermes"
+
+
+def tool_plan(body: dict) -> tuple:
+    """-> (ToolPlan | None, the tools for the chat template | None, ConstraintSpec | None).
+    The plan's family is "hermes" until the route knows the model (`tool_family`)."""
+    tools = body.get("tools")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        raise unsupported("functions", "the deprecated functions / function_call are not supported; use tools")
+    if tools is None:
+        if body.get("tool_choice") not in (None, "none"):
+            raise bad_param("tool_choice", "tool_choice needs tools")
+        return None, None, None
+    if not isinstance(tools, list) or not tools:
+        raise bad_param("tools", "tools must be a non-empty array")
+    functions = [_function(i, t) for i, t in enumerate(tools)]
+    names = tuple(f["name"] for f in functions)
+    choice = body.get("tool_choice", "auto")
+    family = "hermes"
+    if choice == "none":
+        return None, tools, None
+    if choice == "auto":
+        return ToolPlan("auto", names, family), tools, None
+    if choice == "required":
+        return ToolPlan("required", names, family), tools, schema_spec(_calls_schema(functions))
+    if (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str)):
+        name = choice["function"]["name"]
+        if name not in names:
+            raise bad_param("tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+        fn = functions[names.index(name)]
+        return ToolPlan("named", (name,), family), tools, schema_spec(fn.get("parameters") or {"type": "object"})
+    raise bad_param("tool_choice", 'tool_choice must be "none", "auto", "required" or '
+                    '{"type": "function", "function": {"name": ...}}')
+
+
+def _function(i: int, tool) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise bad_param("tools", f'tools[{i}] must be {{"type": "function", "function": {{...}}}}')
+    fn = tool["function"]
+    if not isinstance(fn.get("name"), str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", fn["name"]):
+        raise bad_param("tools", f"tools[{i}].function.name must be 1-64 letters, digits, _ or -")
+    if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+        raise bad_param("tools", f"tools[{i}].function.parameters must be a JSON schema object")
+    return fn
+
+
+def _calls_schema(functions: list) -> dict:
+    """tool_choice=required: a JSON array of one or more {"name", "arguments"} calls."""
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": f["name"]},
+                             "arguments": f.get("parameters") or {"type": "object"}}} for f in functions]
+    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+
+
+def tool_calls(plan: ToolPlan, text: str) -> tuple:
+    """A finished completion -> (content or None, [OpenAI tool call, ...]); no calls found in
+    `auto` mode: (text, [])."""
+    if plan.mode == "named":
+        return None, [_call(plan.names[0], text)]
+    if plan.mode == "required":
+        return None, [_call(c["name"], orjson.dumps(c["arguments"]).decode()) for c in json.loads(text)]
+    calls = parse_hermes(text) if plan.family == "hermes" else parse_llama3(text)
+    calls = [c for c in calls if c[0] in plan.names]
+    if not calls:
+        return text, []
+    content = text.split("<tool_call>", 1)[0].strip() if plan.family == "hermes" else ""
+    return content or None, [_call(name, args) for name, args in calls]
+
+
+_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def parse_hermes(text: str) -> list:
+    """Hermes / Qwen2.5: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated."""
+    out = []
+    for m in _HERMES.finditer(text):
+        call = _json_object(m.group(1))
+        if call is not None and isinstance(call.get("name"), str):
+            out.append((call["name"], orjson.dumps(call.get("arguments", {})).decode()))
+    return out
+
+
+def parse_llama3(text: str) -> list:
+    """Llama 3.1: the whole reply is `{"name": ..., "parameters": {...}}` (after an optional
+    `<|python_tag|>`), several separated by ';'."""
+    body = text.strip().removeprefix("<|python_tag|>").strip()
+    out = []
+    for part in body.split(";"):
+        call = _json_object(part.strip())
+        if call is None or not isinstance(call.get("name"), str):
+            return []
+        out.append((call["name"], orjson.dumps(call.get("parameters", call.get("arguments", {}))).decode()))
+    return out
+
+
+def _json_object(text: str):
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_response_chunks(fields: dict, content, calls: list, finish_reason: str, use: dict | None,
+                         timings: dict) -> bytes:
+    """A tool-calling stream, sent whole once the completion is done: the role, the content if
+    any, one `tool_calls` delta per call (name and the arguments in full), the finish chunk."""
+    def chunk(delta, finish=None):
+        return dict(fields, choices=[{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
+    parts = [chunk({"role": "assistant", "content": content if content else None} if not calls
+                   else {"role": "assistant", "content": content})]
+    for k, call in enumerate(calls):
+        parts.append(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                            "function": call["function"]}]}))
+    last = chunk({}, finish_reason)
+    last["timings"] = timings
+    parts.append(last)
+    if use is not None:
+        parts.append(dict(fields, choices=[], usage=use))
+    return b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in parts) + b"data: [DONE]\n\n"
