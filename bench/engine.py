@@ -75,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also print where a decode step's time goes (cpu: thread 0 by stage; cuda: every kernel of one eager step)")
     parser.add_argument("--contend", action="store_true",
                         help="cpu: decode tokens/s quiet vs with a busy loop pinned to one core, alternating in the same run")
+    parser.add_argument("--no-adaptive-pool", action="store_true",
+                        help="cpu: the pool keeps every thread even while a core is taken (the pre-issue-19 behaviour)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     add_cuda_arguments(parser)
 
@@ -84,11 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class CpuBackend:
     name = "cpu"
 
-    def __init__(self, threads):
+    def __init__(self, threads, adaptive=True):
         if not cpu.AVAILABLE:
             raise SystemExit(f"tokenwire bench engine: the C kernels are not built ({cpu.IMPORT_ERROR})")
         if threads is not None:
             cpu.set_num_threads(threads)
+        if not adaptive:
+            cpu.set_adaptive(False)
         self.cpu = cpu
         self.threads = cpu.num_threads()
 
@@ -291,12 +295,15 @@ def run_contend_shape(shape: str, args, backend, batches, precisions) -> list:
                     finally:
                         busy.pause()
                 ratios = [c / q for q, c in zip(quiet, loaded)]
+                demotions = backend.cpu.pool_state()[1]
                 row = {"shape": shape, "backend": backend.name, "activations": precision, "batch": batch,
                        "threads": backend.threads, "quiet_tokens_per_s": quiet, "contended_tokens_per_s": loaded,
-                       "ratio": statistics.median(loaded) / statistics.median(quiet), "busy_cpu": busy.cpu}
+                       "ratio": statistics.median(loaded) / statistics.median(quiet), "busy_cpu": busy.cpu,
+                       "pool_demotions_so_far": demotions}
                 print(f"   {precision:5} {batch:>5} {statistics.median(quiet):>9.1f} ({min(quiet):.0f}-{max(quiet):.0f})"
                       f" {statistics.median(loaded):>9.1f} ({min(loaded):.0f}-{max(loaded):.0f})"
-                      f" {row['ratio']:>8.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+                      f" {row['ratio']:>8.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                      f"   pool: {demotions} contended tasks so far")
                 rows.append(row)
     finally:
         busy.close()
@@ -336,7 +343,7 @@ def run(args) -> int:
         raise SystemExit("tokenwire bench engine: --threads must be >= 1")
     if min(args.prompt_len, args.steps, args.probe_reps, args.repeat) < 1:
         raise SystemExit("tokenwire bench engine: --prompt-len, --steps, --probe-reps and --repeat must be >= 1")
-    backend = BACKENDS[args.backend](args.threads)
+    backend = BACKENDS[args.backend](args.threads, not args.no_adaptive_pool)
     rows = []
     if args.contend and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("tokenwire bench engine: --contend needs at least 2 CPUs (one is taken by the busy loop)")

@@ -66,6 +66,18 @@ def set_num_threads(n: int) -> None:
     _cpu.set_num_threads(n)
 
 
+def pool_state() -> tuple:
+    """(threads the pool's tasks run on now, tasks judged contended so far): the pool runs on
+    fewer threads while a descheduled worker keeps the others waiting (kernels/cpu/src/pool.c)."""
+    return _cpu.pool_state() if AVAILABLE else (1, 0)
+
+
+def set_adaptive(on: bool) -> None:
+    """Whether the pool drops a thread while a core is taken (on by default)."""
+    _require()
+    _cpu.set_adaptive(bool(on))
+
+
 def isa() -> str:
     return _cpu.isa() if AVAILABLE else "numpy"
 

@@ -4,7 +4,15 @@
  * hundreds of tasks back to back, and waking a sleeping thread costs tens of microseconds),
  * then sleep on a condition variable so an idle server burns no CPU. Callers are serialised
  * by a mutex: the engine thread is the only regular caller, tests may call from several.
- * Workers start lazily and are restarted after fork (the child has none of them). */
+ * Workers start lazily and are restarted after fork (the child has none of them).
+ *
+ * The pool notices a descheduled worker. Every thread adds up the time it waits for the
+ * others (at barriers, for a worker's late start, for the task's end); when, in a task long
+ * enough to judge, more than LOST_FRACTION of the threads' time went to waiting, one thread
+ * was not running (a neighbour took its core: a barrier then waits milliseconds for it, and
+ * a step on two threads ran at 0.17x of quiet with a busy loop on one of two cores). The
+ * pool then runs the next tasks on one thread fewer, and after a hold (HOLD_MIN_NS, doubled
+ * on every probe that is still contended, up to HOLD_MAX_NS) tries one thread more again. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -27,6 +35,10 @@
                                  * engine steps come back to back with ~0.3 ms of Python between them,
                                  * and a worker woken from sleep arrives late to the first barrier */
 #define BARRIER_SPIN_NS 30000   /* a thread at a barrier spins this long before it sleeps */
+#define LOST_FRACTION 0.3      /* of the threads' time spent waiting: a thread was descheduled */
+#define JUDGE_NS 200000         /* shorter tasks do not say (a wake-up alone is tens of microseconds) */
+#define HOLD_MIN_NS 20000000LL  /* fewer threads for this long before probing one more ... */
+#define HOLD_MAX_NS 1000000000LL /* ... doubling while the probes stay contended */
 #define YIELD_AFTER 256         /* pauses before a waiter starts yielding its core (oversubscribed machines) */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -52,7 +64,18 @@ static struct {
     _Atomic int bar_count;
     _Atomic unsigned bar_phase;
     _Atomic int bar_sleepers;
-} pool = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_cv = PTHREAD_COND_INITIALIZER};
+    struct {
+        long long ns;               /* this task's waiting, written by its own thread only */
+        char pad[56];
+    } *waits;                       /* [nth] */
+    long long posted_ns;            /* when the current task was posted */
+    int limit;                      /* threads tasks run on now (<= nth; < nth while contended) */
+    long long hold_ns, probe_at_ns; /* contended: next probe of limit + 1 at probe_at_ns */
+    int probing;                    /* the limit was just raised: the next judged task tests it */
+    int adaptive;                   /* 0: always nth (tw_pool_set_adaptive) */
+    _Atomic long long demotions;    /* times a task was judged contended */
+} pool = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_cv = PTHREAD_COND_INITIALIZER,
+        .adaptive = 1};
 
 static long long now_ns(void) {
     struct timespec ts;
@@ -91,7 +114,10 @@ static void *worker_main(void *arg) {
     for (;;) {
         seen = wait_for_task(seen);
         if (atomic_load(&pool.stop)) return NULL;
-        if (ith < pool.task_nth) pool.fn(pool.arg, ith, pool.task_nth);
+        if (ith < pool.task_nth) {
+            pool.waits[ith].ns = now_ns() - pool.posted_ns;       /* late start: the others waited */
+            pool.fn(pool.arg, ith, pool.task_nth);
+        }
         atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
     }
 }
@@ -139,6 +165,11 @@ static void stop_workers(void) {
 }
 
 static int start_workers(void) {
+    free(pool.waits);
+    pool.waits = calloc((size_t)pool.nth, sizeof *pool.waits);
+    if (!pool.waits) return -1;
+    pool.limit = pool.nth;
+    pool.hold_ns = HOLD_MIN_NS;
     int want = pool.nth - 1;
     if (want <= 0) return 0;
     pool.workers = calloc((size_t)want, sizeof(pthread_t));
@@ -172,7 +203,7 @@ static void ensure_started(void) {
         atfork_done = 1;
     }
     if (pool.nth == 0) pool.nth = tw_physical_cores();
-    if (pool.num_workers != pool.nth - 1 && start_workers() != 0) {
+    if ((pool.num_workers != pool.nth - 1 || !pool.waits) && start_workers() != 0) {
         pool.nth = 1;                       /* cannot create threads: run everything on the caller */
     }
 }
@@ -196,10 +227,41 @@ int tw_pool_set_threads(int n) {
     return rc;
 }
 
+/* After a task on nth > 1 threads that took `wall` ns: was a thread missing? Adjust the limit. */
+static void judge(int nth, long long wall, long long now) {
+    if (wall < JUDGE_NS) return;
+    long long waited = 0;
+    for (int i = 0; i < nth; i++) waited += pool.waits[i].ns;
+    if ((double)waited > LOST_FRACTION * (double)nth * (double)wall) {
+        atomic_fetch_add(&pool.demotions, 1);
+        if (!pool.probing) pool.hold_ns = HOLD_MIN_NS;                                  /* first sign */
+        else pool.hold_ns = pool.hold_ns * 2 < HOLD_MAX_NS ? pool.hold_ns * 2 : HOLD_MAX_NS;  /* a failed probe */
+        pool.limit = nth - 1;
+        pool.probe_at_ns = now + pool.hold_ns;
+    } else if (pool.probing) {
+        pool.hold_ns = HOLD_MIN_NS;     /* this many run fine: try one more after the next hold */
+        pool.probe_at_ns = now + pool.hold_ns;
+    }
+    pool.probing = 0;
+}
+
+/* Threads the next task may use: the limit, raised by one when a probe is due. */
+static int task_limit(long long now) {
+    if (!pool.adaptive) return pool.nth;
+    if (pool.limit < pool.nth && now >= pool.probe_at_ns) {
+        pool.limit++;
+        pool.probing = 1;
+        pool.probe_at_ns = now + pool.hold_ns;      /* judged (and maybe lowered) after the task */
+    }
+    return pool.limit;
+}
+
 void tw_pool_run_n(tw_task fn, void *arg, int max_threads) {
     pthread_mutex_lock(&pool.run_mu);
     ensure_started();
-    const int nth = max_threads < pool.nth ? (max_threads < 1 ? 1 : max_threads) : pool.nth;
+    long long start = now_ns();
+    const int cap = task_limit(start);
+    const int nth = max_threads < cap ? (max_threads < 1 ? 1 : max_threads) : cap;
     if (nth == 1) {                          /* the workers stay asleep */
         fn(arg, 0, 1);
         pthread_mutex_unlock(&pool.run_mu);
@@ -208,15 +270,40 @@ void tw_pool_run_n(tw_task fn, void *arg, int max_threads) {
     pool.fn = fn;
     pool.arg = arg;
     pool.task_nth = nth;
+    for (int i = 0; i < nth; i++) pool.waits[i].ns = 0;
     atomic_store(&pool.pending, pool.nth - 1);
     atomic_store(&pool.bar_count, 0);
+    pool.posted_ns = start;
     pthread_mutex_lock(&pool.sleep_mu);     /* a worker going to sleep cannot miss this bump */
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
     pthread_cond_broadcast(&pool.sleep_cv);
     pthread_mutex_unlock(&pool.sleep_mu);
     fn(arg, 0, nth);
+    long long done = now_ns();
     unsigned spins = 0;
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) != 0) relax(&spins);
+    long long end = now_ns();
+    pool.waits[0].ns += end - done;          /* the caller waited for the last worker */
+    if (pool.adaptive) judge(nth, end - start, end);
+    pthread_mutex_unlock(&pool.run_mu);
+}
+
+int tw_pool_active_threads(void) {
+    pthread_mutex_lock(&pool.run_mu);
+    if (pool.nth == 0) pool.nth = tw_physical_cores();
+    int n = pool.adaptive && pool.waits ? pool.limit : pool.nth;
+    pthread_mutex_unlock(&pool.run_mu);
+    return n;
+}
+
+long long tw_pool_demotions(void) { return atomic_load(&pool.demotions); }
+
+void tw_pool_set_adaptive(int on) {
+    pthread_mutex_lock(&pool.run_mu);
+    pool.adaptive = on != 0;
+    pool.limit = pool.nth;
+    pool.probing = 0;
+    pool.hold_ns = HOLD_MIN_NS;
     pthread_mutex_unlock(&pool.run_mu);
 }
 
@@ -237,7 +324,6 @@ static void phase_wake_all(void) {}
  * thread streams `ahead` towards L2: the memory bus has work while the slower thread
  * finishes, and the early one starts its next share from L2. */
 void tw_pool_barrier_prefetch(int ith, int nth, tw_prefetch_range *ahead) {
-    (void)ith;
     if (nth <= 1) return;
     unsigned phase = atomic_load_explicit(&pool.bar_phase, memory_order_acquire);
     if (atomic_fetch_add_explicit(&pool.bar_count, 1, memory_order_acq_rel) == nth - 1) {
@@ -246,7 +332,7 @@ void tw_pool_barrier_prefetch(int ith, int nth, tw_prefetch_range *ahead) {
         if (atomic_load(&pool.bar_sleepers)) phase_wake_all();
         return;
     }
-    long long deadline = 0;
+    long long deadline = 0, arrived = now_ns();
     for (unsigned spins = 0; atomic_load_explicit(&pool.bar_phase, memory_order_acquire) == phase; spins++) {
         if (ahead && ahead->left >= 64) {          /* no pause: the fill buffers pace this loop */
             tw_prefetch_l2(ahead->p, 64);
@@ -265,6 +351,7 @@ void tw_pool_barrier_prefetch(int ith, int nth, tw_prefetch_range *ahead) {
         atomic_fetch_sub(&pool.bar_sleepers, 1);
         break;
     }
+    pool.waits[ith].ns += now_ns() - arrived;
 }
 
 void tw_pool_barrier(int ith, int nth) { tw_pool_barrier_prefetch(ith, nth, NULL); }
