@@ -623,7 +623,8 @@ int tw_model_threads(const tw_model *m, const tw_batch *b, int threads) {
 void tw_model_forward(tw_model *m, tw_batch *b, int threads) {
     step_job job = {m, b, 1};
     for (int i = 0; i < 5 * m->num_layers + 1; i++) atomic_store_explicit(&m->next_work[i], 0, memory_order_relaxed);
-    tw_pool_run_n(step_task, &job, threads);
+    /* steps with the same token and logits counts do about the same work (the context grows slowly) */
+    tw_pool_run_keyed(step_task, &job, threads, ((long long)b->num_tokens << 24) + b->num_logits + 1);
     if (m->final_softcap > 0.0f) {          /* Gemma 2: logits = cap * tanh(logits / cap), as the reference */
         const size_t count = (size_t)b->num_logits * m->vocab;
         for (size_t i = 0; i < count; i++) b->logits[i] = m->final_softcap * tanhf(b->logits[i] / m->final_softcap);

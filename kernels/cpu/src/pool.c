@@ -6,13 +6,17 @@
  * by a mutex: the engine thread is the only regular caller, tests may call from several.
  * Workers start lazily and are restarted after fork (the child has none of them).
  *
- * The pool notices a descheduled worker. Every thread adds up the time it waits for the
- * others (at barriers, for a worker's late start, for the task's end); when, in a task long
- * enough to judge, more than LOST_FRACTION of the threads' time went to waiting, one thread
- * was not running (a neighbour took its core: a barrier then waits milliseconds for it, and
- * a step on two threads ran at 0.17x of quiet with a busy loop on one of two cores). The
- * pool then runs the next tasks on one thread fewer, and after a hold (HOLD_MIN_NS, doubled
- * on every probe that is still contended, up to HOLD_MAX_NS) tries one thread more again. */
+ * The pool notices a descheduled worker (tasks run with a key, tw_pool_run_keyed: the C
+ * forward's steps). Every thread adds up the time it waits for the others (at barriers, for a
+ * worker's late start, for the task's end); when, in a task long enough to judge, more than
+ * LOST_FRACTION of the threads' time went to waiting, one thread was not running (a neighbour
+ * took its core: a barrier then waits milliseconds for it, and a step on two threads ran at
+ * 0.17x of quiet with a busy loop on one of two cores). The pool then tries one thread fewer,
+ * and keeps that only if the next task with the same key is not slower (on a machine loaded
+ * all over, two threads may wait a lot and still beat one: then it returns and does not try
+ * again for a hold, doubled per failed trial). While on fewer threads, after a hold
+ * (HOLD_MIN_NS, doubled per failed probe, up to HOLD_MAX_NS) it probes one thread more, kept
+ * if >= 5% faster than the count below on a task with the same key. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -71,7 +75,11 @@ static struct {
     long long posted_ns;            /* when the current task was posted */
     int limit;                      /* threads tasks run on now (<= nth; < nth while contended) */
     long long hold_ns, probe_at_ns; /* contended: next probe of limit + 1 at probe_at_ns */
-    int probing;                    /* the limit was just raised: the next judged task tests it */
+    int probing;                    /* the limit was just raised: the next comparable task tests it */
+    int trial;                      /* the limit was just lowered: the next comparable task tests it */
+    long long demote_hold_ns, demote_at_ns;  /* after a failed trial: no lowering before demote_at_ns */
+    long long tried_ns;                      /* when the current probe or trial began */
+    long long *last_wall, *last_key;         /* [nth + 1] the last judged task on k threads */
     int adaptive;                   /* 0: always nth (tw_pool_set_adaptive) */
     _Atomic long long demotions;    /* times a task was judged contended */
 } pool = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_cv = PTHREAD_COND_INITIALIZER,
@@ -168,8 +176,15 @@ static int start_workers(void) {
     free(pool.waits);
     pool.waits = calloc((size_t)pool.nth, sizeof *pool.waits);
     if (!pool.waits) return -1;
+    free(pool.last_wall);
+    free(pool.last_key);
+    pool.last_wall = calloc((size_t)pool.nth + 1, sizeof *pool.last_wall);
+    pool.last_key = calloc((size_t)pool.nth + 1, sizeof *pool.last_key);
+    if (!pool.last_wall || !pool.last_key) return -1;
     pool.limit = pool.nth;
-    pool.hold_ns = HOLD_MIN_NS;
+    pool.probing = pool.trial = 0;
+    pool.hold_ns = pool.demote_hold_ns = HOLD_MIN_NS;
+    pool.demote_at_ns = 0;
     int want = pool.nth - 1;
     if (want <= 0) return 0;
     pool.workers = calloc((size_t)want, sizeof(pthread_t));
@@ -227,43 +242,69 @@ int tw_pool_set_threads(int n) {
     return rc;
 }
 
-/* After a task on nth > 1 threads that took `wall` ns: was a thread missing? Adjust the limit. */
-static void judge(int nth, long long wall, long long now) {
-    if (wall < JUDGE_NS) return;
-    long long waited = 0;
-    for (int i = 0; i < nth; i++) waited += pool.waits[i].ns;
-    if ((double)waited > LOST_FRACTION * (double)nth * (double)wall) {
-        atomic_fetch_add(&pool.demotions, 1);
-        if (!pool.probing) pool.hold_ns = HOLD_MIN_NS;                                  /* first sign */
-        else pool.hold_ns = pool.hold_ns * 2 < HOLD_MAX_NS ? pool.hold_ns * 2 : HOLD_MAX_NS;  /* a failed probe */
-        pool.limit = nth - 1;
+/* After a task on nth threads that took `wall` ns (key: tasks with equal keys do the same work,
+ * 0: not comparable, never judged). A changed thread count is kept only if it was faster than
+ * the count before it on a task with the same key; a count whose threads wait too much is
+ * tried one lower. */
+static void judge(int nth, long long wall, long long key, long long now) {
+    if (!pool.adaptive || key == 0 || wall < JUDGE_NS) return;
+    if ((pool.probing || pool.trial) && now - pool.tried_ns > HOLD_MAX_NS)
+        pool.probing = pool.trial = 0;      /* no comparable task came: keep this count */
+    const int before = pool.probing ? nth - 1 : pool.trial ? nth + 1 : 0;
+    if (before && pool.last_key[before] == key) {
+        const int faster = pool.probing ? wall < 0.95 * pool.last_wall[before]      /* more threads must pay */
+                                        : wall <= pool.last_wall[before];
+        if (pool.probing && !faster) {          /* still contended: back, and probe less often */
+            pool.limit = nth - 1;
+            pool.hold_ns = pool.hold_ns * 2 < HOLD_MAX_NS ? pool.hold_ns * 2 : HOLD_MAX_NS;
+        } else if (pool.probing) {
+            pool.hold_ns = HOLD_MIN_NS;
+        } else if (!faster) {                   /* fewer threads lost: the waits were the machine's load */
+            pool.limit = nth + 1;
+            pool.demote_hold_ns = pool.demote_hold_ns * 2 < HOLD_MAX_NS ? pool.demote_hold_ns * 2 : HOLD_MAX_NS;
+            pool.demote_at_ns = now + pool.demote_hold_ns;
+        } else {
+            pool.demote_hold_ns = HOLD_MIN_NS;
+        }
+        pool.probing = pool.trial = 0;
         pool.probe_at_ns = now + pool.hold_ns;
-    } else if (pool.probing) {
-        pool.hold_ns = HOLD_MIN_NS;     /* this many run fine: try one more after the next hold */
-        pool.probe_at_ns = now + pool.hold_ns;
+    } else if (!pool.probing && !pool.trial && nth > 1 && nth == pool.limit && now >= pool.demote_at_ns) {
+        long long waited = 0;
+        for (int i = 0; i < nth; i++) waited += pool.waits[i].ns;
+        if ((double)waited > LOST_FRACTION * (double)nth * (double)wall) {   /* a thread was missing */
+            atomic_fetch_add(&pool.demotions, 1);
+            pool.limit = nth - 1;
+            pool.trial = 1;
+            pool.tried_ns = now;
+            pool.hold_ns = HOLD_MIN_NS;
+            pool.probe_at_ns = now + pool.hold_ns;
+        }
     }
-    pool.probing = 0;
+    pool.last_wall[nth] = wall;
+    pool.last_key[nth] = key;
 }
 
 /* Threads the next task may use: the limit, raised by one when a probe is due. */
 static int task_limit(long long now) {
     if (!pool.adaptive) return pool.nth;
-    if (pool.limit < pool.nth && now >= pool.probe_at_ns) {
+    if (pool.limit < pool.nth && !pool.trial && !pool.probing && now >= pool.probe_at_ns) {
         pool.limit++;
         pool.probing = 1;
-        pool.probe_at_ns = now + pool.hold_ns;      /* judged (and maybe lowered) after the task */
+        pool.tried_ns = now;
     }
     return pool.limit;
 }
 
-void tw_pool_run_n(tw_task fn, void *arg, int max_threads) {
+void tw_pool_run_keyed(tw_task fn, void *arg, int max_threads, long long key) {
     pthread_mutex_lock(&pool.run_mu);
     ensure_started();
     long long start = now_ns();
-    const int cap = task_limit(start);
+    const int cap = key ? task_limit(start) : pool.nth;
     const int nth = max_threads < cap ? (max_threads < 1 ? 1 : max_threads) : cap;
     if (nth == 1) {                          /* the workers stay asleep */
         fn(arg, 0, 1);
+        long long end = now_ns();
+        judge(1, end - start, key, end);
         pthread_mutex_unlock(&pool.run_mu);
         return;
     }
@@ -284,9 +325,11 @@ void tw_pool_run_n(tw_task fn, void *arg, int max_threads) {
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) != 0) relax(&spins);
     long long end = now_ns();
     pool.waits[0].ns += end - done;          /* the caller waited for the last worker */
-    if (pool.adaptive) judge(nth, end - start, end);
+    judge(nth, end - start, key, end);
     pthread_mutex_unlock(&pool.run_mu);
 }
+
+void tw_pool_run_n(tw_task fn, void *arg, int max_threads) { tw_pool_run_keyed(fn, arg, max_threads, 0); }
 
 int tw_pool_active_threads(void) {
     pthread_mutex_lock(&pool.run_mu);
@@ -302,8 +345,9 @@ void tw_pool_set_adaptive(int on) {
     pthread_mutex_lock(&pool.run_mu);
     pool.adaptive = on != 0;
     pool.limit = pool.nth;
-    pool.probing = 0;
-    pool.hold_ns = HOLD_MIN_NS;
+    pool.probing = pool.trial = 0;
+    pool.hold_ns = pool.demote_hold_ns = HOLD_MIN_NS;
+    pool.demote_at_ns = 0;
     pthread_mutex_unlock(&pool.run_mu);
 }
 
