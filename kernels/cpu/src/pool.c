@@ -41,6 +41,7 @@
 #define BARRIER_SPIN_NS 30000   /* a thread at a barrier spins this long before it sleeps */
 #define LOST_FRACTION 0.3      /* of the threads' time spent waiting: a thread was descheduled */
 #define JUDGE_NS 200000         /* shorter tasks do not say (a wake-up alone is tens of microseconds) */
+#define EXPERIMENT_TASKS 3      /* a changed thread count is judged on this many comparable tasks */
 #define HOLD_MIN_NS 20000000LL  /* fewer threads for this long before probing one more ... */
 #define HOLD_MAX_NS 1000000000LL /* ... doubling while the probes stay contended */
 #define YIELD_AFTER 256         /* pauses before a waiter starts yielding its core (oversubscribed machines) */
@@ -79,7 +80,9 @@ static struct {
     int trial;                      /* the limit was just lowered: the next comparable task tests it */
     long long demote_hold_ns, demote_at_ns;  /* after a failed trial: no lowering before demote_at_ns */
     long long tried_ns;                      /* when the current probe or trial began */
-    long long *last_wall, *last_key;         /* [nth + 1] the last judged task on k threads */
+    int exp_tasks;                           /* comparable tasks of the current probe or trial so far */
+    long long exp_sum;                       /* ... and their total time */
+    long long *last_wall, *last_key;         /* [nth + 1] running mean of the tasks on k threads with key */
     int adaptive;                   /* 0: always nth (tw_pool_set_adaptive) */
     _Atomic long long demotions;    /* times a task was judged contended */
 } pool = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_cv = PTHREAD_COND_INITIALIZER,
@@ -243,32 +246,36 @@ int tw_pool_set_threads(int n) {
 }
 
 /* After a task on nth threads that took `wall` ns (key: tasks with equal keys do the same work,
- * 0: not comparable, never judged). A changed thread count is kept only if it was faster than
- * the count before it on a task with the same key; a count whose threads wait too much is
- * tried one lower. */
+ * 0: not comparable, never judged). Each thread count keeps a running mean of its tasks' times
+ * (restarted when the key changes); a changed count is judged on the mean of its first
+ * EXPERIMENT_TASKS comparable tasks against the running mean of the count before it, so one
+ * slow step (the one whose waits started a trial) does not decide alone. */
 static void judge(int nth, long long wall, long long key, long long now) {
     if (!pool.adaptive || key == 0 || wall < JUDGE_NS) return;
     if ((pool.probing || pool.trial) && now - pool.tried_ns > HOLD_MAX_NS)
         pool.probing = pool.trial = 0;      /* no comparable task came: keep this count */
     const int before = pool.probing ? nth - 1 : pool.trial ? nth + 1 : 0;
     if (before && pool.last_key[before] == key) {
-        const int faster = pool.probing ? wall < 0.95 * pool.last_wall[before]      /* more threads must pay */
-                                        : wall <= pool.last_wall[before];
-        if (pool.probing && !faster) {          /* still contended: back, and probe less often */
-            pool.limit = nth - 1;
-            pool.hold_ns = pool.hold_ns * 2 < HOLD_MAX_NS ? pool.hold_ns * 2 : HOLD_MAX_NS;
-        } else if (pool.probing) {
-            pool.hold_ns = HOLD_MIN_NS;
-        } else if (!faster) {                   /* fewer threads lost: the waits were the machine's load */
-            pool.limit = nth + 1;
-            pool.demote_hold_ns = pool.demote_hold_ns * 2 < HOLD_MAX_NS ? pool.demote_hold_ns * 2 : HOLD_MAX_NS;
-            pool.demote_at_ns = now + pool.demote_hold_ns;
-        } else {
-            pool.demote_hold_ns = HOLD_MIN_NS;
+        pool.exp_sum += wall;
+        if (++pool.exp_tasks >= EXPERIMENT_TASKS) {
+            const double mean = (double)pool.exp_sum / pool.exp_tasks, base = pool.last_wall[before];
+            if (pool.probing && !(mean < 0.95 * base)) {        /* more threads must pay: back, probe less often */
+                pool.limit = nth - 1;
+                pool.hold_ns = pool.hold_ns * 2 < HOLD_MAX_NS ? pool.hold_ns * 2 : HOLD_MAX_NS;
+            } else if (pool.probing) {
+                pool.hold_ns = HOLD_MIN_NS;
+            } else if (mean > base) {           /* fewer threads lost: the waits were the machine's load */
+                pool.limit = nth + 1;
+                pool.demote_hold_ns = pool.demote_hold_ns * 2 < HOLD_MAX_NS ? pool.demote_hold_ns * 2 : HOLD_MAX_NS;
+                pool.demote_at_ns = now + pool.demote_hold_ns;
+            } else {
+                pool.demote_hold_ns = HOLD_MIN_NS;
+            }
+            pool.probing = pool.trial = 0;
+            pool.probe_at_ns = now + pool.hold_ns;
         }
-        pool.probing = pool.trial = 0;
-        pool.probe_at_ns = now + pool.hold_ns;
-    } else if (!pool.probing && !pool.trial && nth > 1 && nth == pool.limit && now >= pool.demote_at_ns) {
+    } else if (!pool.probing && !pool.trial && nth > 1 && nth == pool.limit && now >= pool.demote_at_ns &&
+               pool.last_key[nth] == key) {
         long long waited = 0;
         for (int i = 0; i < nth; i++) waited += pool.waits[i].ns;
         if ((double)waited > LOST_FRACTION * (double)nth * (double)wall) {   /* a thread was missing */
@@ -276,12 +283,13 @@ static void judge(int nth, long long wall, long long key, long long now) {
             pool.limit = nth - 1;
             pool.trial = 1;
             pool.tried_ns = now;
+            pool.exp_tasks = 0, pool.exp_sum = 0;
             pool.hold_ns = HOLD_MIN_NS;
             pool.probe_at_ns = now + pool.hold_ns;
         }
     }
-    pool.last_wall[nth] = wall;
-    pool.last_key[nth] = key;
+    if (pool.last_key[nth] == key) pool.last_wall[nth] = (3 * pool.last_wall[nth] + wall) / 4;
+    else pool.last_wall[nth] = wall, pool.last_key[nth] = key;
 }
 
 /* Threads the next task may use: the limit, raised by one when a probe is due. */
@@ -291,6 +299,7 @@ static int task_limit(long long now) {
         pool.limit++;
         pool.probing = 1;
         pool.tried_ns = now;
+        pool.exp_tasks = 0, pool.exp_sum = 0;
     }
     return pool.limit;
 }
