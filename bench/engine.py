@@ -30,7 +30,10 @@ and `read_bandwidth(nbytes, reps)` -> seconds per pass.
 
 import argparse
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="measurements per row; medians reported (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
                         help="also print where a decode step's time goes (cpu: thread 0 by stage; cuda: every kernel of one eager step)")
+    parser.add_argument("--contend", action="store_true",
+                        help="cpu: decode tokens/s quiet vs with a busy loop pinned to one core, alternating in the same run")
+    parser.add_argument("--no-adaptive-pool", action="store_true",
+                        help="cpu: the pool keeps every thread even while a core is taken (the pre-issue-19 behaviour)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     add_cuda_arguments(parser)
 
@@ -79,11 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class CpuBackend:
     name = "cpu"
 
-    def __init__(self, threads):
+    def __init__(self, threads, adaptive=True):
         if not cpu.AVAILABLE:
             raise SystemExit(f"tokenwire bench engine: the C kernels are not built ({cpu.IMPORT_ERROR})")
         if threads is not None:
             cpu.set_num_threads(threads)
+        if not adaptive:
+            cpu.set_adaptive(False)
         self.cpu = cpu
         self.threads = cpu.num_threads()
 
@@ -234,6 +243,73 @@ def run_shape(shape: str, args, backend, batches, precisions) -> list:
     return rows
 
 
+# ------------------------------------------------------------------ --contend
+
+class BusyLoop:
+    """A process spinning on one CPU (the last one this process may run on), started once and
+    paused / resumed with SIGSTOP / SIGCONT, so quiet and contended timings can alternate."""
+
+    def __init__(self):
+        self.cpu = max(os.sched_getaffinity(0))
+        code = f"import os\nos.sched_setaffinity(0, {{{self.cpu}}})\nwhile True: pass\n"
+        self.proc = subprocess.Popen([sys.executable, "-c", code])
+        self.pause()
+
+    def pause(self):
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self):
+        self.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.05)                    # it is running (and pinned) before the timing starts
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+def run_contend_shape(shape: str, args, backend, batches, precisions) -> list:
+    """Decode tokens/s quiet and with a busy loop on one core: --repeat pairs, alternating
+    (quiet, contended, quiet, ...); the ratio of the medians, and the range of the pairs' ratios."""
+    config = shape_config(shape)
+    tensors = random_engine(config, args.group_size, args.embedding)
+    num_blocks = max(batches) * -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
+    models = {p: backend.build(config, tensors, BLOCK_SIZE, num_blocks, p) for p in precisions}
+    del tensors
+    print(f"\n== {shape}: decode tokens/s quiet vs contended; {backend.describe()}")
+    busy = BusyLoop()
+    print(f"   contended: a busy loop (another process) pinned to CPU {busy.cpu} while the step runs; "
+          f"{args.repeat} alternating pairs of {args.steps} decode steps, medians (range)")
+    print(f"   {'act':5} {'batch':>5} {'quiet tok/s':>22} {'contended tok/s':>22} {'ratio':>19}")
+    rows = []
+    try:
+        for precision, model in models.items():
+            for batch in batches:
+                quiet, loaded = [], []
+                for _ in range(args.repeat):
+                    quiet.append(batch / statistics.median(
+                        time_batch(model, config, batch, args.prompt_len, args.steps)["step_s"]))
+                    busy.resume()
+                    try:
+                        loaded.append(batch / statistics.median(
+                            time_batch(model, config, batch, args.prompt_len, args.steps)["step_s"]))
+                    finally:
+                        busy.pause()
+                ratios = [c / q for q, c in zip(quiet, loaded)]
+                demotions = backend.cpu.pool_state()[1]
+                row = {"shape": shape, "backend": backend.name, "activations": precision, "batch": batch,
+                       "threads": backend.threads, "quiet_tokens_per_s": quiet, "contended_tokens_per_s": loaded,
+                       "ratio": statistics.median(loaded) / statistics.median(quiet), "busy_cpu": busy.cpu,
+                       "pool_demotions_so_far": demotions}
+                print(f"   {precision:5} {batch:>5} {statistics.median(quiet):>9.1f} ({min(quiet):.0f}-{max(quiet):.0f})"
+                      f" {statistics.median(loaded):>9.1f} ({min(loaded):.0f}-{max(loaded):.0f})"
+                      f" {row['ratio']:>8.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                      f"   pool: {demotions} contended tasks so far")
+                rows.append(row)
+    finally:
+        busy.close()
+    return rows
+
+
 def parse_list(text: str, what: str, allowed=None) -> list:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if allowed is not None:
@@ -267,10 +343,12 @@ def run(args) -> int:
         raise SystemExit("tokenwire bench engine: --threads must be >= 1")
     if min(args.prompt_len, args.steps, args.probe_reps, args.repeat) < 1:
         raise SystemExit("tokenwire bench engine: --prompt-len, --steps, --probe-reps and --repeat must be >= 1")
-    backend = BACKENDS[args.backend](args.threads)
+    backend = BACKENDS[args.backend](args.threads, not args.no_adaptive_pool)
     rows = []
+    if args.contend and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("tokenwire bench engine: --contend needs at least 2 CPUs (one is taken by the busy loop)")
     for shape in args.shape or ["qwen2.5-0.5b"]:
-        rows += run_shape(shape, args, backend, batches, precisions)
+        rows += (run_contend_shape if args.contend else run_shape)(shape, args, backend, batches, precisions)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
         print(f"\nwrote {len(rows)} rows to {args.json}", file=sys.stderr)

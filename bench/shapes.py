@@ -9,6 +9,7 @@ checkpoint: the kernels' speed does not depend on the values.
 import numpy as np
 
 from ..core.config import ModelConfig
+from ..engine_build import default_model
 from ..kernels.engine_format import linear_shapes, vector_shapes
 
 SHAPES = {  # the published configs, in ModelConfig fields
@@ -24,6 +25,11 @@ SHAPES = {  # the published configs, in ModelConfig fields
                          rope_scaling=dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192)),
 }
+# the embedded default model `tokenwire serve` runs without --model (engine_build/default_model.py);
+# its trained tokenizer has 781 tokens
+SHAPES["default"] = dict(architecture="LlamaForCausalLM", vocab_size=781, num_layers=default_model.NUM_LAYERS,
+                         max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0,
+                         tie_word_embeddings=True, **default_model.LAYER_SHAPE)
 SHAPES_CUDA = {
     "llama-3.1-8b": dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,

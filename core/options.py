@@ -11,6 +11,8 @@ the number. Network limits are net/'s own (`net/events.Limits`).
 from dataclasses import dataclass, fields
 from typing import Optional
 
+ACTIVATIONS = ("int8", "fp32")          # the cpu backend's INT4-product activations (kernels/cpu/README.md)
+
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -28,6 +30,10 @@ class EngineOptions:
     mock_step_us: float = 0.0               # mock backend: microseconds per engine step
     enable_prefix_caching: bool = True      # reuse cached KV blocks of known prefixes (core/prefix_cache.py)
     response_cache_size: int = 0            # exact-match answers kept (core/response_cache.py); 0: off
+    # cpu backend: the INT4 products' activations, "int8" (quantized per group of 64, as llama.cpp's
+    # 4-bit products: perplexity +0.01-0.02%, `tokenwire bench numerics`) or "fp32" (exact: matches the
+    # numpy reference to float32 rounding, the golden path)
+    activations: str = "int8"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "block_size"):
@@ -39,6 +45,8 @@ class EngineOptions:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.response_cache_size < 0:
             raise ValueError(f"response_cache_size must be >= 0, got {self.response_cache_size}")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
         if not self.mock_step_us >= 0:
             raise ValueError(f"mock_step_us must be >= 0, got {self.mock_step_us}")
 

@@ -38,17 +38,22 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.block_tables = BlockTables()                       # the batch's block-table array, kept across steps
+        # a forward that also returns each row's argmax (kernels/cpu's CpuModel), or None
+        self._forward_argmax = getattr(model, "forward_argmax", None)
 
     def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
         batch = build_forward_batch(seqs, self.block_size, self.block_tables)
-        logits = self.model.forward(batch)                      # [S_sample, V]
         sampling_seqs = [s for s in seqs if s.sample]
+        if self._forward_argmax is not None and any(s.sampling.greedy for s in sampling_seqs):
+            logits, argmax = self._forward_argmax(batch)        # greedy rows: argmax fused into lm_head
+            return sample(logits, sampling_seqs, argmax)
+        logits = self.model.forward(batch)                      # [S_sample, V]
         if not sampling_seqs:
             return StepOutput([])
         return sample(logits, sampling_seqs)
 
     def close(self) -> None:
-        self.model = None                                       # drop weights and cache
+        self.model = self._forward_argmax = None                # drop weights and cache
 
 
 def kv_bytes_per_token(config: ModelConfig, bytes_per_value: int = KV_BYTES_PER_VALUE) -> int:

@@ -110,8 +110,10 @@ CDF_BLOCK = 512                         # temperature-only rows: the CDF crossin
 TOP_P_MARGIN = 1e-12                    # relative: far above the 3 x 2**-53 a later token's mass can fall short
 
 
-def sample(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
-    """logits: float32 [S, V], one row per sampling SeqStep (hot path: once per step)."""
+def sample(logits: np.ndarray, seqs: Sequence[SeqStep], argmax: Optional[np.ndarray] = None) -> StepOutput:
+    """logits: float32 [S, V], one row per sampling SeqStep (hot path: once per step).
+    argmax: np.argmax(logits, axis=1) when the forward already found it (the C lm_head does),
+    used for greedy rows without penalties instead of another pass over [S, V]."""
     num_seqs = len(seqs)
     assert logits.ndim == 2 and logits.shape[0] == num_seqs, (logits.shape, num_seqs)
     apply_constraints(logits, seqs)
@@ -120,10 +122,10 @@ def sample(logits: np.ndarray, seqs: Sequence[SeqStep]) -> StepOutput:
     token_ids = np.empty(num_seqs, dtype=np.int64)                 # [S]
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == num_seqs and not rows.penalized:
-        token_ids[:] = np.argmax(logits, axis=1)
+        token_ids[:] = np.argmax(logits, axis=1) if argmax is None else argmax
     else:
         for i in greedy:
-            token_ids[i] = np.argmax(rows.gather([i]))
+            token_ids[i] = argmax[i] if argmax is not None and i not in rows.penalized else np.argmax(rows.gather([i]))
     random = [i for i, p in enumerate(params) if not p.greedy]
     if random:
         draws = dict(zip(random, request_uniforms([seqs[i].seed for i in random],

@@ -3,6 +3,8 @@ printed table and the JSON rows carry measured, self-consistent figures; the ran
 is a valid engine of the requested shape; bad arguments fail with a message."""
 
 import json
+import os
+import statistics
 
 import numpy as np
 import pytest
@@ -85,3 +87,25 @@ def test_every_published_shape_is_a_valid_config():
 def test_bad_arguments_are_named(toy_shape, argv, message):
     with pytest.raises(SystemExit, match=message):
         main(["bench", "engine", "--shape", "toy", *argv])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--contend needs 2 CPUs")
+def test_contend_times_quiet_and_contended_pairs_and_stops_its_busy_loop(toy_shape, tmp_path, capsys, monkeypatch):
+    started = []
+    real = bench.BusyLoop.__init__
+
+    def spy(self):
+        real(self)
+        started.append(self.proc)
+    monkeypatch.setattr(bench.BusyLoop, "__init__", spy)
+    out = tmp_path / "rows.json"
+    assert main(["bench", "engine", "--shape", "toy", "--batch", "1", "--activations", "fp32", "--steps", "3",
+                 "--prompt-len", "5", "--repeat", "2", "--contend", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "quiet vs contended" in text and "pinned to CPU" in text
+    (row,) = json.loads(out.read_text())
+    assert len(row["quiet_tokens_per_s"]) == len(row["contended_tokens_per_s"]) == 2
+    assert min(row["quiet_tokens_per_s"] + row["contended_tokens_per_s"]) > 0
+    assert row["ratio"] == pytest.approx(statistics.median(row["contended_tokens_per_s"])
+                                         / statistics.median(row["quiet_tokens_per_s"]))
+    assert len(started) == 1 and started[0].poll() is not None          # the busy loop is gone

@@ -270,3 +270,61 @@ def test_stories260k_batched_staggered_sequences_each_reproduce_run_c(stories):
                            reference["prompt_token_ids"], len(want))
     for i, ids in enumerate(got):
         assert ids == want, f"sequence {i} diverged"
+
+
+# ------------------------------------------------------------------ fused greedy argmax
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("family", ["llama_gqa", "gemma_tied_gelu", "gemma2_window_caps"])
+def test_fused_argmax_is_numpys_argmax_of_the_same_logits(family, encoding):
+    config = CONFIGS[family]
+    tensors = engine_tensors(config, ENCODINGS[encoding])
+    before = cpu.num_threads()
+    try:
+        cpu.set_num_threads(3)
+        for threads in (1, 2, 3):
+            model = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
+            model.threads = threads
+            plain = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
+            for steps in mixed_steps(config.vocab_size):
+                batch = build_forward_batch(steps, 4)
+                logits, ids = model.forward_argmax(batch)
+                assert np.array_equal(logits, plain.forward(batch))
+                assert ids.dtype == np.int32 and np.array_equal(ids, np.argmax(logits, axis=1))
+    finally:
+        cpu.set_num_threads(before)
+
+
+def tie_tensors(encoding: str, nan: bool) -> tuple:
+    """A 4096-token model whose lm_head has equal rows far apart (1000 and 3000 = v, 2000 and
+    3500 = -v, the rest 0): every row's maximum is a tie across the threads' shares; with
+    `nan`, rows 2500 and 3900 are NaN (dense only)."""
+    config = tiny_config(vocab_size=4096)
+    source = source_tensors(config)
+    head = np.zeros_like(source["lm_head"])
+    v = np.random.default_rng(5).standard_normal(head.shape[1]).astype(np.float32)
+    head[[1000, 3000]] = v
+    head[[2000, 3500]] = -v
+    source["lm_head"] = head
+    tensors = quantize_model(config, source, ENCODINGS[encoding])[0]
+    if nan:                                 # after the build, which refuses non-finite weights
+        tensors["lm_head.weight"] = tensors["lm_head.weight"].copy()
+        tensors["lm_head.weight"][[2500, 3900]] = np.nan
+    return config, tensors
+
+
+@pytest.mark.parametrize("encoding,nan", [("dense", False), ("dense", True), ("int4_g32_fp16_embed", False),
+                                          ("int4_g128_int4_embed", False)])
+def test_fused_argmax_keeps_numpys_ties_and_nans(encoding, nan):
+    config, tensors = tie_tensors(encoding, nan)
+    before = cpu.num_threads()
+    try:
+        cpu.set_num_threads(2)
+        model = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
+        for steps in mixed_steps(config.vocab_size):
+            logits, ids = model.forward_argmax(build_forward_batch(steps, 4))
+            want = np.argmax(logits, axis=1)
+            assert np.array_equal(ids, want)
+            assert set(want.tolist()) <= ({2500} if nan else {1000, 2000})
+    finally:
+        cpu.set_num_threads(before)

@@ -29,6 +29,9 @@ def assert_same(logits, seqs):
     fast, ref = sample(logits, seqs), sample_reference(logits, seqs)
     assert fast.token_ids == ref.token_ids
     assert fast.logprobs == ref.logprobs
+    # the forward's fused argmax (the C lm_head's) stands in for greedy rows without penalties
+    fused = sample(logits, seqs, np.argmax(logits, axis=1).astype(np.int32))
+    assert fused.token_ids == ref.token_ids and fused.logprobs == ref.logprobs
 
 
 def random_params(rng):

@@ -22,6 +22,7 @@ COMMANDS = {
 # `tokenwire bench NAME`
 BENCHES = {
     "engine": ("tokenwire.bench.engine", "decode/prefill tokens/s against the memory-bandwidth roofline"),
+    "numerics": ("tokenwire.bench.numerics", "accuracy of int8 activations against the exact path (perplexity, greedy)"),
     "scheduler": ("tokenwire.bench.scheduler", "scheduler overhead per step with a zero-cost engine"),
     "stages": ("tokenwire.bench.stages", "per-stage microbenchmarks of the request pipeline"),
     "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),

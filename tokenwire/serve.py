@@ -13,7 +13,7 @@ import logging
 import re
 import sys
 
-from .core.options import DEFAULTS
+from .core.options import ACTIVATIONS, DEFAULTS
 from .kernels import BACKENDS
 from .net.events import BUSY_POLL_US, Limits
 from .server import Server
@@ -111,6 +111,10 @@ def add_arguments(parser) -> None:
                         metavar="N", help="answer a repeated greedy or seeded request (same prompt and parameters) "
                                           "from an LRU of the last N answers without running the model "
                                           "(default: %(default)s, off)")
+    parser.add_argument("--activations", default=DEFAULTS.activations, choices=ACTIVATIONS,
+                        help="cpu backend: INT4 products on int8-quantized activations (llama.cpp's trade-off; "
+                             "perplexity +0.01-0.02%%) or exact fp32 ones, which match the numpy reference "
+                             "(default: %(default)s)")
     parser.add_argument("--mock-step-us", type=_non_negative_float, default=DEFAULTS.mock_step_us,
                         help="mock backend: microseconds per engine step (default: %(default)s, zero cost)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
@@ -186,6 +190,7 @@ def run(args) -> int:
                         access_log=args.access_log,
                         enable_prefix_caching=args.enable_prefix_caching,
                         response_cache_size=args.response_cache_size,
+                        activations=args.activations,
                         host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,
                         api_key=args.api_key, limits=limits, trace=args.trace, freeze_gc=True,
                         busy_poll_us=args.busy_poll_us)

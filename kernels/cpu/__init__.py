@@ -10,8 +10,10 @@ Contract:
   `activations="fp32"` (default) agrees with the reference to float32 accumulation order;
   `"int8"` quantizes x per group to int8 first (VNNI path, faster for batches; error bound
   in `int8_error_bound`).
-- `create_model(config, tensors, block_size, num_blocks)`: the forward object the CPU
-  executor drives (`forward(ForwardBatch) -> logits`), C when available (kernels/cpu/model.py).
+- `create_model(config, tensors, block_size, num_blocks, activations="fp32")`: the forward
+  object the CPU executor drives (`forward(ForwardBatch) -> logits`), C when available
+  (kernels/cpu/model.py); exact unless told otherwise. `create_executor` (the served engine)
+  passes `EngineOptions.activations`, whose default is "int8" (core/options.py).
 - Threads: a persistent pool, by default one thread per physical core; `TOKENWIRE_NUM_THREADS`
   or `set_num_threads(n)` changes it. ISA: the best of avx512 / avx2 / scalar the CPU
   supports, chosen at run time; `TOKENWIRE_CPU_ISA` or `set_isa(name)` forces one.
@@ -22,6 +24,7 @@ After changing C code, rebuild in place with:  pip install -e . --no-build-isola
 
 import logging
 import os
+from functools import partial
 from typing import Optional
 
 import numpy as np
@@ -64,6 +67,18 @@ def set_num_threads(n: int) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"thread count must be a positive integer, got {n!r}")
     _cpu.set_num_threads(n)
+
+
+def pool_state() -> tuple:
+    """(threads the pool's tasks run on now, tasks judged contended so far): the pool runs on
+    fewer threads while a descheduled worker keeps the others waiting (kernels/cpu/src/pool.c)."""
+    return _cpu.pool_state() if AVAILABLE else (1, 0)
+
+
+def set_adaptive(on: bool) -> None:
+    """Whether the pool drops a thread while a core is taken (on by default)."""
+    _require()
+    _cpu.set_adaptive(bool(on))
 
 
 def isa() -> str:
@@ -174,5 +189,6 @@ def create_model(config, tensors, block_size: int = DEFAULTS.block_size, num_blo
 
 
 def create_executor(engine, options: EngineOptions, max_model_len: int) -> ModelRunner:
-    """kernels.BACKENDS["cpu"]: the C forward (the numpy reference, with a warning, when not built)."""
-    return create_runner(engine, options, max_model_len, create_model)
+    """kernels.BACKENDS["cpu"]: the C forward with `options.activations` (the numpy reference, with
+    a warning, when not built)."""
+    return create_runner(engine, options, max_model_len, partial(create_model, activations=options.activations))

@@ -116,7 +116,20 @@ class CpuModel:
     def forward(self, batch: ForwardBatch) -> np.ndarray:
         """One engine step (hot path: once per step). -> float32 [S_sample, vocab]"""
         logits = np.empty((len(batch.logits_indices), self.config.vocab_size), dtype=np.float32)
+        self._model.forward(*self._arrays(batch), logits, self.threads or 0)
+        return logits
+
+    def forward_argmax(self, batch: ForwardBatch) -> tuple:
+        """`forward`, plus each logits row's argmax (int32 [S_sample]) found inside the lm_head
+        product while its outputs are in cache: np.argmax(logits, axis=1) exactly, ties (first
+        maximum) and NaN (the first NaN) included, without a second pass over [S, vocab]."""
+        logits = np.empty((len(batch.logits_indices), self.config.vocab_size), dtype=np.float32)
+        ids = np.empty(len(batch.logits_indices), dtype=np.int32)
+        self._model.forward(*self._arrays(batch), logits, self.threads or 0, ids)
+        return logits, ids
+
+    @staticmethod
+    def _arrays(batch: ForwardBatch) -> tuple:
         arrays = (batch.token_ids, batch.positions, batch.seq_starts, batch.context_lens, batch.block_tables,
                   batch.slot_mapping, batch.logits_indices)
-        self._model.forward(*(np.ascontiguousarray(a, dtype=np.int32) for a in arrays), logits, self.threads or 0)
-        return logits
+        return tuple(np.ascontiguousarray(a, dtype=np.int32) for a in arrays)

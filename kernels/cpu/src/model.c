@@ -7,6 +7,9 @@
  * ReferenceModel.forward line by line. */
 #include <math.h>
 #include <stdatomic.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <stdio.h>
 #include <string.h>
 
@@ -33,6 +36,8 @@ static void free_own(tw_thread_scratch *own) {
     tw_free(own->rope_local);
     tw_free(own->post);
     tw_free(own->scores);
+    tw_free(own->best);
+    tw_free(own->best_at);
     tw_act_free(&own->act);
     memset(own, 0, sizeof *own);
 }
@@ -183,9 +188,11 @@ static int alloc_own(const tw_model *m, tw_thread_scratch *own, int tokens, int 
     own->rope_local = m->inv_freq_local ? floats(T * m->head_dim) : NULL;
     own->post = floats((size_t)m->dim);
     own->scores = floats((size_t)ctx * (m->num_heads / m->num_kv_heads));
+    own->best = floats(T);
+    own->best_at = tw_alloc(T * sizeof(int32_t));
     int act_ok = act_init(m, &own->act, (int)few) == 0;
     return own->x && own->h && own->mlp && own->rope && (own->rope_local || !m->inv_freq_local) && own->post &&
-           own->scores && act_ok ? 0 : -1;
+           own->scores && own->best && own->best_at && act_ok ? 0 : -1;
 }
 
 /* A capacity that covers `need`, grown by at least half of `cap`: a decode stream's context
@@ -247,7 +254,86 @@ int tw_model_reserve(tw_model *m, const tw_batch *b, int threads) {
 typedef struct {
     tw_model *m;
     tw_batch *b;
+    int nth;                        /* threads the step ran on (the pool may give fewer than asked) */
 } step_job;
+
+/* ------------------------------------------------------------------ fused greedy argmax */
+
+/* Does value v at index i come before the best so far (bv at bi, bi < 0: none)? numpy's
+ * argmax: the first maximum, NaN above everything (the first NaN wins). */
+static int beats(float v, int i, float bv, int bi) {
+    if (i < 0) return 0;
+    if (bi < 0) return 1;
+    if (isnan(v) || isnan(bv)) return isnan(v) && (!isnan(bv) || i < bi);
+    return v > bv || (v == bv && i < bi);
+}
+
+/* The largest of x[0, n) (n >= 1) and whether any is NaN: 4 lanes of maxps on x86-64 (whose
+ * baseline has SSE2); plain C elsewhere (the compiler does not vectorize a float max without
+ * -ffast-math). The maximum is exact either way when no value is NaN. */
+static float chunk_max(const float *x, int n, int *nan) {
+#if defined(__SSE2__)
+    if (n >= 8) {
+        __m128 m0 = _mm_loadu_ps(x), m1 = _mm_loadu_ps(x + 4), u = _mm_setzero_ps();
+        int i = 8;
+        for (; i + 8 <= n; i += 8) {
+            const __m128 a = _mm_loadu_ps(x + i), b = _mm_loadu_ps(x + i + 4);
+            u = _mm_or_ps(u, _mm_or_ps(_mm_cmpunord_ps(a, a), _mm_cmpunord_ps(b, b)));
+            m0 = _mm_max_ps(m0, a), m1 = _mm_max_ps(m1, b);
+        }
+        u = _mm_or_ps(u, _mm_or_ps(_mm_cmpunord_ps(m0, m0), _mm_cmpunord_ps(m1, m1)));  /* the first 8 */
+        float lanes[4], mx;
+        _mm_storeu_ps(lanes, _mm_max_ps(m0, m1));
+        mx = lanes[0];
+        for (int j = 1; j < 4; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+        for (; i < n; i++) {
+            mx = x[i] > mx ? x[i] : mx;
+            if (x[i] != x[i]) *nan = 1;
+        }
+        if (_mm_movemask_ps(u)) *nan = 1;
+        return mx;
+    }
+#endif
+    float mx = x[0];
+    for (int i = 0; i < n; i++) {
+        mx = x[i] > mx ? x[i] : mx;
+        if (x[i] != x[i]) *nan = 1;
+    }
+    return mx;
+}
+
+/* Fold x[0, n) (indices base..base+n, above every index folded before) into (*best, *at): a
+ * chunk's maximum first, the index search only in a chunk that holds a new best or a NaN. */
+static void argmax_fold(const float *x, int n, int base, float *best, int32_t *at) {
+    if (*at >= 0 && isnan(*best)) return;
+    for (int i0 = 0; i0 < n; i0 += 256) {
+        const int i1 = i0 + 256 < n ? i0 + 256 : n;
+        int nan = 0;
+        const float mx = chunk_max(x + i0, i1 - i0, &nan);
+        if (!nan && *at >= 0 && !(mx > *best)) continue;
+        for (int i = i0; i < i1; i++) {
+            if (isnan(x[i])) {
+                *best = x[i], *at = base + i;
+                return;
+            }
+            if (*at < 0 || x[i] > *best) *best = x[i], *at = base + i;
+        }
+    }
+}
+
+/* After the step: each row's argmax from the threads' partial ones, or (final soft cap, which
+ * may round distinct logits to equal ones) from the capped row itself. */
+static void argmax_merge(const tw_model *m, const tw_batch *b, int nth) {
+    for (int r = 0; r < b->num_logits; r++) {
+        float best = 0.0f;
+        int32_t at = -1;
+        if (m->final_softcap > 0.0f) argmax_fold(b->logits + (size_t)r * m->vocab, m->vocab, 0, &best, &at);
+        else
+            for (int t = 0; t < nth; t++)
+                if (beats(m->own[t].best[r], m->own[t].best_at[r], best, at)) best = m->own[t].best[r], at = m->own[t].best_at[r];
+        b->argmax[r] = at;
+    }
+}
 
 /* Bytes of the next product a thread streams towards L2 while it waits at a barrier: its own
  * first share (below), up to WAIT_PREFETCH_BYTES. */
@@ -351,10 +437,18 @@ static int shared_rows(const clock0 *c, int rows) { return rows >= TW_SPLIT_ROWS
  * INT4: the activations are prepared first, by this thread alone into its own buffers for
  * a few rows, or split over the threads into the shared ones (then they meet). */
 static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const float *x, int ldx,
-                    int rows, float *y, int stage) {
+                    int rows, float *y, int stage, int argmax) {
     const tw_model *m = c->m;
+    if (argmax)
+        for (int r = 0; r < rows; r++) own->best_at[r] = -1;
     if (w->kind != TW_W_I4) {
         tw_rows_linear_part(w->data, w->row_scales, w->kind, w->n, w->k, x, ldx, rows, y, w->n, c->ith, c->nth);
+        if (argmax) {
+            int n0, n1;
+            tw_split(w->n, c->ith, c->nth, &n0, &n1);
+            for (int r = 0; r < rows; r++)
+                argmax_fold(y + (size_t)r * w->n + n0, n1 - n0, n0, &own->best[r], &own->best_at[r]);
+        }
         stamp(c, stage);
         return;
     }
@@ -370,8 +464,14 @@ static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const
     if (shared && c->nth > 1) sync(c);
     const shares s = tile_shares(c, &w->i4);
     t1 = -1;
-    while (claim(c, s, &t0, &t1))
+    while (claim(c, s, &t0, &t1)) {
         tw_active()->int4[m->prec == TW_PREC_Q8](&w->i4, &a, y, w->n, t0, t1);
+        if (argmax) {                           /* while the tiles' outputs are in L1 / L2 */
+            const int n0 = t0 * 16, n1 = t1 * 16 < w->n ? t1 * 16 : w->n;
+            for (int r = 0; r < rows && n0 < n1; r++)
+                argmax_fold(y + (size_t)r * w->n + n0, n1 - n0, n0, &own->best[r], &own->best_at[r]);
+        }
+    }
     c->stage_no++;
     stamp(c, stage);
 }
@@ -467,6 +567,7 @@ static void step_task(void *arg, int ith, int nth) {
     tw_thread_scratch *own = &m->own[ith];
     const int T = b->num_tokens, D = m->dim, q = m->num_heads * m->head_dim;
     clock0 c = {m, ith, nth, ith ? 0 : (uint64_t)(tw_now_seconds() * 1e9), 0};
+    if (ith == 0) job->nth = nth;
     const uint64_t start = c.last;
     embed_rows(m, b, own);
     for (int l = 0; l < m->num_layers; l++) {
@@ -474,30 +575,31 @@ static void step_task(void *arg, int ith, int nth) {
         residual_norm(m, own, L->attn_norm, T, l > 0,               /* x += down output of layer l-1 */
                       l > 0 ? m->layers[l - 1].post_mlp_norm : NULL);
         stamp(&c, TW_PROF_ROWS);
-        product(&c, own, &L->qkv, own->h, D, T, m->qkv, TW_PROF_QKV);
+        product(&c, own, &L->qkv, own->h, D, T, m->qkv, TW_PROF_QKV, 0);
         warm_attention(&c, l, b);
         warm(&c, &L->o);
         sync(&c);
         attention(&c, l, b, own);
         stamp(&c, TW_PROF_ATTN);
         sync(&c);
-        product(&c, own, &L->o, m->attn, q, T, m->tmp, TW_PROF_O);
+        product(&c, own, &L->o, m->attn, q, T, m->tmp, TW_PROF_O, 0);
         warm(&c, &L->gate_up);
         sync(&c);
         residual_norm(m, own, L->mlp_norm, T, 1, L->post_attn_norm);
         stamp(&c, TW_PROF_ROWS);
-        product(&c, own, &L->gate_up, own->h, D, T, m->gate_up, TW_PROF_GATE_UP);
+        product(&c, own, &L->gate_up, own->h, D, T, m->gate_up, TW_PROF_GATE_UP, 0);
         warm(&c, &L->down);
         sync(&c);
         const float *mlp = mlp_rows(&c, own, T);
-        product(&c, own, &L->down, mlp, m->hidden, T, m->tmp, TW_PROF_DOWN);
+        product(&c, own, &L->down, mlp, m->hidden, T, m->tmp, TW_PROF_DOWN, 0);
         warm(&c, l + 1 < m->num_layers ? &m->layers[l + 1].qkv : (m->lm_head.kind >= 0 ? &m->lm_head : &m->embed));
         sync(&c);
     }
     logits_rows(m, b, own);
     stamp(&c, TW_PROF_ROWS);
     const tw_weight *head = m->lm_head.kind >= 0 ? &m->lm_head : &m->embed;
-    if (b->num_logits > 0) product(&c, own, head, own->h, D, b->num_logits, b->logits, TW_PROF_LM_HEAD);
+    if (b->num_logits > 0) product(&c, own, head, own->h, D, b->num_logits, b->logits, TW_PROF_LM_HEAD,
+                                     b->argmax != NULL);
     if (ith == 0) {
         m->prof.steps++;
         m->prof.step_ns += c.last - start;
@@ -519,13 +621,15 @@ int tw_model_threads(const tw_model *m, const tw_batch *b, int threads) {
 }
 
 void tw_model_forward(tw_model *m, tw_batch *b, int threads) {
-    step_job job = {m, b};
+    step_job job = {m, b, 1};
     for (int i = 0; i < 5 * m->num_layers + 1; i++) atomic_store_explicit(&m->next_work[i], 0, memory_order_relaxed);
-    tw_pool_run_n(step_task, &job, threads);
+    /* steps with the same token and logits counts do about the same work (the context grows slowly) */
+    tw_pool_run_keyed(step_task, &job, threads, ((long long)b->num_tokens << 24) + b->num_logits + 1);
     if (m->final_softcap > 0.0f) {          /* Gemma 2: logits = cap * tanh(logits / cap), as the reference */
         const size_t count = (size_t)b->num_logits * m->vocab;
         for (size_t i = 0; i < count; i++) b->logits[i] = m->final_softcap * tanhf(b->logits[i] / m->final_softcap);
     }
+    if (b->argmax) argmax_merge(m, b, job.nth);
 }
 
 size_t tw_model_weight_bytes(const tw_model *m) {

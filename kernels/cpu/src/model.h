@@ -51,6 +51,8 @@ typedef struct {
     float *post;                    /* [D] one normed product row (post norms) */
     float *scores;                  /* [group][cap_ctx] attention scores of one token's query group */
     tw_act act;                     /* [min(T, TW_SPLIT_ROWS)] rows of the widest K */
+    float *best;                    /* [T] fused argmax: the largest logit of each row in this thread's columns */
+    int32_t *best_at;               /* [T] ... and its index (-1: none yet) */
 } tw_thread_scratch;
 
 /* Where thread 0's time goes in a step (ns, summed over steps; read and reset from Python). */
@@ -105,6 +107,7 @@ typedef struct {
     const int32_t *slot_mapping;    /* [T] */
     const int32_t *logits_indices;  /* [S_sample] */
     float *logits;                  /* [S_sample][V] */
+    int32_t *argmax;                /* [S_sample] or NULL: each logits row's first maximum (NaN the largest, as numpy) */
     int32_t *token_seq;             /* [T] scratch: owning sequence of each token */
 } tw_batch;
 

@@ -4,7 +4,19 @@
  * hundreds of tasks back to back, and waking a sleeping thread costs tens of microseconds),
  * then sleep on a condition variable so an idle server burns no CPU. Callers are serialised
  * by a mutex: the engine thread is the only regular caller, tests may call from several.
- * Workers start lazily and are restarted after fork (the child has none of them). */
+ * Workers start lazily and are restarted after fork (the child has none of them).
+ *
+ * The pool notices a descheduled worker (tasks run with a key, tw_pool_run_keyed: the C
+ * forward's steps). Every thread adds up the time it waits for the others (at barriers, for a
+ * worker's late start, for the task's end); when, in a task long enough to judge, more than
+ * LOST_FRACTION of the threads' time went to waiting, one thread was not running (a neighbour
+ * took its core: a barrier then waits milliseconds for it, and a step on two threads ran at
+ * 0.17x of quiet with a busy loop on one of two cores). The pool then tries one thread fewer,
+ * and keeps that only if the next task with the same key is not slower (on a machine loaded
+ * all over, two threads may wait a lot and still beat one: then it returns and does not try
+ * again for a hold, doubled per failed trial). While on fewer threads, after a hold
+ * (HOLD_MIN_NS, doubled per failed probe, up to HOLD_MAX_NS) it probes one thread more, kept
+ * if >= 5% faster than the count below on a task with the same key. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -27,6 +39,11 @@
                                  * engine steps come back to back with ~0.3 ms of Python between them,
                                  * and a worker woken from sleep arrives late to the first barrier */
 #define BARRIER_SPIN_NS 30000   /* a thread at a barrier spins this long before it sleeps */
+#define LOST_FRACTION 0.3      /* of the threads' time spent waiting: a thread was descheduled */
+#define JUDGE_NS 200000         /* shorter tasks do not say (a wake-up alone is tens of microseconds) */
+#define EXPERIMENT_TASKS 3      /* a changed thread count is judged on this many comparable tasks */
+#define HOLD_MIN_NS 20000000LL  /* fewer threads for this long before probing one more ... */
+#define HOLD_MAX_NS 1000000000LL /* ... doubling while the probes stay contended */
 #define YIELD_AFTER 256         /* pauses before a waiter starts yielding its core (oversubscribed machines) */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -52,7 +69,24 @@ static struct {
     _Atomic int bar_count;
     _Atomic unsigned bar_phase;
     _Atomic int bar_sleepers;
-} pool = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_cv = PTHREAD_COND_INITIALIZER};
+    struct {
+        long long ns;               /* this task's waiting, written by its own thread only */
+        char pad[56];
+    } *waits;                       /* [nth] */
+    long long posted_ns;            /* when the current task was posted */
+    int limit;                      /* threads tasks run on now (<= nth; < nth while contended) */
+    long long hold_ns, probe_at_ns; /* contended: next probe of limit + 1 at probe_at_ns */
+    int probing;                    /* the limit was just raised: the next comparable task tests it */
+    int trial;                      /* the limit was just lowered: the next comparable task tests it */
+    long long demote_hold_ns, demote_at_ns;  /* after a failed trial: no lowering before demote_at_ns */
+    long long tried_ns;                      /* when the current probe or trial began */
+    int exp_tasks;                           /* comparable tasks of the current probe or trial so far */
+    long long exp_sum;                       /* ... and their total time */
+    long long *last_wall, *last_key;         /* [nth + 1] running mean of the tasks on k threads with key */
+    int adaptive;                   /* 0: always nth (tw_pool_set_adaptive) */
+    _Atomic long long demotions;    /* times a task was judged contended */
+} pool = {.run_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_mu = PTHREAD_MUTEX_INITIALIZER, .sleep_cv = PTHREAD_COND_INITIALIZER,
+        .adaptive = 1};
 
 static long long now_ns(void) {
     struct timespec ts;
@@ -91,7 +125,10 @@ static void *worker_main(void *arg) {
     for (;;) {
         seen = wait_for_task(seen);
         if (atomic_load(&pool.stop)) return NULL;
-        if (ith < pool.task_nth) pool.fn(pool.arg, ith, pool.task_nth);
+        if (ith < pool.task_nth) {
+            pool.waits[ith].ns = now_ns() - pool.posted_ns;       /* late start: the others waited */
+            pool.fn(pool.arg, ith, pool.task_nth);
+        }
         atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_release);
     }
 }
@@ -139,6 +176,18 @@ static void stop_workers(void) {
 }
 
 static int start_workers(void) {
+    free(pool.waits);
+    pool.waits = calloc((size_t)pool.nth, sizeof *pool.waits);
+    if (!pool.waits) return -1;
+    free(pool.last_wall);
+    free(pool.last_key);
+    pool.last_wall = calloc((size_t)pool.nth + 1, sizeof *pool.last_wall);
+    pool.last_key = calloc((size_t)pool.nth + 1, sizeof *pool.last_key);
+    if (!pool.last_wall || !pool.last_key) return -1;
+    pool.limit = pool.nth;
+    pool.probing = pool.trial = 0;
+    pool.hold_ns = pool.demote_hold_ns = HOLD_MIN_NS;
+    pool.demote_at_ns = 0;
     int want = pool.nth - 1;
     if (want <= 0) return 0;
     pool.workers = calloc((size_t)want, sizeof(pthread_t));
@@ -172,7 +221,7 @@ static void ensure_started(void) {
         atfork_done = 1;
     }
     if (pool.nth == 0) pool.nth = tw_physical_cores();
-    if (pool.num_workers != pool.nth - 1 && start_workers() != 0) {
+    if ((pool.num_workers != pool.nth - 1 || !pool.waits) && start_workers() != 0) {
         pool.nth = 1;                       /* cannot create threads: run everything on the caller */
     }
 }
@@ -196,27 +245,118 @@ int tw_pool_set_threads(int n) {
     return rc;
 }
 
-void tw_pool_run_n(tw_task fn, void *arg, int max_threads) {
+/* After a task on nth threads that took `wall` ns (key: tasks with equal keys do the same work,
+ * 0: not comparable, never judged). Each thread count keeps a running mean of its tasks' times
+ * (restarted when the key changes); a changed count is judged on the mean of its first
+ * EXPERIMENT_TASKS comparable tasks against the running mean of the count before it, so one
+ * slow step (the one whose waits started a trial) does not decide alone. */
+static void judge(int nth, long long wall, long long key, long long now) {
+    if (!pool.adaptive || key == 0 || wall < JUDGE_NS) return;
+    if ((pool.probing || pool.trial) && now - pool.tried_ns > HOLD_MAX_NS)
+        pool.probing = pool.trial = 0;      /* no comparable task came: keep this count */
+    const int before = pool.probing ? nth - 1 : pool.trial ? nth + 1 : 0;
+    if (before && pool.last_key[before] == key) {
+        pool.exp_sum += wall;
+        if (++pool.exp_tasks >= EXPERIMENT_TASKS) {
+            const double mean = (double)pool.exp_sum / pool.exp_tasks, base = pool.last_wall[before];
+            if (pool.probing && !(mean < 0.95 * base)) {        /* more threads must pay: back, probe less often */
+                pool.limit = nth - 1;
+                pool.hold_ns = pool.hold_ns * 2 < HOLD_MAX_NS ? pool.hold_ns * 2 : HOLD_MAX_NS;
+            } else if (pool.probing) {
+                pool.hold_ns = HOLD_MIN_NS;
+            } else if (mean > base) {           /* fewer threads lost: the waits were the machine's load */
+                pool.limit = nth + 1;
+                pool.demote_hold_ns = pool.demote_hold_ns * 2 < HOLD_MAX_NS ? pool.demote_hold_ns * 2 : HOLD_MAX_NS;
+                pool.demote_at_ns = now + pool.demote_hold_ns;
+            } else {
+                pool.demote_hold_ns = HOLD_MIN_NS;
+            }
+            pool.probing = pool.trial = 0;
+            pool.probe_at_ns = now + pool.hold_ns;
+        }
+    } else if (!pool.probing && !pool.trial && nth > 1 && nth == pool.limit && now >= pool.demote_at_ns &&
+               pool.last_key[nth] == key) {
+        long long waited = 0;
+        for (int i = 0; i < nth; i++) waited += pool.waits[i].ns;
+        if ((double)waited > LOST_FRACTION * (double)nth * (double)wall) {   /* a thread was missing */
+            atomic_fetch_add(&pool.demotions, 1);
+            pool.limit = nth - 1;
+            pool.trial = 1;
+            pool.tried_ns = now;
+            pool.exp_tasks = 0, pool.exp_sum = 0;
+            pool.hold_ns = HOLD_MIN_NS;
+            pool.probe_at_ns = now + pool.hold_ns;
+        }
+    }
+    if (pool.last_key[nth] == key) pool.last_wall[nth] = (3 * pool.last_wall[nth] + wall) / 4;
+    else pool.last_wall[nth] = wall, pool.last_key[nth] = key;
+}
+
+/* Threads the next task may use: the limit, raised by one when a probe is due. */
+static int task_limit(long long now) {
+    if (!pool.adaptive) return pool.nth;
+    if (pool.limit < pool.nth && !pool.trial && !pool.probing && now >= pool.probe_at_ns) {
+        pool.limit++;
+        pool.probing = 1;
+        pool.tried_ns = now;
+        pool.exp_tasks = 0, pool.exp_sum = 0;
+    }
+    return pool.limit;
+}
+
+void tw_pool_run_keyed(tw_task fn, void *arg, int max_threads, long long key) {
     pthread_mutex_lock(&pool.run_mu);
     ensure_started();
-    const int nth = max_threads < pool.nth ? (max_threads < 1 ? 1 : max_threads) : pool.nth;
+    long long start = now_ns();
+    const int cap = key ? task_limit(start) : pool.nth;
+    const int nth = max_threads < cap ? (max_threads < 1 ? 1 : max_threads) : cap;
     if (nth == 1) {                          /* the workers stay asleep */
         fn(arg, 0, 1);
+        long long end = now_ns();
+        judge(1, end - start, key, end);
         pthread_mutex_unlock(&pool.run_mu);
         return;
     }
     pool.fn = fn;
     pool.arg = arg;
     pool.task_nth = nth;
+    for (int i = 0; i < nth; i++) pool.waits[i].ns = 0;
     atomic_store(&pool.pending, pool.nth - 1);
     atomic_store(&pool.bar_count, 0);
+    pool.posted_ns = start;
     pthread_mutex_lock(&pool.sleep_mu);     /* a worker going to sleep cannot miss this bump */
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
     pthread_cond_broadcast(&pool.sleep_cv);
     pthread_mutex_unlock(&pool.sleep_mu);
     fn(arg, 0, nth);
+    long long done = now_ns();
     unsigned spins = 0;
     while (atomic_load_explicit(&pool.pending, memory_order_acquire) != 0) relax(&spins);
+    long long end = now_ns();
+    pool.waits[0].ns += end - done;          /* the caller waited for the last worker */
+    judge(nth, end - start, key, end);
+    pthread_mutex_unlock(&pool.run_mu);
+}
+
+void tw_pool_run_n(tw_task fn, void *arg, int max_threads) { tw_pool_run_keyed(fn, arg, max_threads, 0); }
+
+int tw_pool_active_threads(void) {
+    pthread_mutex_lock(&pool.run_mu);
+    if (pool.nth == 0) pool.nth = tw_physical_cores();
+    int n = pool.adaptive && pool.waits ? pool.limit : pool.nth;
+    pthread_mutex_unlock(&pool.run_mu);
+    return n;
+}
+
+long long tw_pool_demotions(void) { return atomic_load(&pool.demotions); }
+
+void tw_pool_set_adaptive(int on) {
+    pthread_mutex_lock(&pool.run_mu);
+    pool.adaptive = on != 0;
+    pool.limit = pool.nth;
+    pool.probing = pool.trial = 0;
+    pool.hold_ns = pool.demote_hold_ns = HOLD_MIN_NS;
+    pool.demote_at_ns = 0;
     pthread_mutex_unlock(&pool.run_mu);
 }
 
@@ -237,7 +377,6 @@ static void phase_wake_all(void) {}
  * thread streams `ahead` towards L2: the memory bus has work while the slower thread
  * finishes, and the early one starts its next share from L2. */
 void tw_pool_barrier_prefetch(int ith, int nth, tw_prefetch_range *ahead) {
-    (void)ith;
     if (nth <= 1) return;
     unsigned phase = atomic_load_explicit(&pool.bar_phase, memory_order_acquire);
     if (atomic_fetch_add_explicit(&pool.bar_count, 1, memory_order_acq_rel) == nth - 1) {
@@ -246,7 +385,7 @@ void tw_pool_barrier_prefetch(int ith, int nth, tw_prefetch_range *ahead) {
         if (atomic_load(&pool.bar_sleepers)) phase_wake_all();
         return;
     }
-    long long deadline = 0;
+    long long deadline = 0, arrived = now_ns();
     for (unsigned spins = 0; atomic_load_explicit(&pool.bar_phase, memory_order_acquire) == phase; spins++) {
         if (ahead && ahead->left >= 64) {          /* no pause: the fill buffers pace this loop */
             tw_prefetch_l2(ahead->p, 64);
@@ -265,6 +404,7 @@ void tw_pool_barrier_prefetch(int ith, int nth, tw_prefetch_range *ahead) {
         atomic_fetch_sub(&pool.bar_sleepers, 1);
         break;
     }
+    pool.waits[ith].ns += now_ns() - arrived;
 }
 
 void tw_pool_barrier(int ith, int nth) { tw_pool_barrier_prefetch(ith, nth, NULL); }

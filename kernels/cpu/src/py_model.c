@@ -298,33 +298,37 @@ static const char *BATCH_NAMES[] = {"token_ids", "positions", "seq_starts", "con
                                     "slot_mapping", "logits_indices"};
 
 /* forward(token_ids, positions, seq_starts, context_lens, block_tables, slot_mapping, logits_indices, logits,
- *         threads=0): threads 0 = as many as the step's work is worth */
+ *         threads=0, argmax=None): threads 0 = as many as the step's work is worth; argmax, an int32
+ *         [len(logits_indices)] array, receives each logits row's first maximum (fused into lm_head) */
 static PyObject *Model_forward(Model *self, PyObject *args) {
-    PyObject *obj[8];
+    PyObject *obj[9] = {NULL};
     int threads = 0;
-    if (!PyArg_ParseTuple(args, "OOOOOOOO|i", &obj[0], &obj[1], &obj[2], &obj[3], &obj[4], &obj[5], &obj[6], &obj[7],
-                          &threads))
+    if (!PyArg_ParseTuple(args, "OOOOOOOO|iO", &obj[0], &obj[1], &obj[2], &obj[3], &obj[4], &obj[5], &obj[6], &obj[7],
+                          &threads, &obj[8]))
         return NULL;
+    const int want_argmax = obj[8] && obj[8] != Py_None;
     const char *missing = tw_model_missing(&self->m);
     if (missing) return PyErr_Format(PyExc_ValueError, "the C model has no weight %s", missing);
-    Py_buffer v[8];
+    Py_buffer v[9];
     int got = 0;
     for (; got < 7; got++)
         if (tw_py_buffer(obj[got], &v[got], BATCH_NAMES[got], 'i', got == 4 ? 2 : 1, 0)) break;
     if (got == 7 && tw_py_buffer(obj[7], &v[7], "logits", 'f', 2, 1) == 0) got = 8;
+    if (got == 8 && want_argmax && tw_py_buffer(obj[8], &v[8], "argmax", 'i', 1, 1) == 0) got = 9;
     PyObject *result = NULL;
     int32_t *token_seq = NULL;
-    if (got == 8) {
+    if (got == 8 + want_argmax) {
         tw_batch b = {
             .num_tokens = (int)v[0].shape[0], .num_seqs = (int)v[3].shape[0], .num_logits = (int)v[6].shape[0],
             .max_blocks = (int)v[4].shape[1], .token_ids = v[0].buf, .positions = v[1].buf, .seq_starts = v[2].buf,
             .context_lens = v[3].buf, .block_tables = v[4].buf, .slot_mapping = v[5].buf, .logits_indices = v[6].buf,
-            .logits = v[7].buf,
+            .logits = v[7].buf, .argmax = want_argmax ? v[8].buf : NULL,
         };
         const char *bad = NULL;
         if (v[1].shape[0] != b.num_tokens || v[5].shape[0] != b.num_tokens) bad = "positions and slot_mapping need one entry per token";
         else if (v[2].shape[0] != b.num_seqs + 1 || v[4].shape[0] != b.num_seqs) bad = "seq_starts needs S + 1 entries and block_tables S rows";
         else if (v[7].shape[0] != b.num_logits || v[7].shape[1] != self->m.vocab) bad = "logits must be [len(logits_indices), vocab]";
+        else if (want_argmax && v[8].shape[0] != b.num_logits) bad = "argmax must have len(logits_indices) entries";
         else if (!(token_seq = PyMem_Malloc((size_t)(b.num_tokens + 1) * sizeof(int32_t)))) PyErr_NoMemory();
         else {
             b.token_seq = token_seq;
@@ -386,7 +390,7 @@ static PyMethodDef Model_methods[] = {
      "set_attention(scale, attn_softcap, final_softcap, windows, local_rope, inv_freq_local)"},
     {"forward", (PyCFunction)Model_forward, METH_VARARGS,
      "forward(token_ids, positions, seq_starts, context_lens, block_tables, slot_mapping, logits_indices, logits, "
-     "threads=0)"},
+     "threads=0, argmax=None)"},
     {NULL},
 };
 

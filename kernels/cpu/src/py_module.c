@@ -253,6 +253,19 @@ static PyObject *py_set_isa(PyObject *mod, PyObject *name) {
 
 static PyObject *py_num_threads(PyObject *mod, PyObject *unused) { return PyLong_FromLong(tw_pool_num_threads()); }
 
+static PyObject *py_pool_state(PyObject *mod, PyObject *unused) {
+    return Py_BuildValue("(iL)", tw_pool_active_threads(), tw_pool_demotions());
+}
+
+static PyObject *py_set_adaptive(PyObject *mod, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    tw_pool_set_adaptive(on);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_physical_cores(PyObject *mod, PyObject *unused) { return PyLong_FromLong(tw_physical_cores()); }
 
 static PyObject *py_set_num_threads(PyObject *mod, PyObject *arg) {
@@ -310,6 +323,8 @@ static PyMethodDef methods[] = {
     {"set_isa", py_set_isa, METH_O, "set_isa(name): choose 'scalar', 'avx2' or 'avx512'"},
     {"num_threads", py_num_threads, METH_NOARGS, "threads a kernel call uses"},
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
+    {"pool_state", py_pool_state, METH_NOARGS, "pool_state() -> (threads tasks run on now, contended tasks so far)"},
+    {"set_adaptive", py_set_adaptive, METH_O, "set_adaptive(on): fewer threads while a core is taken (default on)"},
     {"physical_cores", py_physical_cores, METH_NOARGS, "physical cores this process may run on"},
     {"read_bandwidth", py_read_bandwidth, METH_VARARGS, "read_bandwidth(nbytes, reps) -> [seconds per pass]"},
     {NULL, NULL, 0, NULL},

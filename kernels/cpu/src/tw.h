@@ -178,7 +178,13 @@ int tw_pool_set_threads(int n);                     /* 0 ok; joins and restarts 
 int tw_physical_cores(void);
 void tw_pool_run(tw_task fn, void *arg);
 void tw_pool_run_n(tw_task fn, void *arg, int max_threads);     /* on at most max_threads threads */
+/* The same; tasks with the same nonzero key do the same work, so the pool compares their times on
+ * different thread counts and runs on fewer threads while that is faster (a core taken) */
+void tw_pool_run_keyed(tw_task fn, void *arg, int max_threads, long long key);
 void tw_pool_barrier(int ith, int nth);             /* inside a task: all threads meet here */
+int tw_pool_active_threads(void);                   /* threads tasks run on now: fewer while a core is taken */
+long long tw_pool_demotions(void);                  /* tasks judged contended so far */
+void tw_pool_set_adaptive(int on);                  /* 0: always every thread (on by default) */
 
 /* Memory a thread will read soon: a barrier wait streams it towards L2 (prefetcht1, line by
  * line, advancing p) instead of spinning idle, until released or the range is done. */
