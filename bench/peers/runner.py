@@ -39,7 +39,8 @@ def peer_specs(port: int, step_us: float, trace: Optional[str] = None, max_token
     """Every server this benchmark knows, by name."""
     py = [sys.executable, "-m"]
     step = ["--step-us", f"{step_us:g}"]
-    tokenwire = py + ["tokenwire", "serve", "--backend", "mock", "--mock-step-us", f"{step_us:g}",
+    # --no-access-log: the peers run without access logs too (uvicorn access_log=False, hypercorn accesslog None)
+    tokenwire = py + ["tokenwire", "serve", "--backend", "mock", "--mock-step-us", f"{step_us:g}", "--no-access-log",
                       "--host", HOST, "--port", str(port)] + (["--trace", trace] if trace else [])
     fastapi = py + ["tokenwire.bench.peers.fastapi_app", "--host", HOST, "--port", str(port)] + step
     grpc = py + ["tokenwire.bench.peers.grpc_peer", "--host", HOST, "--port", str(port)] + step
