@@ -27,7 +27,6 @@ by its byte length before it is tokenized, and a large one is tokenized on a wor
 reset meanwhile.
 """
 
-import asyncio
 import hmac
 import itertools
 import logging
@@ -62,13 +61,13 @@ from .openai_api import (
     parse_json,
 )
 from .priority import urgency
-from .structured import new_call_id, tool_family
 from .prompt_limits import (
     LARGE_PROMPT_CHARS,
     Tokenizing,
     max_token_bytes,
     min_prompt_tokens,
 )
+from .structured import new_call_id
 
 log = logging.getLogger("tokenwire.net")
 SWEEP_BATCH = 32            # connections whose deadlines one pass of the loop checks (ending one costs ~0.2 ms)
@@ -334,35 +333,36 @@ class App:
             self._enqueue(job, g.prompt_token_ids)
         elif len(text) < LARGE_PROMPT_CHARS:
             self._enqueue(job, encode(text))
-        else:
-            self._tokenize_off_loop(job, text, prefix)
+        else:           # a large prompt: tokenized on the worker thread (prompt_limits.py)
+            self._off_loop(job, self.tokenizing.submit(text, prefix), lambda ids: self._enqueue(job, ids))
 
-    def _tokenize_off_loop(self, job: "Submission", text: str, prefix: list) -> None:
-        """Large prompts: ids from the worker thread, then `_tokenized` on the loop. The stream is
-        marked in flight meanwhile (a reset or a lost connection unmarks it: then nothing is submitted)."""
+    def _off_loop(self, job: "Submission", future, then) -> None:
+        """`job` waits for work on a worker thread (`future`: a tokenization or a grammar compile),
+        then `then(result)` runs on the loop. The stream is marked in flight meanwhile (a reset or
+        a lost connection unmarks it: then nothing is submitted)."""
         job.proto.outbox.streams[job.req.stream_id] = job.request_id
-        future = self.tokenizing.submit(text, prefix)
-        future.add_done_callback(lambda f: self._tokenized_threadsafe(job, f))
+        future.add_done_callback(lambda f: self._back_on_loop(job, f, then))
 
-    def _tokenized_threadsafe(self, job: "Submission", future) -> None:
-        """Worker thread: back to the loop, unless it has stopped (the server is going away)."""
+    def _back_on_loop(self, job: "Submission", future, then) -> None:
+        """The future's callback (worker thread, or the loop): resume on the loop, unless it has
+        stopped (the server is going away)."""
         try:
-            self.loop.call_soon_threadsafe(self._tokenized, job, future)
+            self.loop.call_soon_threadsafe(self._resume, job, future, then)
         except RuntimeError:
             pass
 
-    def _tokenized(self, job: "Submission", future) -> None:
+    def _resume(self, job: "Submission", future, then) -> None:
         proto, req = job.proto, job.req
         streams = proto.outbox.streams
         if proto.closing or streams.get(req.stream_id) != job.request_id or future.cancelled():
             return          # the client left meanwhile
         del streams[req.stream_id]
         try:
-            self._enqueue(job, future.result())
+            then(future.result())
         except ApiError as exc:
             self._respond_error(proto, req.stream_id, exc)
         except Exception as exc:
-            log.exception("internal error tokenizing %s %s", req.method, req.target)
+            log.exception("internal error preparing %s %s off the loop", req.method, req.target)
             self._respond_error(proto, req.stream_id, ApiError(
                 500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
         finally:
@@ -381,7 +381,7 @@ class App:
     def _enqueue(self, job: "Submission", prompt_ids: list, compiled=None) -> None:
         """Check max_tokens against what the context leaves, stamp the request and hand it to
         the engine (woken by the caller). A constrained request's grammar comes from the
-        model's cache at once, else is compiled on a worker thread first (`_compiled`)."""
+        model's cache at once, else is compiled on a worker thread first (`_compile`)."""
         proto, req, g, request_id = job.proto, job.req, job.g, job.request_id
         problem = max_tokens_problem(g.params.max_tokens, len(prompt_ids), self.model.max_model_len)
         if problem is not None:
@@ -389,8 +389,9 @@ class App:
         constraint = None
         if g.constraint is not None:
             compiled = compiled or self.model.grammars.cached(g.constraint)
-            if compiled is None:
-                return self._compile_off_loop(job, prompt_ids)
+            if compiled is None:        # not compiled before: on a worker thread first
+                future = self.loop.run_in_executor(None, self._compile, g)
+                return self._off_loop(job, future, lambda done: self._enqueue(job, prompt_ids, done))
             constraint = compiled.constraint()
         timeline = Timeline(arrived_ns=req.arrived_ns, tokenized_ns=time.monotonic_ns())
         if compiled is not None:
@@ -425,35 +426,12 @@ class App:
             ex.tools, ex.tools_stream, ex.include_usage = g.tools, g.stream, g.include_usage
         self.dispatcher.add(ex, job.deadline_ns)
 
-    def _compile_off_loop(self, job: "Submission", prompt_ids: list) -> None:
-        """A grammar not compiled before: on a worker thread, then `_compiled` on the loop. The
-        stream is marked in flight meanwhile, as for a large prompt's tokenization."""
-        job.proto.outbox.streams[job.req.stream_id] = job.request_id
-        future = asyncio.get_running_loop().run_in_executor(None, self.model.grammars.compile, job.g.constraint)
-        future.add_done_callback(lambda f: self._compiled(job, prompt_ids, f))
-
-    def _compiled(self, job: "Submission", prompt_ids: list, future) -> None:
-        """On the loop: queue the request with its grammar, or answer 400 naming the problem."""
-        proto, req = job.proto, job.req
-        streams = proto.outbox.streams
-        if proto.closing or streams.get(req.stream_id) != job.request_id or future.cancelled():
-            return          # the client left meanwhile
-        del streams[req.stream_id]
+    def _compile(self, g: GenerationRequest):
+        """Worker thread: compile `g`'s grammar; an invalid one is a 400 naming the problem."""
         try:
-            try:
-                compiled = future.result()
-            except InvalidConstraint as exc:
-                raise ApiError(400, str(exc), param=_constraint_param(job.g), code="invalid_constraint") from None
-            self._enqueue(job, prompt_ids, compiled)
-        except ApiError as exc:
-            self._respond_error(proto, req.stream_id, exc)
-        except Exception as exc:
-            log.exception("internal error compiling the grammar of %s %s", req.method, req.target)
-            self._respond_error(proto, req.stream_id, ApiError(
-                500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
-        finally:
-            self.engine.wake()
-            proto.flush()
+            return self.model.grammars.compile(g.constraint)
+        except InvalidConstraint as exc:
+            raise ApiError(400, str(exc), param=_constraint_param(g), code="invalid_constraint") from None
 
     def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline,
                         priority: int) -> list:
