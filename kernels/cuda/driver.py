@@ -62,6 +62,20 @@ HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 LIBCUDA = "libcuda.so.1"
 
 
+def capture_graph(drv, stream, enqueue: Callable[[object], None]):
+    """`enqueue(stream)` run once eagerly (warm-up: lazy loading, workspace sizing), waited for,
+    then captured as a CUDA graph. -> the graph (drv.end_capture's). Works on any driver with
+    the CudaDriver interface (the fake one included); once per graph, at start."""
+    enqueue(stream)
+    drv.stream_synchronize(stream)
+    drv.begin_capture(stream)
+    try:
+        enqueue(stream)
+    finally:
+        graph = drv.end_capture(stream)
+    return graph
+
+
 class NativeEventSync:
     """cuEventSynchronize(handle) -> CUresult as an int, called through ctypes.CDLL: the GIL is
     released for the whole wait (ctypes drops it around foreign calls; PyDLL would not)."""

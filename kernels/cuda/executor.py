@@ -34,7 +34,7 @@ from ...core.options import DEFAULTS
 from ...core.executor import SeqStep, StepOutput
 from .build import kernel_image
 from .device import Device
-from .driver import CudaDriver
+from .driver import CudaDriver, capture_graph
 from .forward import (LARGE_SPLIT, KVCache, StepGeometry, decode_splits, launch_step, make_activations,
                       matmul_workspace, plan_activations, queries_per_item)
 from .kernels import MAX_TOP_LOGPROBS
@@ -361,13 +361,8 @@ class CudaExecutor:
                     self._limits)
         fill_sampling(views, [], o.max_penalty_tokens)
         drv.memcpy_htod_async(self.meta, pad, layout.used_bytes(True, 0), stream)
-        launch_step(self.dev, self.config, self.weights, self.acts, self.kv, g, mode, stream, o.fused)
-        drv.stream_synchronize(stream)                      # once per bucket, at capture time
-        drv.begin_capture(stream)
-        try:
-            launch_step(self.dev, self.config, self.weights, self.acts, self.kv, g, mode, stream, o.fused)
-        finally:
-            graph = drv.end_capture(stream)
+        graph = capture_graph(drv, stream, lambda s: launch_step(self.dev, self.config, self.weights, self.acts,
+                                                                self.kv, g, mode, s, o.fused))
         self.graphs[(bucket, mode)] = graph
         return graph
 

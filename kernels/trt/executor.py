@@ -33,7 +33,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from ...core.executor import SeqStep, StepOutput
-from ..cuda.driver import CudaDriver
+from ..cuda.driver import CudaDriver, capture_graph
 from ..cuda.meta import needs_full_sampler
 from ..cuda.ring import RingSlot
 from ..sampling import sample
@@ -367,14 +367,8 @@ class TrtExecutor:
         for ptr, part in ((self.meta, idle[:bucket]), (self.meta_pos, idle[bucket:2 * bucket]),
                           (self.meta_lens, idle[2 * bucket:])):
             drv.memcpy_htod_async(ptr, part, 8 * bucket, stream)
-        ctx.enqueue(stream)
-        drv.stream_synchronize(stream)                      # once per bucket, at capture time
         try:
-            drv.begin_capture(stream)
-            try:
-                ctx.enqueue(stream)
-            finally:
-                graph = drv.end_capture(stream)
+            graph = capture_graph(drv, stream, ctx.enqueue)
         except Exception as exc:                            # TensorRT or the driver refused: stay eager
             log.warning("decode bucket %d runs without a CUDA graph: %s", bucket, exc)
             return None
