@@ -30,11 +30,12 @@ import sys
 import time
 from pathlib import Path
 
+from ..core.options import EngineOptions
 from ..core.outputs import Timeline
 from ..core.sampling_params import SamplingParams
-from ..core.options import EngineOptions
 from ..net.model_info import model_info
 from ..runtime import build_engine
+from .args import positive_int
 
 TARGET_TTFT_RATIO = 5.0
 TEXT = Path(__file__).resolve().parent.parent / "engine_build" / "data"
@@ -43,12 +44,6 @@ USER_TURNS = ("What is the main idea of the passage?", "Summarize the second par
               "List three facts from the text.", "Is the tone happy or sad?", "Translate the first line.",
               "What happens at the end?", "Give one question a teacher might ask.")
 
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -23,16 +23,11 @@ from pathlib import Path
 import orjson
 
 from ..server import Server
+from .args import positive_int
 from .loadgen import Target, run_level
 
 TARGET_RATIO = 1.2
 
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -44,18 +44,10 @@ from ..kernels.forward_batch import (
 from ..kernels.mock import MOCK_TEXT, build_mock_tokenizer
 from ..kernels.sampling import sample, sample_reference
 from ..runtime import build_engine
+from .args import positive_int
 
 TARGET_US_AT_64 = 50.0
 
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def batch_list(text: str) -> list:
@@ -182,7 +174,6 @@ def sampling_rows(vocab_sizes: list, batches: list) -> list:
                 assert fast.token_ids == ref.token_ids, f"{mode} V={vocab_size} B={batch}: fast path differs"
                 rows.append({"vocab_size": vocab_size, "batch": batch, "mode": mode, "fast_us": fast_us,
                              "reference_us": ref_us, "fast_us_per_token": fast_us / batch})
-                r = rows[-1]
                 print(f"{vocab_size:>7} {batch:>6} {mode:>12} {fast_us:>12.0f} {fast_us / batch:>10.1f} "
                       f"{ref_us:>15.0f} {ref_us / fast_us:>8.1f}x", flush=True)
     return rows
