@@ -70,6 +70,7 @@ class BlockManager:
         self.cached = {}                                        # content hash -> block id
         self.evictable = {}                                     # block id -> None, least recently released first
         self.num_evictions = 0
+        self.cache_version = 0                                  # bumped whenever `cached` changes (lookups memoize on it)
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,6 +123,7 @@ class BlockManager:
         del self.cached[self.block_hashes[block_id]]
         self.block_hashes[block_id] = None
         self.num_evictions += 1
+        self.cache_version += 1
         return block_id
 
     def can_append_slot(self, block_table: list, num_tokens: int) -> bool:
@@ -187,6 +189,7 @@ class BlockManager:
         if self.block_hashes[block_id] is None and block_hash not in self.cached:
             self.cached[block_hash] = block_id
             self.block_hashes[block_id] = block_hash
+            self.cache_version += 1
 
     def match_prefix(self, hashes: list) -> list:
         """The cached blocks of the longest prefix of `hashes` (a request's chained block
@@ -225,3 +228,4 @@ class BlockManager:
         self.evictable.clear()
         self.cached.clear()
         self.block_hashes = [None] * self.num_blocks
+        self.cache_version += 1

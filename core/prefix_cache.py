@@ -33,9 +33,18 @@ class PrefixCache:
         self.num_hits = 0                   # of which found cached
 
     def cached_prefix(self, req: Request) -> list:
-        """Cached blocks of `req`'s longest cached prefix, short of its last token. -> list[int]"""
-        num_blocks = (req.num_tokens - 1) // self.block_manager.block_size
-        return self.block_manager.match_prefix(self.block_hashes(req, num_blocks)[:num_blocks])
+        """Cached blocks of `req`'s longest cached prefix, short of its last token. -> list[int]
+        Memoized on the request until the cache's content changes: a waiting request is looked
+        up at every admission while it is in the window (up to ADMIT_WINDOW per admission)."""
+        bm = self.block_manager
+        num_blocks = (req.num_tokens - 1) // bm.block_size
+        key = (bm.cache_version, num_blocks)
+        memo = req.prefix_match
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        blocks = bm.match_prefix(self.block_hashes(req, num_blocks)[:num_blocks])
+        req.prefix_match = (key, blocks)
+        return blocks
 
     def block_hashes(self, req: Request, num_blocks: int) -> list:
         """`req.block_hashes`, extended to at least `num_blocks` full blocks."""

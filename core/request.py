@@ -62,7 +62,7 @@ class Request:
                  "max_total_tokens", "max_output_tokens", "stop_token_ids", "text_stream", "state",
                  "num_computed_tokens", "num_scheduled_tokens", "block_table", "decode_step",
                  "finish_reason", "error", "num_preemptions", "block_hashes", "num_hashed_blocks",
-                 "num_cached_tokens", "num_passed_over", "leader", "followers", "constraint")
+                 "num_cached_tokens", "num_passed_over", "prefix_match", "leader", "followers", "constraint")
 
     def __init__(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline, *,
                  seed: int, priority: int, arrival_seq: int, max_model_len: int,
@@ -101,6 +101,7 @@ class Request:
         self.num_hashed_blocks = 0
         self.num_cached_tokens = 0                  # prompt tokens found cached at first admission
         self.num_passed_over = 0                    # admissions that went to a later request (scheduler rule 3)
+        self.prefix_match = None                    # ((cache version, blocks looked up), cached blocks): prefix_cache.py
         # n > 1: the other choices of one API request follow the first (their leader): they
         # wait outside the queue until its prompt is computed, then find it in the prefix cache
         self.leader: Optional["Request"] = None

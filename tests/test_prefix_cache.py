@@ -462,3 +462,20 @@ def test_cuda_executor_prefills_from_a_cached_position():
                     out.setdefault(o.request_id, []).extend(o.token_ids)
         results.append((out, engine.scheduler.num_prefix_hits))
     assert results[0][0] == results[1][0] and results[0][1] > 0 and results[1][1] == 0
+
+
+def test_cache_version_moves_with_the_cached_content():
+    """A waiting request's memoized lookup is keyed on it: caching, eviction and a reset each change it."""
+    bm = BlockManager(num_blocks=2, block_size=4, prefix_cache_identity="m")
+    v0 = bm.cache_version
+    table = []
+    bm.append_slot(table, 4)
+    bm.cache_block(table[0], chain_hashes(bm.root_hash, [1, 2, 3, 4], 4)[0])
+    v1 = bm.cache_version
+    assert v1 > v0
+    bm.free(table)                          # released: evictable, still cached
+    assert bm.cache_version == v1
+    bm.append_slot([], 8)                   # needs both blocks: evicts the cached one
+    assert bm.cache_version > v1
+    bm.reset_prefix_cache()
+    assert bm.cache_version > v1 + 1
