@@ -92,6 +92,7 @@ setup(
         "tokenwire.kernels": ["cuda/*.cu", "cuda/*.cuh", "cuda/*.h"],
         "tokenwire.engine_build": ["data/*.txt"],
         "tokenwire.net": ["proto/*.proto", "proto/*.binpb"],
+        "tokenwire.bench": ["peers/*.proto"],      # the grpc.aio peer compiles it at run time
     },
     ext_modules=extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
