@@ -91,10 +91,14 @@ class CpuBackend:
             raise SystemExit(f"tokenwire bench engine: the C kernels are not built ({cpu.IMPORT_ERROR})")
         if threads is not None:
             cpu.set_num_threads(threads)
-        if not adaptive:
-            cpu.set_adaptive(False)
+        cpu.set_adaptive(adaptive)
+        self.adaptive = adaptive
         self.cpu = cpu
         self.threads = cpu.num_threads()
+
+    def reset_pool(self) -> None:
+        """Forget what the pool learnt about a taken core: the full thread count, no holds."""
+        self.cpu.set_adaptive(self.adaptive)
 
     def describe(self) -> str:
         return f"backend cpu, {self.cpu.isa()} kernels, {self.threads} threads ({self.cpu.physical_cores()} physical cores)"
@@ -286,6 +290,10 @@ def run_contend_shape(shape: str, args, backend, batches, precisions) -> list:
             for batch in batches:
                 quiet, loaded = [], []
                 for _ in range(args.repeat):
+                    # a quiet run starts from a fresh pool: one still holding a lowered thread count
+                    # from the contended run before would understate the quiet figure (and the
+                    # contended run then meets a full pool, as a newly taken core does)
+                    backend.reset_pool()
                     quiet.append(batch / statistics.median(
                         time_batch(model, config, batch, args.prompt_len, args.steps)["step_s"]))
                     busy.resume()

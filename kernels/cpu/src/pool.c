@@ -44,6 +44,9 @@
 #define EXPERIMENT_TASKS 3      /* a changed thread count is judged on this many comparable tasks */
 #define HOLD_MIN_NS 20000000LL  /* fewer threads for this long before probing one more ... */
 #define HOLD_MAX_NS 1000000000LL /* ... doubling while the probes stay contended */
+#define DEMOTE_HOLD_MAX_NS 100000000LL /* after failed trials, no lowering for at most this long: a
+                                 * longer hold carried over to steps of another shape, which a
+                                 * taken core then slowed 4x until it ran out */
 #define YIELD_AFTER 256         /* pauses before a waiter starts yielding its core (oversubscribed machines) */
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -82,6 +85,7 @@ static struct {
     long long tried_ns;                      /* when the current probe or trial began */
     int exp_tasks;                           /* comparable tasks of the current probe or trial so far */
     long long exp_sum;                       /* ... and their total time */
+    long long trial_base;                    /* a trial's bar: the time of the task judged contended */
     long long *last_wall, *last_key;         /* [nth + 1] running mean of the tasks on k threads with key */
     int adaptive;                   /* 0: always nth (tw_pool_set_adaptive) */
     _Atomic long long demotions;    /* times a task was judged contended */
@@ -255,10 +259,14 @@ static void judge(int nth, long long wall, long long key, long long now) {
     if ((pool.probing || pool.trial) && now - pool.tried_ns > HOLD_MAX_NS)
         pool.probing = pool.trial = 0;      /* no comparable task came: keep this count */
     const int before = pool.probing ? nth - 1 : pool.trial ? nth + 1 : 0;
-    if (before && pool.last_key[before] == key) {
+    if (before && pool.last_key[before] != key)
+        pool.probing = pool.trial = 0;      /* no mean to judge this shape by: keep this count (a probe
+                                             * left pending blocked every lowering for up to a second) */
+    if (pool.probing || pool.trial) {
         pool.exp_sum += wall;
         if (++pool.exp_tasks >= EXPERIMENT_TASKS) {
-            const double mean = (double)pool.exp_sum / pool.exp_tasks, base = pool.last_wall[before];
+            const double mean = (double)pool.exp_sum / pool.exp_tasks,
+                         base = pool.trial ? pool.trial_base : pool.last_wall[before];
             if (pool.probing && !(mean < 0.95 * base)) {        /* more threads must pay: back, probe less often */
                 pool.limit = nth - 1;
                 pool.hold_ns = pool.hold_ns * 2 < HOLD_MAX_NS ? pool.hold_ns * 2 : HOLD_MAX_NS;
@@ -266,7 +274,8 @@ static void judge(int nth, long long wall, long long key, long long now) {
                 pool.hold_ns = HOLD_MIN_NS;
             } else if (mean > base) {           /* fewer threads lost: the waits were the machine's load */
                 pool.limit = nth + 1;
-                pool.demote_hold_ns = pool.demote_hold_ns * 2 < HOLD_MAX_NS ? pool.demote_hold_ns * 2 : HOLD_MAX_NS;
+                pool.demote_hold_ns = pool.demote_hold_ns * 2 < DEMOTE_HOLD_MAX_NS ? pool.demote_hold_ns * 2
+                                                                                 : DEMOTE_HOLD_MAX_NS;
                 pool.demote_at_ns = now + pool.demote_hold_ns;
             } else {
                 pool.demote_hold_ns = HOLD_MIN_NS;
@@ -282,6 +291,7 @@ static void judge(int nth, long long wall, long long key, long long now) {
             atomic_fetch_add(&pool.demotions, 1);
             pool.limit = nth - 1;
             pool.trial = 1;
+            pool.trial_base = wall;
             pool.tried_ns = now;
             pool.exp_tasks = 0, pool.exp_sum = 0;
             pool.hold_ns = HOLD_MIN_NS;
