@@ -1,8 +1,9 @@
 """What a server operator reads in the log: one access line per request, and a periodic
 engine line while busy.
 
-- `AccessLog.request(...)`: one INFO line per finished request on logger
-  `tokenwire.access`: peer, method and path, status, and for generations the prompt and
+- `AccessLog.request(proto, ...)`: one INFO line per finished request on logger
+  `tokenwire.access`: peer (the connection's address, looked up only when a line is
+  written), method and path, status, and for generations the prompt and
   completion tokens, TTFT, total time and finish reason. Off with `--no-access-log`
   (the logger is still there; nothing is formatted).
 - `EngineLog.tick(stats, now_s)`: called every few seconds on the loop; while the engine
@@ -26,18 +27,28 @@ class AccessLog:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
 
-    def request(self, peer: str, method: str, path: str, status: int, *, num_prompt: Optional[int] = None,
+    def request(self, proto, method: str, path: str, status: int, *, num_prompt: Optional[int] = None,
                 num_output: Optional[int] = None, ttft_us: float = 0.0, total_us: float = 0.0,
                 finish: Optional[str] = None) -> None:
-        """Once per request, when its response ends."""
+        """Once per request, when its response ends (`proto`: its connection's ServerProtocol)."""
         if not self.enabled or not access_log.isEnabledFor(logging.INFO):
             return
+        peer = peer_name(proto)
         if num_prompt is None:
             access_log.info('%s "%s %s" %d', peer, method, path, status)
             return
         access_log.info('%s "%s %s" %d prompt=%d completion=%d ttft=%.2fms total=%.2fms finish=%s',
                         peer, method, path, status, num_prompt, num_output, ttft_us / 1000, total_us / 1000,
                         finish)
+
+
+def peer_name(proto) -> str:
+    """The client's address for the access log ("-" when the transport has none)."""
+    transport = proto.transport
+    name = transport.get_extra_info("peername") if transport is not None else None
+    if isinstance(name, tuple) and len(name) >= 2:
+        return f"{name[0]}:{name[1]}"
+    return "-"
 
 
 class EngineLog:

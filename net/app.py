@@ -45,7 +45,7 @@ from ..core.sampling_params import choice_params
 from . import encoders
 from .access_log import AccessLog, EngineLog
 from .choices import ChoiceGroup
-from .dispatch import JSON, Dispatcher, Exchange, peer_name
+from .dispatch import JSON, Dispatcher, Exchange
 from .errors import ApiError, bad_param
 from .events import BodyTooLarge, ConnectionClosed, PriorityUpdate, Request, StreamReset
 from .grpc import RESOURCE_EXHAUSTED, GenerateEncoder, GrpcRoutes
@@ -235,7 +235,7 @@ class App:
         except Exception:       # a response that cannot be written ends its stream, not the connection
             log.exception("could not write the %d response on stream %d", exc.status, stream_id)
             proto.session.reset_stream(stream_id, ErrorCodes.INTERNAL_ERROR)
-        self.access_log.request(peer_name(proto), method, target, exc.status)
+        self.access_log.request(proto, method, target, exc.status)
 
     def _request_line(self, proto, stream_id: int) -> tuple:
         current_proto, req = self._current
@@ -246,7 +246,7 @@ class App:
     def _respond(self, proto, req: Request, body: bytes, content_type: bytes = JSON) -> None:
         """A whole 200 response to an info route, with its access line (HEAD: the session drops the body)."""
         proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)], body)
-        self.access_log.request(peer_name(proto), req.method, req.target, 200)
+        self.access_log.request(proto, req.method, req.target, 200)
 
     # ---------------------------------------------------------- info routes
 

@@ -283,7 +283,7 @@ class Dispatcher:
         self._record_finish(ex, reason, now, out.num_cached_tokens)
         status = 200 if opened or ex.encoder is not None and ex.encoder.in_band_errors else \
             500 if error is not None else 504 if reason == FINISH_DEADLINE else 200
-        self.access_log.request(peer_name(ex.proto), ex.method, ex.path, status,
+        self.access_log.request(ex.proto, ex.method, ex.path, status,
                                 num_prompt=out.num_prompt_tokens, num_output=out.num_output_tokens,
                                 ttft_us=timings["ttft_us"], total_us=timings["total_us"], finish=reason)
 
@@ -367,7 +367,7 @@ class Dispatcher:
                     member.deadline_timer.cancel()
                 self.engine.cancel(member.request_id)
         self.metrics.count_request("cancelled")
-        self.access_log.request(peer_name(proto), ex.method, ex.path, 499, finish="cancelled by the client")
+        self.access_log.request(proto, ex.method, ex.path, 499, finish="cancelled by the client")
 
     def _group_member(self, first_id: int):
         """n > 1 whose first choice already ended: a choice still running, or None."""
@@ -386,11 +386,3 @@ class Dispatcher:
         while times:
             step.observe_ns(times.popleft())
 
-
-def peer_name(proto) -> str:
-    """The client's address for the access log ("-" when the transport has none)."""
-    transport = proto.transport
-    name = transport.get_extra_info("peername") if transport is not None else None
-    if isinstance(name, tuple) and len(name) >= 2:
-        return f"{name[0]}:{name[1]}"
-    return "-"

@@ -31,7 +31,6 @@ import zlib
 from urllib.parse import quote
 
 from ..core.sampling_params import InvalidParameter, SamplingParams
-from .dispatch import peer_name
 from .errors import ApiError
 from .events import Request
 from .http2 import H2Session
@@ -240,7 +239,7 @@ class GrpcRoutes:
         if messages:
             session.send_data(req.stream_id, messages)
         session.end_response(req.stream_id, status_trailers(code, message))
-        self.app.access_log.request(peer_name(proto), req.method, f"{req.target} grpc-status={code}", 200)
+        self.app.access_log.request(proto, req.method, f"{req.target} grpc-status={code}", 200)
 
     # ---------------------------------------------------------- Generator
 
