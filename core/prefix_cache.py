@@ -10,14 +10,12 @@ Rules:
 3. A block is registered once every token in it is computed (`cache_computed`): the
    scheduler calls it after a prefill chunk, when a decode steps into a new block, and when a
    request releases its blocks other than by failing.
-4. Admission order (`next_waiting`): among the first ADMIT_WINDOW waiting requests of the
-   head's priority, the one with the longest cached prefix goes first (ties: the oldest).
+4. Admission order (`pick`, over the waiting queue sorted once per step by the scheduler):
+   among the first ADMIT_WINDOW waiting requests of the head's priority, the one with the longest cached prefix goes first (ties: the oldest).
    Each time the oldest is passed over it counts; after MAX_PASSED_OVER it goes first
    whatever the cache holds, so no request waits more than MAX_PASSED_OVER admissions
    longer than first come first served would make it.
 """
-
-import heapq
 
 from .block_manager import BlockManager, chain_hashes
 from .request import Request
@@ -73,25 +71,21 @@ class PrefixCache:
                 self.block_manager.cache_block(table[i], hashes[i])
             req.num_hashed_blocks = num_full
 
-    def next_waiting(self, waiting: list) -> tuple:
-        """The entry of the waiting heap to admit next (rule 4) and its cached blocks.
-        -> ((priority, arrival_seq, Request), list[int])"""
-        head = waiting[0]
+    def pick(self, order: list) -> tuple:
+        """Which of the waiting entries, sorted in admission order, to admit next (rule 4), and
+        its cached blocks. -> (index in `order`, list[int])"""
+        head = order[0]
         head_cached = self.cached_prefix(head[2])
-        if len(waiting) == 1 or head[2].num_passed_over >= MAX_PASSED_OVER:
-            return head, head_cached
-        # the k smallest entries of a binary heap lie in its first 2^k - 1 slots
-        window = heapq.nsmallest(ADMIT_WINDOW, waiting[:2 ** ADMIT_WINDOW - 1])
-        best, best_cached = head, head_cached
-        for entry in window[1:]:
+        if len(order) == 1 or head[2].num_passed_over >= MAX_PASSED_OVER:
+            return 0, head_cached
+        best, best_cached = 0, head_cached
+        for i in range(1, min(ADMIT_WINDOW, len(order))):
+            entry = order[i]
             if entry[0] != head[0]:
                 break
             cached = self.cached_prefix(entry[2])
             if len(cached) > len(best_cached):
-                best, best_cached = entry, cached
-        if best is not head:
-            for entry in window:
-                if entry is best:
-                    break
-                entry[2].num_passed_over += 1
+                best, best_cached = i, cached
+        for i in range(best):
+            order[i][2].num_passed_over += 1
         return best, best_cached

@@ -198,17 +198,25 @@ class Scheduler:
         return num_preempted
 
     def _admit(self, budget: int, now_ns: int, scheduled: list, seqs: list) -> None:
+        """Admit waiting requests in order while the budget, the batch and the blocks allow.
+        One pass per step for however many arrived: the heap is sorted in place first (a sorted
+        list is still a heap; between steps only appends break the order, so the sort is
+        linear), each admission then takes an entry from the front of that order, and no
+        admission looks the queue over again (a wave of 64 arrivals was 64 heap selections)."""
         bm, waiting, running, prefix_cache = self.block_manager, self.waiting, self.running, self.prefix_cache
+        if len(running) >= self.max_num_seqs:
+            return
+        waiting.sort()
         while waiting and budget and len(running) < self.max_num_seqs:
-            entry, cached = prefix_cache.next_waiting(waiting) if prefix_cache is not None else (waiting[0], ())
-            req = entry[2]
+            i, cached = prefix_cache.pick(waiting) if prefix_cache is not None else (0, ())
+            req = waiting[i][2]
             start = len(cached) * bm.block_size
             num_tokens = min(req.num_tokens - start, budget)
             reserve = self.watermark_blocks if running else 0
             num_needed = bm.num_blocks_for(start + num_tokens) - len(cached) + bm.num_evictable_in(cached)
             if num_needed + reserve > bm.num_free_blocks:
                 break
-            self._pop_waiting(entry)
+            del waiting[i]                  # the rest stays sorted: still a heap
             req.transition(PREFILLING)
             if prefix_cache is not None:
                 prefix_cache.take(req, cached)
@@ -219,13 +227,6 @@ class Scheduler:
                 req.num_cached_tokens = start
             self._schedule_chunk(req, num_tokens, scheduled, seqs)
             budget -= num_tokens
-
-    def _pop_waiting(self, entry: tuple) -> None:
-        if entry is self.waiting[0]:
-            heapq.heappop(self.waiting)
-        else:
-            self.waiting.remove(entry)
-            heapq.heapify(self.waiting)
 
     def _schedule_chunk(self, req: Request, num_tokens: int, scheduled: list, seqs: list) -> None:
         start = req.num_computed_tokens
