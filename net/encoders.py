@@ -48,20 +48,21 @@ _SERVER_TIMING = ", ".join(f"{name};dur=%.3f" for name in TIMING_NAMES).encode()
 
 
 def timings_us(t: Timeline, end_ns: int) -> dict:
-    """The request's stages in microseconds (0 where a stage was not reached). Once per request;
-    the keys are TIMING_KEYS, in that order (server_timing relies on it). One expression per
-    stage, no helper calls: this runs for every request."""
+    """The request's stages in microseconds, to 0.1 µs (truncated; 0 where a stage was not
+    reached). Once per request; the keys are TIMING_NAMES + "_us", in that order
+    (server_timing relies on it). One expression per stage, no helper calls (`round` with
+    digits costs ~0.3 µs a call): this runs for every request."""
     arrived, tokenized, queued, scheduled = t.arrived_ns, t.tokenized_ns, t.queued_ns, t.first_scheduled_ns
     emitted, steps = t.first_token_emitted_ns, t.step_done_ns
     first = steps[0] if steps else 0
     end = t.finished_ns or end_ns
-    return {"tokenize_us": round((tokenized - arrived) / 1000, 1) if arrived and tokenized else 0.0,
-            "queue_us": round((scheduled - queued) / 1000, 1) if queued and scheduled else 0.0,
-            "prefill_us": round((first - scheduled) / 1000, 1) if scheduled and first else 0.0,
-            "first_token_to_wire_us": round((emitted - first) / 1000, 1) if first and emitted else 0.0,
-            "ttft_us": round((emitted - arrived) / 1000, 1) if arrived and emitted else 0.0,
-            "decode_us": round((end - first) / 1000, 1) if first and end else 0.0,
-            "total_us": round((end_ns - arrived) / 1000, 1) if arrived and end_ns else 0.0}
+    return {"tokenize_us": (tokenized - arrived) // 100 / 10 if arrived and tokenized else 0.0,
+            "queue_us": (scheduled - queued) // 100 / 10 if queued and scheduled else 0.0,
+            "prefill_us": (first - scheduled) // 100 / 10 if scheduled and first else 0.0,
+            "first_token_to_wire_us": (emitted - first) // 100 / 10 if first and emitted else 0.0,
+            "ttft_us": (emitted - arrived) // 100 / 10 if arrived and emitted else 0.0,
+            "decode_us": (end - first) // 100 / 10 if first and end else 0.0,
+            "total_us": (end_ns - arrived) // 100 / 10 if arrived and end_ns else 0.0}
 
 
 def grammar_timings_us(t: Timeline, num_output: int) -> dict:
