@@ -38,20 +38,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
-from ..core.executor import SeqStep
-from ..core.options import DEFAULTS
-from ..core.sampling_params import SamplingParams
 from ..kernels import cpu
 from ..kernels.cpu.model import CpuModel
-from ..kernels.forward_batch import build_forward_batch
-from . import engine_cuda, engine_trt
+from . import engine_cuda, engine_trt, vs_llama
 from .engine_cuda import add_cuda_arguments
+from .forward_timing import BLOCK_SIZE, time_batch
 from .shapes import all_shapes, random_engine, shape_config
 
 LARGE_PROBE_BYTES = 1 << 30
-BLOCK_SIZE = DEFAULTS.block_size          # the served engine's KV block (core/options.py)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="measurements per row; medians reported (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
                         help="also print where a decode step's time goes (cpu: thread 0 by stage; cuda: every kernel of one eager step)")
+    parser.add_argument("--vs", choices=("llama.cpp",), default=None,
+                        help="cpu: tokenwire against llama.cpp on one Q4_0 GGUF of the shape (default shape: "
+                             "default): prefill and batch 1 / 16 decode tokens/s, alternating runs "
+                             "(needs llama-cpp-python: the `llama` extra)")
     parser.add_argument("--contend", action="store_true",
                         help="cpu: decode tokens/s quiet vs with a busy loop pinned to one core, alternating in the same run")
     parser.add_argument("--no-adaptive-pool", action="store_true",
@@ -118,34 +117,6 @@ BACKENDS = {"cpu": CpuBackend}
 def bandwidth_samples(backend, nbytes: int, reps: int) -> list:
     """bytes/s of each of `reps` streaming-read passes over a fresh `nbytes` buffer."""
     return [nbytes / s for s in backend.read_bandwidth(nbytes, reps)]
-
-
-def steps_for(batch: int, prompt: list, start: int, tables: list):
-    greedy = SamplingParams(temperature=0.0)
-    return [SeqStep(i, prompt if start == 0 else [prompt[0]], start, tables[i], True, greedy, 0, [], [])
-            for i in range(batch)]
-
-
-def time_batch(model, config, batch: int, prompt_len: int, num_steps: int, profile: bool = False) -> dict:
-    """Prefill B prompts in one step, then decode; -> prefill tokens/s, decode step times (s)."""
-    total = prompt_len + num_steps + 1
-    blocks_per_seq = -(-total // BLOCK_SIZE)
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(batch)]
-    prompt = list(np.random.default_rng(batch).integers(0, config.vocab_size, prompt_len))
-    batch_data = build_forward_batch(steps_for(batch, prompt, 0, tables), BLOCK_SIZE)
-    t0 = time.perf_counter()
-    model.forward(batch_data)
-    prefill_s = time.perf_counter() - t0
-    step_s = []
-    if profile:
-        model.profile(reset=True)
-    for i in range(num_steps + 1):                          # the first decode step warms up
-        data = build_forward_batch(steps_for(batch, prompt[i % prompt_len:], prompt_len + i, tables), BLOCK_SIZE)
-        t0 = time.perf_counter()
-        model.forward(data)
-        if i:
-            step_s.append(time.perf_counter() - t0)
-    return {"prefill_tokens_per_s": batch * prompt_len / prefill_s, "step_s": step_s}
 
 
 def kv_bytes_per_step(config, batch: int, context: int) -> int:
@@ -344,6 +315,9 @@ def run(args) -> int:
     if args.backend == "trt":
         _fill_defaults(args, batch="1,8,32", prompt_len=512, steps=50)
         return engine_trt.run(args)
+    if args.vs:
+        _fill_defaults(args, prompt_len=128, steps=20)
+        return vs_llama.run(args)
     _fill_defaults(args, batch="1,4,16", prompt_len=64, steps=10)
     batches = parse_list(args.batch, "--batch")
     precisions = parse_list(args.activations, "--activations", ("fp32", "int8"))

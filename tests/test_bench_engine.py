@@ -15,6 +15,7 @@ from tokenwire.cli import main
 from tokenwire.core.config import ModelConfig
 from tokenwire.kernels.model import ReferenceModel
 from tokenwire.kernels.engine_format import linear_shapes
+from tokenwire.kernels.reference import dequantize_int4
 from tokenwire.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.AVAILABLE, reason=f"C kernels not built: {cpu.IMPORT_ERROR}")
@@ -109,3 +110,44 @@ def test_contend_times_quiet_and_contended_pairs_and_stops_its_busy_loop(toy_sha
     assert row["ratio"] == pytest.approx(statistics.median(row["contended_tokens_per_s"])
                                          / statistics.median(row["quiet_tokens_per_s"]))
     assert len(started) == 1 and started[0].poll() is not None          # the busy loop is gone
+
+
+# ------------------------------------------------------------------ --vs llama.cpp
+
+TINY_LLAMA = dict(architecture="LlamaForCausalLM", vocab_size=320, hidden_size=64, intermediate_size=128,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+
+
+def test_vs_llama_builds_one_gguf_that_tokenwire_imports_with_its_own_q4_0_codes(tmp_path):
+    """The comparison's premise: tokenwire's engine holds the GGUF's Q4_0 blocks as they are (group
+    32, the same 4-bit codes), so both sides read the same weights; and it decodes."""
+    gguf = pytest.importorskip("gguf")
+    from tokenwire.bench import vs_llama
+    from tokenwire.bench.forward_timing import bench_prompt
+    from tokenwire.kernels.engine_format import load_engine
+    config = ModelConfig.from_dict(TINY_LLAMA)
+    path, engine_dir = vs_llama.build_pair(config, "tiny", tmp_path, log=lambda line: None)
+    reader = gguf.GGUFReader(str(path))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.ffn_down.weight"] == "Q4_0" and types["token_embd.weight"] == "Q4_0"
+    engine = load_engine(engine_dir)
+    assert engine.manifest["quantization"]["group_size"] == 32
+    assert (engine.config.hidden_size, engine.config.num_layers, engine.config.vocab_size) == (64, 2, 320)
+    down = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    want = np.asarray(gguf.quants.dequantize(down.data, down.tensor_type), np.float32).reshape(64, 128)
+    t = engine.tensors
+    got = dequantize_int4(t["layers.0.down_proj.qweight"], t["layers.0.down_proj.scales"],
+                          t["layers.0.down_proj.zeros"], 128)
+    np.testing.assert_array_equal(got, want)            # the very codes and scales, not a re-quantization
+    tw = vs_llama.Tokenwire(engine_dir, "int8", context=40, max_batch=2)
+    r = tw.time_batch(2, bench_prompt(config, 2, 16), 3)
+    assert r["prefill_tokens_per_s"] > 0 and len(r["step_s"]) == 3
+
+
+def test_vs_llama_without_llama_cpp_python_says_how_to_get_it(monkeypatch, capsys):
+    from tokenwire.bench import vs_llama
+    monkeypatch.setattr(vs_llama, "llama_cpp", None)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "engine", "--vs", "llama.cpp"])
+    assert "llama-cpp-python" in str(exc.value) and "tokenwire[llama]" in str(exc.value)

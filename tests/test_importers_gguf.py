@@ -1,4 +1,4 @@
-"""GGUF import: tiny random models written with the `gguf` package (tests/gguf_files.py), built
+"""GGUF import: tiny random models written with the `gguf` package (tokenwire/bench/gguf_random.py), built
 into engines, and checked against the file's own dequantization:
 
 - Q4_0: every imported INT4 matrix dequantizes bit-exactly to what the gguf package
@@ -17,10 +17,11 @@ into engines, and checked against the file's own dequantization:
 import json
 import struct
 
+import gguf
 import numpy as np
 import pytest
 
-from gguf_files import SHAPE, gguf, llama_unpermute, write_gguf
+from tokenwire.bench.gguf_random import SHAPE, llama_unpermute, write_gguf
 from tokenwire.cli import main
 from tokenwire.kernels.model import ReferenceModel, greedy_generate, linear_shapes, sequence_logits
 from tokenwire.engine_build.build import BuildOptions, build_engine, open_source
@@ -35,7 +36,7 @@ TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] 
 
 
 def canonical_expected(w: dict, config) -> dict:
-    """The source's dequantized weights (gguf_files' own unpermuted dequantization) fused as the engine fuses."""
+    """The source's dequantized weights (gguf_random's own unpermuted dequantization) fused as the engine fuses."""
     out = {"embed": w["token_embd.weight"], "norm": w["output_norm.weight"]}
     if "output.weight" in w:
         out["lm_head"] = w["output.weight"]
@@ -371,7 +372,7 @@ def stories_gguf(path, src, qtype: str) -> None:
     """stories260K (llama2.c) as a llama GGUF: tensors in llama.cpp's names and Q/K layout, its
     SentencePiece vocabulary (tok512.model) in the tokenizer metadata."""
     from tokenwire.engine_build.tokenizer_convert import read_sentencepiece_model
-    from gguf_files import encode, llama_permute
+    from tokenwire.bench.gguf_random import encode, llama_permute
     c = src.config
     vocab = read_sentencepiece_model(path.parent / "tok512.model") if (path.parent / "tok512.model").exists() else None
     writer = gguf.GGUFWriter(str(path), "llama")

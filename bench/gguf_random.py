@@ -1,4 +1,7 @@
-"""Tiny GGUF files written with the `gguf` package, from random weights in Hugging Face layout.
+"""GGUF files written with the `gguf` package, from random weights in Hugging Face layout: tiny
+ones for the GGUF importer's tests (tests/test_importers_gguf.py), full-size ones of a real
+shape for `tokenwire bench engine --vs llama.cpp` (bench/vs_llama.py), the one file both
+engines then load.
 
 `write_gguf(path, arch, types)` quantizes each tensor with the gguf package (Q4_0, Q4_1, Q5_0,
 Q8_0, F16, F32) or, for Q4_K (which the package only reads), with `q4_k_blocks` below, written
@@ -7,9 +10,9 @@ adjacent RoPE pairs) before quantizing, as its converter does. Returns the float
 file's own dequantization gives back, in Hugging Face layout, by GGUF tensor name.
 """
 
+import gguf
 import numpy as np
-
-gguf = __import__("pytest").importorskip("gguf")
+from tokenizers.pre_tokenizers import ByteLevel
 
 SHAPE = dict(vocab=300, dim=64, hidden=96, layers=2, heads=4, kv_heads=2, context=128)
 SPM_PIECES = ["\u2581the", "\u2581a", "he", "th", "in", "er", "an", "\u2581t", "\u2581o", "on", "at", "en"]
@@ -29,7 +32,6 @@ def spm_vocab(size: int) -> tuple:
 
 def byte_level_vocab(size: int) -> tuple:
     """GPT-2 style: the 256 byte symbols, a few merges, and <|endoftext|> / <|im_start|> / <|im_end|>."""
-    from tokenizers.pre_tokenizers import ByteLevel
     alphabet = sorted(ByteLevel.alphabet())
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
     tokens = alphabet + ["Ġt", "he", "Ġthe", "in", "Ġa"]
