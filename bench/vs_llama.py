@@ -43,6 +43,9 @@ except ImportError as exc:      # the optional `llama` extra
     llama_cpp = None
     LLAMA_IMPORT_ERROR = str(exc)
 
+if llama_cpp is not None:
+    _QUIET = llama_cpp.llama_log_callback(lambda level, text, user_data: None)   # kept alive: C holds it
+
 BATCHES = (1, 16)
 TARGET = 1.3                    # issue 19: >= 1.3x llama.cpp on each figure, with the default numerics
 
@@ -58,6 +61,7 @@ class LlamaCpp:
     """One llama.cpp context over the GGUF, with room for BATCHES' largest batch of sequences."""
 
     def __init__(self, path: Path, threads: int, context: int, max_batch: int):
+        llama_cpp.llama_log_set(_QUIET, None)       # its load log would bury the table
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
         if not self.model:
