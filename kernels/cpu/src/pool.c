@@ -262,7 +262,8 @@ static void judge(int nth, long long wall, long long key, long long now) {
     if (before && pool.last_key[before] != key)
         pool.probing = pool.trial = 0;      /* no mean to judge this shape by: keep this count (a probe
                                              * left pending blocked every lowering for up to a second) */
-    if (pool.probing || pool.trial) {
+    if ((pool.probing || pool.trial) && nth == pool.limit) {   /* a task capped lower (max_threads) says nothing
+                                                            * of the count on trial: judging it set limit 0 */
         pool.exp_sum += wall;
         if (++pool.exp_tasks >= EXPERIMENT_TASKS) {
             const double mean = (double)pool.exp_sum / pool.exp_tasks,
@@ -318,7 +319,7 @@ void tw_pool_run_keyed(tw_task fn, void *arg, int max_threads, long long key) {
     pthread_mutex_lock(&pool.run_mu);
     ensure_started();
     long long start = now_ns();
-    const int cap = key ? task_limit(start) : pool.nth;
+    const int limit = key ? task_limit(start) : pool.nth, cap = limit > 1 ? limit : 1;
     const int nth = max_threads < cap ? (max_threads < 1 ? 1 : max_threads) : cap;
     if (nth == 1) {                          /* the workers stay asleep */
         fn(arg, 0, 1);
