@@ -120,6 +120,35 @@ def test_mixed_steps_match_the_reference(family, encoding):
         assert_logits_close(model.forward(batch), reference.forward(batch))
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_the_last_layer_on_the_logits_rows_alone_changes_nothing(activations):
+    """The C forward runs the last layer's o / MLP on the sampled rows only when logits_indices
+    ascend (none at all for a chunk that samples nothing), and on every row otherwise: logits and
+    the KV cache the next steps read are the same either way."""
+    config = CONFIGS["llama_gqa"]
+    tensors = engine_tensors(config, ENCODINGS["int4_g64_int8_embed"])
+    reference = ReferenceModel(config, tensors, block_size=4, num_blocks=32)
+    model = cpu.create_model(config, tensors, block_size=4, num_blocks=32, activations=activations)
+    first, second, third = mixed_steps(config.vocab_size)
+    silent = build_forward_batch([s._replace(sample=False) for s in first], 4)          # no logits rows
+    assert len(silent.logits_indices) == 0
+    assert model.forward(silent).shape == (0, config.vocab_size)
+    reference.forward(silent)
+    batch = build_forward_batch(second, 4)
+    backwards = batch._replace(logits_indices=batch.logits_indices[::-1].copy())       # every row kept
+    got, want = model.forward(backwards), reference.forward(backwards)
+    if activations == "fp32":
+        assert_logits_close(got, want)
+    else:
+        assert np.all(np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1) > 0.995)
+    batch = build_forward_batch(third, 4)
+    got, want = model.forward(batch), reference.forward(batch)
+    if activations == "fp32":
+        assert_logits_close(got, want)
+    else:
+        assert np.all(np.sum(got * want, 1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1) > 0.995)
+
+
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("family", ["hd64_group7", "hd128_mha", "llama_gqa"])
 def test_block_sizes_around_the_vector_width(family, block_size):

@@ -54,6 +54,10 @@ INLINE __m512i zero_acc(void) {
     return z;
 }
 
+INLINE __mmask16 first_lanes(int count) {
+    return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+}
+
 INLINE __m512 load_half16(const uint8_t *p) {
     return _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)p));
 }
@@ -409,7 +413,10 @@ static void prep_x24_avx512(tw_act *a, const float *x, int ldx, int k, int m0, i
 
 /* Same quantization as tw_act_prepare_q8 (x * (127 / amax) rounded to nearest even), 16 at a
  * time; the chunk order [k0 k2 k4 k6 k1 k3 k5 k7] is one byte shuffle; chunks are stored
- * interleaved across rows for tile_q8 (all of a->m rows must be prepared before the kernel). */
+ * interleaved across rows for tile_q8 (all of a->m rows must be prepared before the kernel).
+ * Groups go 16 at a time in three passes (maxima; quantization; scales), so the horizontal
+ * reductions of different groups overlap instead of forming one long dependency chain per
+ * group (8 rows of the default model's widths: 0.30 -> 0.24 ns a value on one core; the same bytes). */
 static void prep_q8_avx512(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
     const int kp = a->kp, ng = a->num_groups, gs = kp / ng;
     const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
@@ -417,25 +424,40 @@ static void prep_q8_avx512(tw_act *a, const float *x, int ldx, int k, int m0, in
     for (int m = m0; m < m1; m++) {
         const float *src = x + (size_t)m * ldx;
         int8_t *dst = a->xq + (size_t)m * 8;
-        for (int g = 0; g < ng; g++) {
-            const int end = (g + 1) * gs;
-            __m512 vmax = _mm512_setzero_ps();
-            for (int i = g * gs; i < end; i += 16)
-                vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(span_mask(i, end, k), src + i)));
-            const float amax = _mm512_reduce_max_ps(vmax);
-            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            __m512i total = _mm512_setzero_si512();
-            for (int i = g * gs; i < end; i += 16) {
-                const __m512 v = _mm512_maskz_loadu_ps(span_mask(i, end, k), src + i);
-                __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));
-                q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-                total = _mm512_add_epi32(total, q);
-                const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q), order);
-                _mm_storel_epi64((__m128i *)(dst + (size_t)(i / 8) * row8), bytes);
-                if (end - i >= 16) _mm_storel_epi64((__m128i *)(dst + (size_t)(i / 8 + 1) * row8), _mm_srli_si128(bytes, 8));
+        for (int g0 = 0; g0 < ng; g0 += 16) {
+            const int nb = ng - g0 < 16 ? ng - g0 : 16;
+            const __mmask16 lanes = first_lanes(nb);
+            __attribute__((aligned(64))) float amax[16], inv[16];
+            __attribute__((aligned(64))) int32_t sum[16];
+            for (int j = 0; j < nb; j++) {
+                const int end = (g0 + j + 1) * gs;
+                __m512 vmax = _mm512_setzero_ps();
+                for (int i = (g0 + j) * gs; i < end; i += 16)
+                    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(span_mask(i, end, k), src + i)));
+                amax[j] = _mm512_reduce_max_ps(vmax);
             }
-            a->xd[(size_t)m * ng + g] = amax / 127.0f;
-            a->xqsum[(size_t)m * ng + g] = amax / 127.0f * (float)_mm512_reduce_add_epi32(total);
+            const __m512 vamax = _mm512_maskz_load_ps(lanes, amax);
+            const __mmask16 positive = _mm512_cmp_ps_mask(vamax, _mm512_setzero_ps(), _CMP_GT_OQ);
+            _mm512_store_ps(inv, _mm512_maskz_div_ps(positive, _mm512_set1_ps(127.0f), vamax));
+            for (int j = 0; j < nb; j++) {
+                const int end = (g0 + j + 1) * gs;
+                const __m512 vinv = _mm512_set1_ps(inv[j]);
+                __m512i total = _mm512_setzero_si512();
+                for (int i = (g0 + j) * gs; i < end; i += 16) {
+                    const __m512 v = _mm512_maskz_loadu_ps(span_mask(i, end, k), src + i);
+                    __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, vinv));
+                    q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+                    total = _mm512_add_epi32(total, q);
+                    const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(q), order);
+                    _mm_storel_epi64((__m128i *)(dst + (size_t)(i / 8) * row8), bytes);
+                    if (end - i >= 16) _mm_storel_epi64((__m128i *)(dst + (size_t)(i / 8 + 1) * row8), _mm_srli_si128(bytes, 8));
+                }
+                sum[j] = _mm512_reduce_add_epi32(total);
+            }
+            const __m512 d = _mm512_div_ps(vamax, _mm512_set1_ps(127.0f));
+            const size_t at = (size_t)m * ng + g0;
+            _mm512_mask_storeu_ps(a->xd + at, lanes, d);
+            _mm512_mask_storeu_ps(a->xqsum + at, lanes, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_maskz_load_epi32(lanes, sum))));
         }
     }
 }
@@ -569,9 +591,6 @@ static float exp_sum_avx512(float *x, int n, float sub) {
 
 /* ---------------------------------------------------------------- attention */
 
-INLINE __mmask16 first_lanes(int count) {
-    return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
-}
 
 /* Scores of GH heads (from g0) against NC chunks of 16 keys (kc[c]: chunk c's first key in a
  * transposed K block, row stride bs; mk[c]: its valid keys; col[c]: its first key's column in

@@ -255,6 +255,7 @@ typedef struct {
     tw_model *m;
     tw_batch *b;
     int nth;                        /* threads the step ran on (the pool may give fewer than asked) */
+    int last_rows;                  /* rows the last layer carries past its attention: T, or the logits rows alone */
 } step_job;
 
 /* ------------------------------------------------------------------ fused greedy argmax */
@@ -439,6 +440,11 @@ static int shared_rows(const clock0 *c, int rows) { return rows >= TW_SPLIT_ROWS
 static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const float *x, int ldx,
                     int rows, float *y, int stage, int argmax) {
     const tw_model *m = c->m;
+    if (rows == 0) {                            /* a pruned last layer whose chunk samples nothing */
+        c->stage_no += w->kind == TW_W_I4;
+        stamp(c, stage);
+        return;
+    }
     if (argmax)
         for (int r = 0; r < rows; r++) own->best_at[r] = -1;
     if (w->kind != TW_W_I4) {
@@ -524,14 +530,23 @@ static void warm_attention(const clock0 *c, int layer, const tw_batch *b) {
         tw_attention_prefetch(m, layer, b, item / m->num_kv_heads, item % m->num_kv_heads);
 }
 
-static void attention(clock0 *c, int layer, const tw_batch *b, tw_thread_scratch *own) {
+static void attention(clock0 *c, int layer, const tw_batch *b, tw_thread_scratch *own, const int32_t *out_row) {
     const tw_model *m = c->m;
     int i0 = 0, i1 = -1;
     while (claim(c, attention_shares(c, b), &i0, &i1))
         for (int i = i0; i < i1; i++)
             tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads,
-                              m->layers[layer].local_rope ? own->rope_local : own->rope, own->scores);
+                              m->layers[layer].local_rope ? own->rope_local : own->rope, own->scores, out_row);
     c->stage_no++;
+}
+
+/* The last layer past its attention only matters for the rows whose logits are asked for (a
+ * prompt's last token): their attention outputs went to rows 0..R-1 (out_row), and each thread
+ * moves their residual rows there too (logits_indices ascend, so row r <= logits_indices[r]). */
+static void keep_logit_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own) {
+    for (int r = 0; r < b->num_logits; r++)
+        if (b->logits_indices[r] != r)
+            memcpy(own->x + (size_t)r * m->dim, own->x + (size_t)b->logits_indices[r] * m->dim, (size_t)m->dim * sizeof(float));
 }
 
 /* act(gate) * up of every token -> the down product's input (split and shared for long batches) */
@@ -549,11 +564,12 @@ static const float *mlp_rows(clock0 *c, tw_thread_scratch *own, int tokens) {
     return out;
 }
 
-static void logits_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own) {
+/* pruned: the last layer ran on the logits rows alone, row r being logits row r */
+static void logits_rows(const tw_model *m, const tw_batch *b, tw_thread_scratch *own, int pruned) {
     const float *post = m->layers[m->num_layers - 1].post_mlp_norm;
     for (int r = 0; r < b->num_logits; r++) {
-        float *x = own->x + (size_t)b->logits_indices[r] * m->dim;
-        tw_active()->residual_rms_norm(own->h + (size_t)r * m->dim, x, product_row(m, own, post, b->logits_indices[r]),
+        const int t = pruned ? r : b->logits_indices[r];
+        tw_active()->residual_rms_norm(own->h + (size_t)r * m->dim, own->x + (size_t)t * m->dim, product_row(m, own, post, t),
                                        m->norm, m->dim, m->eps);
     }
 }
@@ -569,9 +585,11 @@ static void step_task(void *arg, int ith, int nth) {
     clock0 c = {m, ith, nth, ith ? 0 : (uint64_t)(tw_now_seconds() * 1e9), 0};
     if (ith == 0) job->nth = nth;
     const uint64_t start = c.last;
+    const int pruned = job->last_rows < T;
     embed_rows(m, b, own);
     for (int l = 0; l < m->num_layers; l++) {
         const tw_layer *L = &m->layers[l];
+        const int last = l == m->num_layers - 1, rows = last ? job->last_rows : T;
         residual_norm(m, own, L->attn_norm, T, l > 0,               /* x += down output of layer l-1 */
                       l > 0 ? m->layers[l - 1].post_mlp_norm : NULL);
         stamp(&c, TW_PROF_ROWS);
@@ -579,23 +597,24 @@ static void step_task(void *arg, int ith, int nth) {
         warm_attention(&c, l, b);
         warm(&c, &L->o);
         sync(&c);
-        attention(&c, l, b, own);
+        attention(&c, l, b, own, last && pruned ? b->logit_row : NULL);
+        if (last && pruned) keep_logit_rows(m, b, own);
         stamp(&c, TW_PROF_ATTN);
         sync(&c);
-        product(&c, own, &L->o, m->attn, q, T, m->tmp, TW_PROF_O, 0);
+        product(&c, own, &L->o, m->attn, q, rows, m->tmp, TW_PROF_O, 0);
         warm(&c, &L->gate_up);
         sync(&c);
-        residual_norm(m, own, L->mlp_norm, T, 1, L->post_attn_norm);
+        residual_norm(m, own, L->mlp_norm, rows, 1, L->post_attn_norm);
         stamp(&c, TW_PROF_ROWS);
-        product(&c, own, &L->gate_up, own->h, D, T, m->gate_up, TW_PROF_GATE_UP, 0);
+        product(&c, own, &L->gate_up, own->h, D, rows, m->gate_up, TW_PROF_GATE_UP, 0);
         warm(&c, &L->down);
         sync(&c);
-        const float *mlp = mlp_rows(&c, own, T);
-        product(&c, own, &L->down, mlp, m->hidden, T, m->tmp, TW_PROF_DOWN, 0);
-        warm(&c, l + 1 < m->num_layers ? &m->layers[l + 1].qkv : (m->lm_head.kind >= 0 ? &m->lm_head : &m->embed));
+        const float *mlp = mlp_rows(&c, own, rows);
+        product(&c, own, &L->down, mlp, m->hidden, rows, m->tmp, TW_PROF_DOWN, 0);
+        warm(&c, !last ? &m->layers[l + 1].qkv : (m->lm_head.kind >= 0 ? &m->lm_head : &m->embed));
         sync(&c);
     }
-    logits_rows(m, b, own);
+    logits_rows(m, b, own, pruned);
     stamp(&c, TW_PROF_ROWS);
     const tw_weight *head = m->lm_head.kind >= 0 ? &m->lm_head : &m->embed;
     if (b->num_logits > 0) product(&c, own, head, own->h, D, b->num_logits, b->logits, TW_PROF_LM_HEAD,
@@ -620,8 +639,20 @@ int tw_model_threads(const tw_model *m, const tw_batch *b, int threads) {
     return threads < pool ? threads : pool;
 }
 
+/* Rows the last layer needs past its attention: only the logits rows (a prefill chunk's last
+ * token; none for a chunk that samples nothing) when logits_indices ascend, which lets each
+ * thread move its residual rows down in place; T otherwise. Fills b->logit_row. */
+static int last_layer_rows(const tw_batch *b) {
+    for (int r = 1; r < b->num_logits; r++)
+        if (b->logits_indices[r] <= b->logits_indices[r - 1]) return b->num_tokens;
+    if (b->num_logits >= b->num_tokens) return b->num_tokens;
+    for (int t = 0; t < b->num_tokens; t++) b->logit_row[t] = -1;
+    for (int r = 0; r < b->num_logits; r++) b->logit_row[b->logits_indices[r]] = r;
+    return b->num_logits;
+}
+
 void tw_model_forward(tw_model *m, tw_batch *b, int threads) {
-    step_job job = {m, b, 1};
+    step_job job = {m, b, 1, last_layer_rows(b)};
     for (int i = 0; i < 5 * m->num_layers + 1; i++) atomic_store_explicit(&m->next_work[i], 0, memory_order_relaxed);
     /* steps with the same token and logits counts do about the same work (the context grows slowly) */
     tw_pool_run_keyed(step_task, &job, threads, ((long long)b->num_tokens << 24) + b->num_logits + 1);

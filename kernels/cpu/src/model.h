@@ -109,6 +109,7 @@ typedef struct {
     float *logits;                  /* [S_sample][V] */
     int32_t *argmax;                /* [S_sample] or NULL: each logits row's first maximum (NaN the largest, as numpy) */
     int32_t *token_seq;             /* [T] scratch: owning sequence of each token */
+    int32_t *logit_row;             /* [T] scratch: the logits row of each token, -1: none (tw_model_forward fills it) */
 } tw_batch;
 
 int tw_model_init(tw_model *m);                                   /* after the fields above are set */
@@ -129,7 +130,9 @@ void tw_rope_apply(float *x, const float *cs, int num_heads, int head_dim);
 void tw_activation_mul(float *out, const float *gate, const float *up, int n, int activation);
 void tw_weight_row(const tw_weight *w, int row, float *out);      /* one row of W as float32 */
 void tw_attention_prefetch(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head);
+/* out_row: NULL, or [T] where token t's attention output goes (row out_row[t] of m->attn; < 0: its K/V are
+ * written but its attention is not needed) */
 void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
-                       float *scores);
+                       float *scores, const int32_t *out_row);
 
 #endif

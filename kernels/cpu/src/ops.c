@@ -132,7 +132,7 @@ void tw_attention_prefetch(const tw_model *m, int layer, const tw_batch *b, int 
 }
 
 void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
-                       float *scores) {
+                       float *scores, const int32_t *out_row) {
     const int hd = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size, hkv = m->num_kv_heads;
     const int q_size = m->num_heads * hd, kv_size = hkv * hd, row = q_size + 2 * kv_size;
     const int q0 = kv_head * group * hd, k0 = q_size + kv_head * hd, v0 = q_size + kv_size + kv_head * hd;
@@ -168,9 +168,10 @@ void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq,
         memcpy(v + (size_t)(slot / bs) * kv_size * bs + (size_t)(slot % bs) * hd, r + v0, (size_t)hd * sizeof(float));
     }
     for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
-        const int pos = b->positions[t];
+        const int pos = b->positions[t], out = out_row ? out_row[t] : t;
+        if (out < 0) continue;
         const tw_attn_args args = {
-            .q = m->qkv + (size_t)t * row + q0, .out = m->attn + (size_t)t * q_size + q0,
+            .q = m->qkv + (size_t)t * row + q0, .out = m->attn + (size_t)out * q_size + q0,
             .kt = kt, .v = v, .kt_block = (size_t)kv_size * bs, .v_block = (size_t)kv_size * bs, .v_row = (size_t)hd,
             .table = b->block_tables + (size_t)b->token_seq[t] * b->max_blocks, .block_size = bs,
             .lo = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0,

@@ -329,9 +329,10 @@ static PyObject *Model_forward(Model *self, PyObject *args) {
         else if (v[2].shape[0] != b.num_seqs + 1 || v[4].shape[0] != b.num_seqs) bad = "seq_starts needs S + 1 entries and block_tables S rows";
         else if (v[7].shape[0] != b.num_logits || v[7].shape[1] != self->m.vocab) bad = "logits must be [len(logits_indices), vocab]";
         else if (want_argmax && v[8].shape[0] != b.num_logits) bad = "argmax must have len(logits_indices) entries";
-        else if (!(token_seq = PyMem_Malloc((size_t)(b.num_tokens + 1) * sizeof(int32_t)))) PyErr_NoMemory();
+        else if (!(token_seq = PyMem_Malloc((size_t)(2 * b.num_tokens + 1) * sizeof(int32_t)))) PyErr_NoMemory();
         else {
             b.token_seq = token_seq;
+            b.logit_row = token_seq + b.num_tokens + 1;
             bad = tw_batch_check(&self->m, &b);
         }
         if (bad) PyErr_SetString(PyExc_ValueError, bad);
