@@ -18,7 +18,7 @@ from . import report
 from .runner import HOST, free_port, measure_server, peer_specs
 
 
-DEFAULT_SERVERS = "tokenwire,hypercorn,uvicorn,tokenwire-grpc,grpc,ceiling"
+DEFAULT_SERVERS = "tokenwire,h2-minimal,hypercorn,uvicorn,tokenwire-grpc,grpc,ceiling"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

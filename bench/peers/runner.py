@@ -21,6 +21,7 @@ from ..loadgen import Target, closed_loop, open_pool, run_level
 
 HOST = "127.0.0.1"
 CEILING = "ceiling"         # not a peer: the canned server that bounds what the client can measure
+H2_MINIMAL = "h2-minimal"   # the floor a lone stream is held to (h2_minimal.py)
 READY_TIMEOUT_S = 120.0
 
 
@@ -44,6 +45,7 @@ def peer_specs(port: int, step_us: float, trace: Optional[str] = None, max_token
                       "--host", HOST, "--port", str(port)] + (["--trace", trace] if trace else [])
     fastapi = py + ["tokenwire.bench.peers.fastapi_app", "--host", HOST, "--port", str(port)] + step
     grpc = py + ["tokenwire.bench.peers.grpc_peer", "--host", HOST, "--port", str(port)] + step
+    h2_minimal = py + ["tokenwire.bench.peers.h2_minimal", "--host", HOST, "--port", str(port)] + step
     specs = [
         PeerSpec("tokenwire", "tokenwire, HTTP/2 h2c, OpenAI SSE /v1/completions", tokenwire, "h2", "sse",
                  "/v1/completions"),
@@ -59,6 +61,8 @@ def peer_specs(port: int, step_us: float, trace: Optional[str] = None, max_token
                  fastapi + ["--server", "hypercorn"], "h2", "sse", "/v1/completions"),
         PeerSpec("uvicorn", "FastAPI StreamingResponse on uvicorn, HTTP/1.1, uvloop",
                  fastapi + ["--server", "uvicorn"], "h1", "sse", "/v1/completions"),
+        PeerSpec(H2_MINIMAL, "150-line uvloop + h2 server: the floor for raw h2 in Python", h2_minimal, "h2", "sse",
+                 "/v1/completions"),
         PeerSpec("grpc", "grpc.aio server-streaming RPC, HTTP/2", grpc, "grpc", "grpc", "/"),
         PeerSpec(CEILING, "canned HTTP/2 responses, no framework: what the load generator can measure at most",
                  py + ["tokenwire.bench.canned", "--host", HOST, "--port", str(port), "--tokens", str(max_tokens)],
