@@ -8,6 +8,7 @@ request streams through, loaded at every concurrency level, and stopped with SIG
 """
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import tempfile
 import time
 from typing import NamedTuple, Optional
 
+from .. import fast_client
 from ..loadgen import Target, closed_loop, open_pool, run_level
 
 HOST = "127.0.0.1"
@@ -139,15 +141,25 @@ async def wait_until_streaming(server: ServerProcess, target: Target, timeout_s:
     raise RuntimeError(f"{server.spec.name} did not stream within {timeout_s:.0f} s: {last}\n{server.log_tail()}")
 
 
+def level_runner(client: str, target: Target):
+    """The client's run_level; the Python client for a server the other client cannot speak to."""
+    try:
+        fast_client.check(client, target)
+    except ValueError:
+        return run_level
+    return run_level if client == "python" else functools.partial(fast_client.run_level, client=client)
+
+
 async def measure_server(spec: PeerSpec, target: Target, levels: list, core: Optional[int],
-                         max_tokens: int) -> list:
+                         max_tokens: int, client: str = "python") -> list:
     """Start one server, run every level against it, stop it; one row per level."""
     server = ServerProcess(spec, core)
     rows = []
+    run = level_runner(client, target)
     try:
         await wait_until_streaming(server, target)
         for concurrency, num_requests, num_warmup in levels:
-            row = await run_level(target, concurrency, num_requests, num_warmup=num_warmup, server_pid=server.pid,
+            row = await run(target, concurrency, num_requests, num_warmup=num_warmup, server_pid=server.pid,
                                   expected_tokens=max_tokens)
             why = server.failure()
             if why:
