@@ -12,14 +12,16 @@ the h2 library spends ~10 µs per frame and would be the bottleneck it is meant 
 
 import argparse
 import asyncio
+import functools
 import sys
 
 import orjson
 
+from . import fast_client
 from .h2load import run_h2load
 from .loadgen import Target, parse_url, run_level
 from .peers.grpc_proto import SERVICE_PATH, request_body
-from .peers.report import server_stages_table
+from .peers.report import server_stages_table, ttft_table
 from .plot import plot_levels
 from .proc import listening_pid, pin_to_core
 from .stats import fmt_us, table
@@ -44,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per response (default 32)")
     parser.add_argument("--mode", choices=("closed", "open"), default="closed")
     parser.add_argument("--rate", default=None, help="open mode: comma-separated arrival rates, requests/s")
+    parser.add_argument("--client", choices=fast_client.CLIENTS, default="python",
+                        help="load client: python (the lean asyncio client, default), c (hand-written HTTP/2 in C, "
+                             "built on first use: resolves sub-millisecond TTFT at concurrency 64), node (Node's "
+                             "http2); c and node: HTTP/2, closed loop")
     parser.add_argument("--connections", type=int, default=1,
                         help="HTTP/2 connections to spread streams over (more if the server caps streams)")
     parser.add_argument("--model", default=None, help="model name to put in the body (default: none)")
@@ -64,6 +70,7 @@ def run(args) -> int:
         framing = args.framing or default_framing(args.protocol, path)
         target = make_target(host, port, path, args.protocol, framing, args.prompt_len, args.max_tokens,
                              args.model, not args.no_ignore_eos)
+        fast_client.check(args.client, target, args.mode)
     except ValueError as exc:
         print(f"tokenwire bench load: {exc}", file=sys.stderr)
         return 2
@@ -88,10 +95,13 @@ def run(args) -> int:
     stages = server_stages_table(rows)
     if stages:
         print(stages)
+    ttft = ttft_table(rows)
+    if ttft:
+        print(ttft)
     print_notes(rows, server_pid)
     write_outputs(args, rows, {"url": args.url, "protocol": args.protocol, "framing": framing,
                                "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "mode": args.mode,
-                               "server_pid": server_pid})
+                               "server_pid": server_pid, "client": args.client})
     return 0 if all(r["num_errors"] < r["num_requests"] for r in rows) else 1
 
 
@@ -149,9 +159,10 @@ def make_target(host, port, path, protocol, framing, prompt_len, max_tokens, mod
 async def measure(target, levels, args, server_pid) -> list:
     rows = []
     for concurrency, rate, num_requests, num_warmup in levels:
-        row = await run_level(target, concurrency, num_requests, num_warmup=num_warmup,
-                              num_connections=args.connections, mode=args.mode, rate=rate,
-                              server_pid=server_pid, expected_tokens=args.max_tokens)
+        run = run_level if args.client == "python" else functools.partial(fast_client.run_level, client=args.client)
+        row = await run(target, concurrency, num_requests, num_warmup=num_warmup,
+                        num_connections=args.connections, mode=args.mode, rate=rate,
+                        server_pid=server_pid, expected_tokens=args.max_tokens)
         row["server"] = args.url
         if args.h2load:
             row.update(compare_h2load(args.url, target, num_requests, concurrency, row))

@@ -238,7 +238,7 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
     server_ns = cpu_delta_ns(server_before, server_after) if server_before and server_after else None
     row = summarize_level(records, wall_ns, client_ns, server_ns, expected_tokens)
     row.update(concurrency=concurrency, mode=mode, rate=rate, protocol=target.protocol,
-               num_connections=pool.num_connections, num_queued=num_queued)
+               num_connections=pool.num_connections, num_queued=num_queued, client="python")
     if lag_us:
         row.update(summarize(lag_us, "send_lag_us"))
     return row
@@ -269,7 +269,17 @@ def summarize_level(records: list, wall_ns: int, client_ns: int, server_ns: Opti
     row.update(summarize(e2e, "e2e_us"))
     row["ttft_p50_us"], row["ttft_p99_us"] = row["ttft_us_p50"], row["ttft_us_p99"]
     row["server_timings_us_p50"] = server_timings_p50(ok)
+    row.update(summarize(server_ttft_us(ok), "server_ttft_us"))
     return row
+
+
+def server_ttft_us(records: list) -> list:
+    """Each stream's TTFT as its server timed it, where the server reported one (tokenwire does):
+    the `ttft_us` of the timings in its last chunk, which is Timeline.arrived_ns (the read that
+    completed the request's headers) to first_token_emitted_ns (the first token's bytes handed
+    to the transport), so it holds neither the network nor the client."""
+    return [r.timings["ttft_us"] for r in records
+            if r.timings and isinstance(r.timings.get("ttft_us"), (int, float)) and r.timings["ttft_us"] > 0]
 
 
 def server_timings_p50(records: list) -> Optional[dict]:

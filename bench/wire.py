@@ -56,7 +56,7 @@ def count_sse(rec: StreamRecord, buf: bytes, start: int, end: int) -> int:
     n = buf.count(b"\n\n", start, end)
     if end - start >= 2 and buf[end - 1] == 10 and buf[end - 2] == 10:
         if buf[end - 3] == 93 and buf.endswith(SSE_DONE, start, end):  # 93: "]"
-            n -= 1 + _non_token_events(rec, buf[start:end])
+            n -= 1 + non_token_events(rec, buf[start:end])
     else:
         rec.head, rec.left = buf[start:end], n
     return n
@@ -72,7 +72,7 @@ def _count_sse_joined(rec: StreamRecord, payload: bytes) -> int:
     joined = rec.head + payload
     n = joined.count(b"\n\n") - rec.left
     if joined.endswith(SSE_DONE):
-        n -= 1 + _non_token_events(rec, joined)
+        n -= 1 + non_token_events(rec, joined)
     if joined.endswith(b"\n\n"):
         rec.head, rec.left = b"", 0
     else:
@@ -83,7 +83,7 @@ def _count_sse_joined(rec: StreamRecord, payload: bytes) -> int:
     return n
 
 
-def _non_token_events(rec: StreamRecord, payload: bytes) -> int:
+def non_token_events(rec: StreamRecord, payload: bytes) -> int:
     """Events that close a stream without a token: a finish chunk with empty text, a usage chunk.
 
     Servers write them together with [DONE] (tokenwire does), so only the payload holding

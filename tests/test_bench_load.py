@@ -278,6 +278,23 @@ def test_bench_load_command(mock_server, tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_load_with_the_c_client_reports_server_ttft(mock_server, tmp_path):
+    out = _bench("--url", f"{mock_server.url}/v1/completions", "--concurrency", "1,3", "--requests", "9",
+                 "--max-tokens", "4", "--client", "c", "--json", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "srv ttft p50" in out.stdout and "p99 cli/srv" in out.stdout
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["config"]["client"] == "c"
+    for r in doc["levels"]:
+        assert r["client"] == "c" and r["num_errors"] == 0 and r["num_tokens"] == 36
+        assert 0 < r["server_ttft_us_p50"] <= r["server_ttft_us_p99"] and r["server_ttft_us_p50"] < r["ttft_us_p50"]
+
+
+def test_bench_load_client_options_are_checked(mock_server):
+    out = _bench("--url", f"{mock_server.url}/v1/completions", "--client", "c", "--protocol", "h1")
+    assert out.returncode == 2 and "--client c speaks HTTP/2" in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load (nghttp2-client) is not installed")
 def test_bench_load_compares_with_h2load(mock_server, tmp_path):
     out = _bench("--url", f"{mock_server.url}/generate", "--framing", "binary", "--concurrency", "2",

@@ -96,7 +96,8 @@ def test_bench_peers_command(tmp_path):
     doc = json.loads((tmp_path / "p.json").read_text())
     rows = doc["rows"]
     assert {(r["server"], r["concurrency"]) for r in rows} == {
-        (s, c) for s in ("tokenwire", "hypercorn", "uvicorn", "tokenwire-grpc", "grpc", "ceiling") for c in (1, 2)}
+        (s, c) for s in ("tokenwire", "h2-minimal", "hypercorn", "uvicorn", "tokenwire-grpc", "grpc", "ceiling")
+        for c in (1, 2)}
     for r in rows:
         for key in ("server", "concurrency", "ttft_p50_us", "ttft_p99_us", "cpu_us_per_token", "tokens_per_s"):
             assert r[key] is not None, (r["server"], key)
@@ -106,6 +107,10 @@ def test_bench_peers_command(tmp_path):
     ratios = out.stdout.split("TTFT p50 ratio")[1].split("(peer /")[0]
     assert "uvicorn" in ratios and "ceiling" not in ratios            # the ceiling is no peer
     assert "tokenwire-grpc CPU/token" in out.stdout
+    assert "TTFT as the server timed it" in out.stdout and "lone stream (c=1): itl p50 and CPU/token" in out.stdout
+    assert "TTFT p99 @2 server-side <= 1000 µs" in out.stdout
+    tokenwire = next(r for r in rows if r["server"] == "tokenwire" and r["concurrency"] == 2)
+    assert 0 < tokenwire["server_ttft_us_p99"] and tokenwire["client"] == "python"
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 

@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import orjson
 
+from .. import fast_client
 from ..load import make_target, run_event_loop
 from ..pingpong import measure_floor
 from ..plot import plot_levels
@@ -18,7 +19,7 @@ from . import report
 from .runner import HOST, free_port, measure_server, peer_specs
 
 
-DEFAULT_SERVERS = "tokenwire,hypercorn,uvicorn,tokenwire-grpc,grpc,ceiling"
+DEFAULT_SERVERS = "tokenwire,h2-minimal,hypercorn,uvicorn,tokenwire-grpc,grpc,ceiling"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-core", type=int, default=None, help="core for the servers (default: the last one)")
     parser.add_argument("--client-core", type=int, default=None, help="core for the load generator (default: 0)")
     parser.add_argument("--floor-round-trips", type=int, default=2000, help="ping-pong round trips (default 2000)")
+    parser.add_argument("--client", choices=fast_client.CLIENTS, default="python",
+                        help="load client for the HTTP/2 SSE servers: python (default), c (hand-written HTTP/2 in C: "
+                             "resolves sub-millisecond TTFT at concurrency 64), node; the others keep the Python one")
     parser.add_argument("--trace", default=None, help="tokenwire's per-request stage timelines as Chrome trace JSON")
     parser.add_argument("--json", default=None, help="write one row per server and concurrency to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput against concurrency")
@@ -81,6 +85,8 @@ def _parse(args):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.step_us < 0:
         raise ValueError("--step-us must be >= 0")
+    if args.client != "python":
+        fast_client.check_available(args.client)
     levels = [(c, args.requests or max(400, 8 * c), c if args.warmup is None else args.warmup) for c in concurrency]
     return servers, levels
 
@@ -107,7 +113,7 @@ async def _measure_all(args, servers, levels, server_core):
         try:
             target = make_target(HOST, port, spec.path, spec.protocol, spec.framing, args.prompt_len,
                                  args.max_tokens)._replace(headers=spec.headers)
-            rows += await measure_server(spec, target, levels, server_core, args.max_tokens)
+            rows += await measure_server(spec, target, levels, server_core, args.max_tokens, args.client)
         except (RuntimeError, OSError, TimeoutError) as exc:
             failures[name] = str(exc)
             print(f"{name} FAILED: {exc}", flush=True)
@@ -141,6 +147,12 @@ def _print_report(rows, servers, floor, failures) -> None:
     if stages:
         print("\nserver-side stages (reported by the server in each stream's last chunk)")
         print(stages)
+        print("\nTTFT as the server timed it and as the client saw it")
+        print(report.ttft_table(rows))
+    lone = report.lone_stream_table(rows)
+    if lone:
+        print(f"\na lone stream (concurrency {report.LONE_CONCURRENCY})")
+        print(lone)
     summary = report.summarize_servers(rows, [s for s in servers if s not in failures])
     print("\nside by side (ping-pong floor p50 %.0f µs, p99 %.0f µs)" % (floor.p50_us, floor.p99_us))
     print(report.side_by_side(summary, floor.p50_us))

@@ -8,6 +8,7 @@ request streams through, loaded at every concurrency level, and stopped with SIG
 """
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -17,10 +18,12 @@ import tempfile
 import time
 from typing import NamedTuple, Optional
 
+from .. import fast_client
 from ..loadgen import Target, closed_loop, open_pool, run_level
 
 HOST = "127.0.0.1"
 CEILING = "ceiling"         # not a peer: the canned server that bounds what the client can measure
+H2_MINIMAL = "h2-minimal"   # the floor a lone stream is held to (h2_minimal.py)
 READY_TIMEOUT_S = 120.0
 
 
@@ -44,6 +47,7 @@ def peer_specs(port: int, step_us: float, trace: Optional[str] = None, max_token
                       "--host", HOST, "--port", str(port)] + (["--trace", trace] if trace else [])
     fastapi = py + ["tokenwire.bench.peers.fastapi_app", "--host", HOST, "--port", str(port)] + step
     grpc = py + ["tokenwire.bench.peers.grpc_peer", "--host", HOST, "--port", str(port)] + step
+    h2_minimal = py + ["tokenwire.bench.peers.h2_minimal", "--host", HOST, "--port", str(port)] + step
     specs = [
         PeerSpec("tokenwire", "tokenwire, HTTP/2 h2c, OpenAI SSE /v1/completions", tokenwire, "h2", "sse",
                  "/v1/completions"),
@@ -59,6 +63,8 @@ def peer_specs(port: int, step_us: float, trace: Optional[str] = None, max_token
                  fastapi + ["--server", "hypercorn"], "h2", "sse", "/v1/completions"),
         PeerSpec("uvicorn", "FastAPI StreamingResponse on uvicorn, HTTP/1.1, uvloop",
                  fastapi + ["--server", "uvicorn"], "h1", "sse", "/v1/completions"),
+        PeerSpec(H2_MINIMAL, "150-line uvloop + h2 server: the floor for raw h2 in Python", h2_minimal, "h2", "sse",
+                 "/v1/completions"),
         PeerSpec("grpc", "grpc.aio server-streaming RPC, HTTP/2", grpc, "grpc", "grpc", "/"),
         PeerSpec(CEILING, "canned HTTP/2 responses, no framework: what the load generator can measure at most",
                  py + ["tokenwire.bench.canned", "--host", HOST, "--port", str(port), "--tokens", str(max_tokens)],
@@ -135,15 +141,25 @@ async def wait_until_streaming(server: ServerProcess, target: Target, timeout_s:
     raise RuntimeError(f"{server.spec.name} did not stream within {timeout_s:.0f} s: {last}\n{server.log_tail()}")
 
 
+def level_runner(client: str, target: Target):
+    """The client's run_level; the Python client for a server the other client cannot speak to."""
+    try:
+        fast_client.check(client, target)
+    except ValueError:
+        return run_level
+    return run_level if client == "python" else functools.partial(fast_client.run_level, client=client)
+
+
 async def measure_server(spec: PeerSpec, target: Target, levels: list, core: Optional[int],
-                         max_tokens: int) -> list:
+                         max_tokens: int, client: str = "python") -> list:
     """Start one server, run every level against it, stop it; one row per level."""
     server = ServerProcess(spec, core)
     rows = []
+    run = level_runner(client, target)
     try:
         await wait_until_streaming(server, target)
         for concurrency, num_requests, num_warmup in levels:
-            row = await run_level(target, concurrency, num_requests, num_warmup=num_warmup, server_pid=server.pid,
+            row = await run(target, concurrency, num_requests, num_warmup=num_warmup, server_pid=server.pid,
                                   expected_tokens=max_tokens)
             why = server.failure()
             if why:
