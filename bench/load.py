@@ -216,7 +216,30 @@ def format_table(rows: list, with_server: bool = False) -> str:
     return table(headers, out) + "\n(latencies in µs; srv/cli µs/tok: CPU time per streamed token)"
 
 
+# issue 19, on the default model served: a short prompt's TTFT against one decode step (the
+# inter-token latency of the same run), by concurrency
+TTFT_PER_ITL_TARGETS = {1: 1.5, 8: 3.0}
+
+
+def ttft_per_itl_lines(rows: list) -> list:
+    """TTFT p50 over inter-token p50 at each closed-loop level: how many decode steps a prompt's
+    first token costs (the prefill step, plus waiting for the step in flight)."""
+    lines = []
+    for r in rows:
+        if r.get("rate") or not r["itl_us_p50"]:
+            continue
+        ratio = r["ttft_us_p50"] / r["itl_us_p50"]
+        target = TTFT_PER_ITL_TARGETS.get(r["concurrency"])
+        verdict = f"; target <= {target:g}x (default model, 8-token prompt): {'met' if ratio <= target else 'NOT met'}" \
+            if target else ""
+        lines.append(f"concurrency {r['concurrency']}: TTFT p50 {fmt_us(r['ttft_us_p50'])} = {ratio:.2f}x the "
+                     f"inter-token p50 {fmt_us(r['itl_us_p50'])}{verdict}")
+    return lines
+
+
 def print_notes(rows: list, server_pid) -> None:
+    for line in ttft_per_itl_lines(rows):
+        print(line)
     if server_pid is None:
         print("server CPU: not measured (the server is not a local process this user can see; use --server-pid)")
     for r in rows:

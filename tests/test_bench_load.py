@@ -335,3 +335,17 @@ def test_bench_load_unreachable_server():
         port = s.getsockname()[1]       # nothing listens here once closed
     out = _bench("--url", f"http://127.0.0.1:{port}/v1/completions", "--concurrency", "1", "--requests", "1")
     assert out.returncode == 1 and "cannot reach" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_ttft_is_reported_in_decode_steps_against_issue_19s_targets():
+    from tokenwire.bench.load import ttft_per_itl_lines
+    rows = [{"concurrency": 1, "rate": None, "ttft_us_p50": 3000.0, "itl_us_p50": 2500.0},
+            {"concurrency": 8, "rate": None, "ttft_us_p50": 25000.0, "itl_us_p50": 5000.0},
+            {"concurrency": 64, "rate": None, "ttft_us_p50": 900.0, "itl_us_p50": 100.0},
+            {"concurrency": 4, "rate": 10.0, "ttft_us_p50": 1.0, "itl_us_p50": 1.0},      # open loop: no line
+            {"concurrency": 2, "rate": None, "ttft_us_p50": 50.0, "itl_us_p50": 0.0}]     # no inter-token gap
+    lines = ttft_per_itl_lines(rows)
+    assert len(lines) == 3
+    assert "1.20x" in lines[0] and "target <= 1.5x" in lines[0] and lines[0].endswith(": met")
+    assert "5.00x" in lines[1] and "target <= 3x" in lines[1] and lines[1].endswith("NOT met")
+    assert "9.00x" in lines[2] and "target" not in lines[2]
