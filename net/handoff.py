@@ -1,4 +1,4 @@
-"""The engine -> loop hand-off: one step at a time, two doorbells.
+"""The engine -> loop hand-off: one step at a time, two doorbells; or steps run on the loop.
 
 The engine thread calls `on_step_threadsafe(step)` once per step (EngineCore.on_step): it
 queues the step, rings a doorbell the loop watches (an eventfd; core/doorbell.py) and waits
@@ -11,24 +11,39 @@ On the loop, `write_pending()` hands each queued step to the writer (net/dispatc
 `release_engine()` lets the engine thread go on. The app writes pending steps before a
 read's new requests and releases the engine after them, so the engine's next step takes
 those requests (App.on_events).
+
+Inline steps: this is also the engine's `inline_host` (core/engine_core.py). When the
+executor's steps are shorter than the hand-off itself (the zero-cost mock, a tiny model),
+the engine thread lends its steps: `take_steps_threadsafe()`, then each step is one loop
+callback, `_step_inline`, that runs `EngineCore.step_inline()`, writes its outputs and asks
+for the next one while work remains (`EngineCore.continue_inline`). One step per loop
+iteration, so reads and resets are handled between steps; a step is written before the
+next one runs. No doorbell, no thread switch: a lone stream's token costs its step, its
+frames and one epoll. A longer executor step gives the steps back to the engine thread.
 """
 
 from collections import deque
 from typing import Callable
 
 from ..core.doorbell import Doorbell
+from ..core.engine_core import has_outputs
 
 
 class StepHandoff:
-    def __init__(self, loop, write_step: Callable[[object], None]):
+    def __init__(self, loop, write_step: Callable[[object], None], engine=None):
         self.loop = loop
+        self.engine = engine                # core.engine_core.EngineCore whose inline steps this runs (or None)
         self._write_step = write_step       # called on the loop with each step (a core.outputs.StepTokens)
         self._steps = deque()               # steps handed over by the engine thread, oldest first
         self._step_ready = Doorbell()       # the engine rang, a step waits (watched by the loop)
         self._step_taken = Doorbell()       # the loop wrote the step, the engine may go on
         self._engine_waits = False          # a step was taken from _steps and the engine waits for its ring
+        self._inline_scheduled = False      # an `_step_inline` callback is queued on the loop
         self.detached = False
         loop.add_reader(self._step_ready.fileno(), self._on_ready)
+        if engine is not None:
+            engine.on_step = self.on_step_threadsafe
+            engine.inline_host = self
 
     def on_step_threadsafe(self, step) -> None:
         """Engine thread, once per step: hand the step over, then wait until the loop wrote it."""
@@ -62,8 +77,40 @@ class StepHandoff:
             self._engine_waits = False
             self._step_taken.ring()
 
+    # ------------------------------------------------------------ inline steps
+
+    def take_steps_threadsafe(self) -> None:
+        """Engine thread: it lends its steps to this loop from now on (it wrote its last one)."""
+        if not self.detached:
+            self.loop.call_soon_threadsafe(self._take_steps)
+
+    def _take_steps(self) -> None:
+        if self.engine.has_work():
+            self.steps_wanted()
+
+    def steps_wanted(self) -> None:
+        """Loop thread: work arrived for an inline engine; run a step at the next loop iteration."""
+        if not self._inline_scheduled and not self.detached:
+            self._inline_scheduled = True
+            self.loop.call_soon(self._step_inline)
+
+    def _step_inline(self) -> None:
+        """One engine step on the loop, written at once (hot path: once per step)."""
+        self._inline_scheduled = False
+        engine = self.engine
+        if self.detached or not engine.inline:
+            return
+        step = engine.step_inline()
+        try:
+            if has_outputs(step):
+                self._write_step(step)
+        finally:
+            if engine.continue_inline():
+                self.steps_wanted()
+
     def detach(self) -> None:
-        """The loop is stopping: never block the engine thread again (call on the loop's thread)."""
+        """The loop is stopping: never block the engine thread again, nor step it here (call
+        on the loop's thread)."""
         if self.detached:
             return
         self.detached = True
