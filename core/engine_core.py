@@ -27,7 +27,7 @@ Contract (net/ builds on it):
   shared core): more than a zero-cost mock step or a tiny model's whole step. After
   INLINE_AFTER_SHORT_STEPS such steps in a row the engine thread lends its steps
   (`inline` becomes True, `inline_host.take_steps_threadsafe()`) and sleeps; the host then
-  calls `step_inline()` and, after writing its outputs, `continue_inline()`, which gives the
+  calls `step_or_fail()` and, after writing its outputs, `continue_inline()`, which gives the
   steps back to the engine thread after one longer executor step (a real model's steps
   are milliseconds and keep the thread: its kernels release the GIL, so the loop serves
   sockets meanwhile). While inline, `add_request` / `cancel` / `wake` ask the host for a
@@ -323,7 +323,8 @@ class EngineCore:
         try:
             start_ns = time.monotonic_ns()
             result = self.executor.step(seqs)
-            step_ns = time.monotonic_ns() - start_ns
+            done_ns = time.monotonic_ns()
+            step_ns = done_ns - start_ns
             if self.step_times_ns is not None:
                 self.step_times_ns.append(step_ns)
             self._num_short_steps = self._num_short_steps + 1 if step_ns <= self.inline_step_ns else 0
@@ -333,7 +334,7 @@ class EngineCore:
         except Exception as e:
             log.exception("engine step failed; failing the %d running requests", self.scheduler.num_running)
             return self.scheduler.fail_running(f"engine step failed: {type(e).__name__}: {e}", time.monotonic_ns())
-        outputs = self.scheduler.update(scheduled, result.token_ids, result.logprobs, time.monotonic_ns(), columns)
+        outputs = self.scheduler.update(scheduled, result.token_ids, result.logprobs, done_ns, columns)
         self.num_tokens_generated += len(outputs) + (len(columns.request_ids) if columns is not None else 0)
         return outputs
 
@@ -357,10 +358,11 @@ class EngineCore:
     def _run(self) -> None:
         idle = False
         while self._wait_for_work(idle):
-            outputs = self._step_guarded()
-            if has_outputs(outputs):
+            outputs = self.step_or_fail()
+            has_outputs = bool(outputs.rows or outputs.request_ids) if type(outputs) is StepTokens else bool(outputs)
+            if has_outputs:         # no len(): a StepTokens' __len__ is a Python call, and this runs once per step
                 self._deliver(outputs)
-            idle = not has_outputs(outputs) and not self.num_scheduled
+            idle = not has_outputs and not self.num_scheduled
             if self._num_short_steps >= INLINE_AFTER_SHORT_STEPS and self.inline_host is not None:
                 self._lend_steps()
         last = self._fail_everything("the engine shut down")
@@ -370,8 +372,9 @@ class EngineCore:
             self.executor.close()
             self._doorbell.close()
 
-    def _step_guarded(self) -> list | StepTokens:
-        """`step()`, with a bug in core failing every request rather than killing its caller."""
+    def step_or_fail(self) -> list | StepTokens:
+        """`step()`, with a bug in core failing every request instead of raising: what the
+        engine thread runs, and the inline host (hot path: once per step)."""
         try:
             return self.step()
         except Exception as e:
@@ -453,18 +456,13 @@ class EngineCore:
                 if not self.inline or self._stopping:
                     return
 
-    def step_inline(self) -> list | StepTokens:
-        """Host thread, while `inline`: one step, as the engine thread runs it (hot path: once
-        per step). Write its outputs (if any), then call `continue_inline`."""
-        return self._step_guarded()
-
     def continue_inline(self) -> bool:
-        """Host thread, after writing an inline step. -> whether the host should run another
-        step now. False when no work is left (a submission or a cancel asks again), or when
+        """Host thread, after writing the outputs of an inline `step_or_fail()` (hot path: once
+        per step). -> whether the host should run another step now. False when no work is left (a submission or a cancel asks again), or when
         the last executor step was longer than `inline_step_ns` or the step did nothing: the
         steps then go back to the engine thread (which waits 1 ms after a step that did nothing)."""
         if self._num_short_steps and self.num_scheduled:
-            return self.has_work()
+            return bool(self._inbox or self._cancels) or self.scheduler.has_unfinished()
         if not self.num_scheduled and not self.has_work():
             return False                    # all done: stay inline, idle
         with self._lock:
@@ -473,8 +471,3 @@ class EngineCore:
         self._doorbell.ring()
         return False
 
-
-def has_outputs(outputs: list | StepTokens) -> bool:
-    """A step produced something to write (no len(): a StepTokens' __len__ is a Python call,
-    and this runs once per step)."""
-    return bool(outputs.rows or outputs.request_ids) if type(outputs) is StepTokens else bool(outputs)

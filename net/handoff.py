@@ -15,7 +15,7 @@ those requests (App.on_events).
 Inline steps: this is also the engine's `inline_host` (core/engine_core.py). When the
 executor's steps are shorter than the hand-off itself (the zero-cost mock, a tiny model),
 the engine thread lends its steps: `take_steps_threadsafe()`, then each step is one loop
-callback, `_step_inline`, that runs `EngineCore.step_inline()`, writes its outputs and asks
+callback, `_step_inline`, that runs `EngineCore.step_or_fail()`, writes its outputs and asks
 for the next one while work remains (`EngineCore.continue_inline`). One step per loop
 iteration, so reads and resets are handled between steps; a step is written before the
 next one runs. No doorbell, no thread switch: a lone stream's token costs its step, its
@@ -26,7 +26,6 @@ from collections import deque
 from typing import Callable
 
 from ..core.doorbell import Doorbell
-from ..core.engine_core import has_outputs
 
 
 class StepHandoff:
@@ -100,13 +99,14 @@ class StepHandoff:
         engine = self.engine
         if self.detached or not engine.inline:
             return
-        step = engine.step_inline()
+        step = engine.step_or_fail()
         try:
-            if has_outputs(step):
+            if step.rows or step.request_ids:
                 self._write_step(step)
         finally:
-            if engine.continue_inline():
-                self.steps_wanted()
+            if engine.continue_inline() and not self.detached:
+                self._inline_scheduled = True
+                self.loop.call_soon(self._step_inline)
 
     def detach(self) -> None:
         """The loop is stopping: never block the engine thread again, nor step it here (call
