@@ -456,15 +456,18 @@ class EngineCore:
                 if not self.inline or self._stopping:
                     return
 
-    def continue_inline(self) -> bool:
-        """Host thread, after writing the outputs of an inline `step_or_fail()` (hot path: once
-        per step). -> whether the host should run another step now. False when no work is left (a submission or a cancel asks again), or when
-        the last executor step was longer than `inline_step_ns` or the step did nothing: the
-        steps then go back to the engine thread (which waits 1 ms after a step that did nothing)."""
-        if self._num_short_steps and self.num_scheduled:
-            return bool(self._inbox or self._cancels) or self.scheduler.has_unfinished()
-        if not self.num_scheduled and not self.has_work():
-            return False                    # all done: stay inline, idle
+    def continue_inline(self, wrote: bool) -> bool:
+        """Host thread, after an inline `step_or_fail()` and the writing of its outputs, if any
+        (`wrote`) (hot path: once per step). -> whether the host should run another step now:
+        True while work remains. False when none is left (a submission or a cancel asks
+        again), and False after a step that gives the steps back to the engine thread: its
+        executor step was longer than `inline_step_ns`, or it did nothing while work waits
+        (the thread waits 1 ms after such a step rather than spin)."""
+        if self.num_scheduled:
+            if self._num_short_steps:
+                return bool(self._inbox or self._cancels) or self.scheduler.has_unfinished()
+        elif wrote or not self.has_work():
+            return self.has_work()          # cancellations or replayed answers only; or idle
         with self._lock:
             self.inline = False
         self._num_short_steps = 0           # the thread lends them again after as many short steps

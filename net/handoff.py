@@ -81,10 +81,13 @@ class StepHandoff:
     def take_steps_threadsafe(self) -> None:
         """Engine thread: it lends its steps to this loop from now on (it wrote its last one)."""
         if not self.detached:
-            self.loop.call_soon_threadsafe(self._take_steps)
+            try:
+                self.loop.call_soon_threadsafe(self._take_steps)
+            except RuntimeError:            # the loop is closed: the thread sleeps until shutdown
+                pass
 
     def _take_steps(self) -> None:
-        if self.engine.has_work():
+        if self.engine.inline and self.engine.has_work():
             self.steps_wanted()
 
     def steps_wanted(self) -> None:
@@ -100,11 +103,12 @@ class StepHandoff:
         if self.detached or not engine.inline:
             return
         step = engine.step_or_fail()
+        wrote = bool(step.rows or step.request_ids)
         try:
-            if step.rows or step.request_ids:
+            if wrote:
                 self._write_step(step)
         finally:
-            if engine.continue_inline() and not self.detached:
+            if engine.continue_inline(wrote) and not self.detached:
                 self._inline_scheduled = True
                 self.loop.call_soon(self._step_inline)
 
