@@ -16,12 +16,14 @@ Inline steps: this is also the engine's `inline_host` (core/engine_core.py). Whe
 executor's steps are shorter than the hand-off itself (the zero-cost mock, a tiny model),
 the engine thread lends its steps: `take_steps_threadsafe()`, then each step is one loop
 callback, `_step_inline`, that runs `EngineCore.step_or_fail()`, writes its outputs and asks
-for the next one while work remains (`EngineCore.continue_inline`). One step per loop
-iteration, so reads and resets are handled between steps; a step is written before the
-next one runs. No doorbell, no thread switch: a lone stream's token costs its step, its
-frames and one epoll. A longer executor step gives the steps back to the engine thread.
+for the next one while work remains (`EngineCore.continue_inline`); steps follow each other
+in one callback for at most `inline_step_ns`, then reads and resets are handled before the
+next; a step is written before the next one runs. No doorbell, no thread switch: a lone
+stream's token costs its step and its frames. A longer executor step gives the steps back
+to the engine thread.
 """
 
+import time
 from collections import deque
 from typing import Callable
 
@@ -97,18 +99,27 @@ class StepHandoff:
             self.loop.call_soon(self._step_inline)
 
     def _step_inline(self) -> None:
-        """One engine step on the loop, written at once (hot path: once per step)."""
+        """Engine steps on the loop, each written at once (hot path: once per step). Steps
+        follow each other in one callback for up to the engine's `inline_step_ns` (what one
+        step may hold the loop anyway), then the loop polls its sockets before the next: a
+        lone stream's tokens do not each pay a loop iteration and an epoll."""
         self._inline_scheduled = False
         engine = self.engine
         if self.detached or not engine.inline:
             return
-        step = engine.step_or_fail()
-        wrote = bool(step.rows or step.request_ids)
+        until_ns = time.monotonic_ns() + engine.inline_step_ns
+        go_on = True                        # also when a write raised: the next callback goes on
         try:
-            if wrote:
-                self._write_step(step)
+            while True:
+                step = engine.step_or_fail()
+                wrote = bool(step.rows or step.request_ids)
+                if wrote:
+                    self._write_step(step)
+                go_on = engine.continue_inline(wrote) and not self.detached
+                if not go_on or time.monotonic_ns() >= until_ns:
+                    break
         finally:
-            if engine.continue_inline(wrote) and not self.detached:
+            if go_on:
                 self._inline_scheduled = True
                 self.loop.call_soon(self._step_inline)
 
