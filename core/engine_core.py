@@ -473,4 +473,3 @@ class EngineCore:
         self._num_short_steps = 0           # the thread lends them again after as many short steps
         self._doorbell.ring()
         return False
-
