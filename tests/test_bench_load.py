@@ -197,10 +197,7 @@ def test_h2_client_waits_for_the_connection_window():
 
 @pytest.fixture(scope="module")
 def mock_server():
-    # no busy polling: a loop thread that never sleeps is never descheduled, and its CPU time
-    # (schedstat) is then only brought up to date at the next tick, 4 ms away: a level of a
-    # few requests, whose steps run on the loop (net/handoff.py), could read as 0 µs
-    server = tokenwire.Server(backend="mock", port=0, busy_poll_us=0).start()
+    server = tokenwire.Server(backend="mock", port=0).start()
     yield server
     server.stop()
 
