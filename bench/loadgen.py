@@ -215,6 +215,18 @@ async def open_loop(pool, rate: float, num_requests: int, concurrency: int, seed
 
 
 # -- one level -------------------------------------------------------------------------------
+# a server is read once it has gone idle: a thread that runs without being descheduled (a loop
+# busy-polling, or stepping the engine itself) has its CPU time brought up to date only at the
+# next scheduler tick (bench/proc.py), so a reading taken while it runs lags by up to a tick
+SETTLE_S = 0.003                    # longer than tokenwire's busy polling after the last request
+
+
+async def read_cpu_idle(pid: int):
+    """The server's CPU time (bench/proc.read_cpu), read after it had SETTLE_S to go idle."""
+    await asyncio.sleep(SETTLE_S)
+    return read_cpu(pid)
+
+
 async def run_level(target: Target, concurrency: int, num_requests: int, *, num_warmup: int,
                     num_connections: int = 1, mode: str = "closed", rate: Optional[float] = None,
                     server_pid: Optional[int] = None, expected_tokens: Optional[int] = None) -> dict:
@@ -223,7 +235,7 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
     try:
         await closed_loop(pool, concurrency, num_warmup)
         queued_before = pool.num_queued
-        server_before = read_cpu(server_pid) if server_pid else None
+        server_before = await read_cpu_idle(server_pid) if server_pid else None
         client_before, start = time.process_time_ns(), now_ns()
         lag_us = []
         if mode == "closed":
@@ -231,7 +243,7 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
         else:
             records, lag_us = await open_loop(pool, rate, num_requests, concurrency)
         wall_ns, client_ns = now_ns() - start, time.process_time_ns() - client_before
-        server_after = read_cpu(server_pid) if server_pid else None
+        server_after = await read_cpu_idle(server_pid) if server_pid else None
         num_queued = pool.num_queued - queued_before
     finally:
         pool.close()

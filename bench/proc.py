@@ -5,6 +5,9 @@ Rules:
   nanoseconds) when the kernel exposes it, cross-checked against utime+stime of
   /proc/PID/stat (clock ticks, which also count threads that have exited). When the tick
   figure is ahead by more than two ticks, threads died inside the window and it is used.
+- `sum_exec_runtime` of a thread that is running is brought up to date only when it is
+  descheduled or at a scheduler tick: read a process once it is idle (bench/loadgen.py waits
+  for it), or a busy thread's last few milliseconds are missing.
 - Nothing here raises for a process that is gone or not ours: callers get None and say so.
 """
 

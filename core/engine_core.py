@@ -21,6 +21,18 @@ Contract (net/ builds on it):
 - `start()` runs `step()` on a daemon thread while work exists and sleeps on a `Doorbell`
   otherwise; after each step with outputs it calls `on_step(outputs)` once — the single
   hand-off to the event loop per step (the server's rings a Doorbell the loop watches).
+- Inline steps: with an `inline_host` set (the server's hand-off, net/handoff.py), steps
+  whose executor time is at most `inline_step_ns` run on the host's thread instead. A
+  hand-off costs two context switches and four eventfd syscalls per step (~10-15 µs on a
+  shared core): more than a zero-cost mock step or a tiny model's whole step. After
+  INLINE_AFTER_SHORT_STEPS such steps in a row the engine thread lends its steps
+  (`inline` becomes True, `inline_host.take_steps_threadsafe()`) and sleeps; the host then
+  calls `step_or_fail()` and, after writing its outputs, `continue_inline()`, which gives the
+  steps back to the engine thread after one longer executor step (a real model's steps
+  are milliseconds and keep the thread: its kernels release the GIL, so the loop serves
+  sockets meanwhile). While inline, `add_request` / `cancel` / `wake` ask the host for a
+  step instead of ringing the thread; scheduler state is still touched by one thread at a
+  time, and the host writes a step before it runs the next (no step ahead of the wire).
 - Detokenization and stop strings run here, on the engine thread, because the scheduler must
   know at once that a request stopped (a deliberate change from docs/DESIGN's loop-side text).
 - Failures: an executor exception fails the running requests (finish_reason "error", with
@@ -50,6 +62,9 @@ from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 OnStep = Callable[[list], None]
+# consecutive executor steps of at most inline_step_ns before the engine thread lends its steps
+# to the inline host: one short step (a prefill chunk of a fast model) does not move them
+INLINE_AFTER_SHORT_STEPS = 4
 # step_columns applies from this many running requests: below it a step's few tokens save
 # less than the columns' fixed cost (bench peers at concurrency 1 had +6-15 us TTFT with them)
 COLUMNS_MIN_RUNNING = 8
@@ -61,7 +76,8 @@ class EngineCore:
                  max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
                  max_queued_requests: int = DEFAULTS.max_queued_requests, on_step: Optional[OnStep] = None,
                  enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching, model_identity: Optional[str] = None,
-                 response_cache_size: int = DEFAULTS.response_cache_size):
+                 response_cache_size: int = DEFAULTS.response_cache_size,
+                 inline_step_ns: int = int(DEFAULTS.inline_step_us * 1000)):
         config = executor.config
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -85,6 +101,10 @@ class EngineCore:
         self.on_step = on_step
         self.step_columns = False           # step() -> StepTokens instead of list[RequestOutput]
         self.step_times_ns = None           # a deque: each executor step's duration is appended (engine thread)
+        self.inline_step_ns = inline_step_ns    # executor steps at most this long may run inline (0: never)
+        self.inline_host = None             # runs short steps on its own thread (net/handoff.StepHandoff); None: never
+        self.inline = False                 # the host runs the steps now; the engine thread sleeps (set under _lock)
+        self._num_short_steps = 0           # consecutive executor steps of at most inline_step_ns
         self._lock = threading.Lock()       # inbox, cancellations, live ids, the sleeping flag
         self._doorbell = Doorbell()         # rung to wake the engine thread when it sleeps
         self._inbox = []                    # list[Request], appended on the loop thread
@@ -158,6 +178,8 @@ class EngineCore:
                 self._sleeping = False
         if ring:                            # outside the lock: the woken thread takes it first thing
             self._doorbell.ring()
+        elif wake and self.inline:
+            self.inline_host.steps_wanted()
 
     def wake(self) -> None:
         """Wake the engine thread if it sleeps while work is waiting (after `add_request(wake=False)`)."""
@@ -167,6 +189,8 @@ class EngineCore:
                 self._sleeping = False
             if ring:
                 self._doorbell.ring()
+        elif self.inline and self._inbox:
+            self.inline_host.steps_wanted()
 
     def _stop_ids(self, params: SamplingParams) -> frozenset:
         """EOS (unless ignore_eos) plus the request's stop ids, one shared set per combination."""
@@ -198,6 +222,8 @@ class EngineCore:
             self._sleeping = False
         if ring:
             self._doorbell.ring()
+        elif self.inline:
+            self.inline_host.steps_wanted()
 
     def set_priority(self, request_id: int, priority: int) -> None:
         """Thread-safe: a submitted request's new priority (smaller first), applied at the next
@@ -207,6 +233,10 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self._inbox) or self.scheduler.has_unfinished()
+
+    def has_work(self) -> bool:
+        """A step would do something: requests or cancellations to take, or requests running."""
+        return bool(self._inbox or self._cancels) or self.scheduler.has_unfinished()
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -293,15 +323,18 @@ class EngineCore:
         try:
             start_ns = time.monotonic_ns()
             result = self.executor.step(seqs)
+            done_ns = time.monotonic_ns()
+            step_ns = done_ns - start_ns
             if self.step_times_ns is not None:
-                self.step_times_ns.append(time.monotonic_ns() - start_ns)
+                self.step_times_ns.append(step_ns)
+            self._num_short_steps = self._num_short_steps + 1 if step_ns <= self.inline_step_ns else 0
             if len(result.token_ids) != self.scheduler.num_samples:
                 raise RuntimeError(f"the executor returned {len(result.token_ids)} token ids "
                                    f"for {self.scheduler.num_samples} sampling sequences")
         except Exception as e:
             log.exception("engine step failed; failing the %d running requests", self.scheduler.num_running)
             return self.scheduler.fail_running(f"engine step failed: {type(e).__name__}: {e}", time.monotonic_ns())
-        outputs = self.scheduler.update(scheduled, result.token_ids, result.logprobs, time.monotonic_ns(), columns)
+        outputs = self.scheduler.update(scheduled, result.token_ids, result.logprobs, done_ns, columns)
         self.num_tokens_generated += len(outputs) + (len(columns.request_ids) if columns is not None else 0)
         return outputs
 
@@ -325,22 +358,28 @@ class EngineCore:
     def _run(self) -> None:
         idle = False
         while self._wait_for_work(idle):
-            try:
-                outputs = self.step()
-            except Exception as e:      # a bug in core: fail everything rather than die
-                log.exception("engine step raised; failing every request")
-                outputs = self._fail_everything(f"internal engine error: {type(e).__name__}: {e}")
-            # no len(): a StepTokens' __len__ is a Python call, and this runs once per step
+            outputs = self.step_or_fail()
             has_outputs = bool(outputs.rows or outputs.request_ids) if type(outputs) is StepTokens else bool(outputs)
-            if has_outputs:
+            if has_outputs:         # no len(): a StepTokens' __len__ is a Python call, and this runs once per step
                 self._deliver(outputs)
             idle = not has_outputs and not self.num_scheduled
+            if self._num_short_steps >= INLINE_AFTER_SHORT_STEPS and self.inline_host is not None:
+                self._lend_steps()
         last = self._fail_everything("the engine shut down")
         if len(last):
             self._deliver(last)
         if self._close_on_exit:
             self.executor.close()
             self._doorbell.close()
+
+    def step_or_fail(self) -> list | StepTokens:
+        """`step()`, with a bug in core failing every request instead of raising: what the
+        engine thread runs, and the inline host (hot path: once per step)."""
+        try:
+            return self.step()
+        except Exception as e:
+            log.exception("engine step raised; failing every request")
+            return self._fail_everything(f"internal engine error: {type(e).__name__}: {e}")
 
     def _wait_for_work(self, idle: bool) -> bool:
         """Block until there is something to do. -> False when shutting down. After a step
@@ -360,6 +399,7 @@ class EngineCore:
             self._doorbell.wait()
 
     def _deliver(self, outputs) -> None:
+        """Hand one step's outputs to `on_step` (engine thread only: the inline host writes its own)."""
         if self.on_step is not None:
             try:
                 self.on_step(outputs)
@@ -381,6 +421,7 @@ class EngineCore:
         """Stop the thread (after its current step), fail what is left, close the executor."""
         with self._lock:
             self._stopping = True
+            self.inline = False             # the host's thread calls this: it runs no step any more
         self._doorbell.ring()
         if self._thread is threading.current_thread():
             self._close_on_exit = True      # called from on_step: the loop ends after this step
@@ -397,3 +438,38 @@ class EngineCore:
 
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    # ------------------------------------------------------------------ inline steps
+
+    def _lend_steps(self) -> None:
+        """Engine thread: the last steps were shorter than a hand-off; the host runs the next
+        ones on its thread. Sleeps until they are given back (`continue_inline`) or shutdown."""
+        with self._lock:
+            if self._stopping:
+                return
+            self.inline = True
+            self._sleeping = False          # submitters ask the host now, not this thread's doorbell
+        self.inline_host.take_steps_threadsafe()
+        while True:
+            self._doorbell.wait()
+            with self._lock:
+                if not self.inline or self._stopping:
+                    return
+
+    def continue_inline(self, wrote: bool) -> bool:
+        """Host thread, after an inline `step_or_fail()` and the writing of its outputs, if any
+        (`wrote`) (hot path: once per step). -> whether the host should run another step now:
+        True while work remains. False when none is left (a submission or a cancel asks
+        again), and False after a step that gives the steps back to the engine thread: its
+        executor step was longer than `inline_step_ns`, or it did nothing while work waits
+        (the thread waits 1 ms after such a step rather than spin)."""
+        if self.num_scheduled:
+            if self._num_short_steps:
+                return bool(self._inbox or self._cancels) or self.scheduler.has_unfinished()
+        elif wrote or not self.has_work():
+            return self.has_work()          # cancellations or replayed answers only; or idle
+        with self._lock:
+            self.inline = False
+        self._num_short_steps = 0           # the thread lends them again after as many short steps
+        self._doorbell.ring()
+        return False

@@ -30,6 +30,10 @@ class EngineOptions:
     mock_step_us: float = 0.0               # mock backend: microseconds per engine step
     enable_prefix_caching: bool = True      # reuse cached KV blocks of known prefixes (core/prefix_cache.py)
     response_cache_size: int = 0            # exact-match answers kept (core/response_cache.py); 0: off
+    # executor steps at most this long run on the event loop instead of the engine thread: a hand-off
+    # costs ~10 us of CPU and two context switches per step (core/engine_core.py, "Inline steps"), and
+    # the loop may wait this long; the mock's steps are ~1 us, stories260K's ~125 us; 0: always the thread
+    inline_step_us: float = 50.0
     # cpu backend: the INT4 products' activations, "int8" (quantized per group of 64, as llama.cpp's
     # 4-bit products: perplexity +0.01-0.02%, `tokenwire bench numerics`) or "fp32" (exact: matches the
     # numpy reference to float32 rounding, the golden path)
@@ -47,8 +51,9 @@ class EngineOptions:
             raise ValueError(f"response_cache_size must be >= 0, got {self.response_cache_size}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
-        if not self.mock_step_us >= 0:
-            raise ValueError(f"mock_step_us must be >= 0, got {self.mock_step_us}")
+        for name in ("mock_step_us", "inline_step_us"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 DEFAULTS = EngineOptions()

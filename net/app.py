@@ -125,11 +125,11 @@ class App:
 
     def attach(self, engine, model: ModelInfo, loop) -> None:
         """Serve `engine` (an EngineCore, started by the caller after this) on `loop` from now
-        on: its steps come to the loop as StepTokens through one hand-off per step."""
+        on: its steps come to the loop as StepTokens through one hand-off per step, or run
+        on the loop when they are shorter than a hand-off (net/handoff.py)."""
         self.dispatcher.attach(engine, model, loop)
-        self.handoff = StepHandoff(loop, self.dispatcher.write_step)
+        self.handoff = StepHandoff(loop, self.dispatcher.write_step, engine)
         engine.step_columns = True
-        engine.on_step = self.handoff.on_step_threadsafe
         self.model = model
         self.engine = engine
         self.loop = loop

@@ -1,4 +1,4 @@
-"""The engine -> loop hand-off: one step at a time, two doorbells.
+"""The engine -> loop hand-off: one step at a time, two doorbells; or steps run on the loop.
 
 The engine thread calls `on_step_threadsafe(step)` once per step (EngineCore.on_step): it
 queues the step, rings a doorbell the loop watches (an eventfd; core/doorbell.py) and waits
@@ -11,8 +11,19 @@ On the loop, `write_pending()` hands each queued step to the writer (net/dispatc
 `release_engine()` lets the engine thread go on. The app writes pending steps before a
 read's new requests and releases the engine after them, so the engine's next step takes
 those requests (App.on_events).
+
+Inline steps: this is also the engine's `inline_host` (core/engine_core.py). When the
+executor's steps are shorter than the hand-off itself (the zero-cost mock, a tiny model),
+the engine thread lends its steps: `take_steps_threadsafe()`, then each step is one loop
+callback, `_step_inline`, that runs `EngineCore.step_or_fail()`, writes its outputs and asks
+for the next one while work remains (`EngineCore.continue_inline`); steps follow each other
+in one callback for at most `inline_step_ns`, then reads and resets are handled before the
+next; a step is written before the next one runs. No doorbell, no thread switch: a lone
+stream's token costs its step and its frames. A longer executor step gives the steps back
+to the engine thread.
 """
 
+import time
 from collections import deque
 from typing import Callable
 
@@ -20,15 +31,20 @@ from ..core.doorbell import Doorbell
 
 
 class StepHandoff:
-    def __init__(self, loop, write_step: Callable[[object], None]):
+    def __init__(self, loop, write_step: Callable[[object], None], engine=None):
         self.loop = loop
+        self.engine = engine                # core.engine_core.EngineCore whose inline steps this runs (or None)
         self._write_step = write_step       # called on the loop with each step (a core.outputs.StepTokens)
         self._steps = deque()               # steps handed over by the engine thread, oldest first
         self._step_ready = Doorbell()       # the engine rang, a step waits (watched by the loop)
         self._step_taken = Doorbell()       # the loop wrote the step, the engine may go on
         self._engine_waits = False          # a step was taken from _steps and the engine waits for its ring
+        self._inline_scheduled = False      # an `_step_inline` callback is queued on the loop
         self.detached = False
         loop.add_reader(self._step_ready.fileno(), self._on_ready)
+        if engine is not None:
+            engine.on_step = self.on_step_threadsafe
+            engine.inline_host = self
 
     def on_step_threadsafe(self, step) -> None:
         """Engine thread, once per step: hand the step over, then wait until the loop wrote it."""
@@ -62,8 +78,54 @@ class StepHandoff:
             self._engine_waits = False
             self._step_taken.ring()
 
+    # ------------------------------------------------------------ inline steps
+
+    def take_steps_threadsafe(self) -> None:
+        """Engine thread: it lends its steps to this loop from now on (it wrote its last one)."""
+        if not self.detached:
+            try:
+                self.loop.call_soon_threadsafe(self._take_steps)
+            except RuntimeError:            # the loop is closed: the thread sleeps until shutdown
+                pass
+
+    def _take_steps(self) -> None:
+        if self.engine.inline and self.engine.has_work():
+            self.steps_wanted()
+
+    def steps_wanted(self) -> None:
+        """Loop thread: work arrived for an inline engine; run a step at the next loop iteration."""
+        if not self._inline_scheduled and not self.detached:
+            self._inline_scheduled = True
+            self.loop.call_soon(self._step_inline)
+
+    def _step_inline(self) -> None:
+        """Engine steps on the loop, each written at once (hot path: once per step). Steps
+        follow each other in one callback for up to the engine's `inline_step_ns` (what one
+        step may hold the loop anyway), then the loop polls its sockets before the next: a
+        lone stream's tokens do not each pay a loop iteration and an epoll."""
+        self._inline_scheduled = False
+        engine = self.engine
+        if self.detached or not engine.inline:
+            return
+        until_ns = time.monotonic_ns() + engine.inline_step_ns
+        go_on = True                        # also when a write raised: the next callback goes on
+        try:
+            while True:
+                step = engine.step_or_fail()
+                wrote = bool(step.rows or step.request_ids)
+                if wrote:
+                    self._write_step(step)
+                go_on = engine.continue_inline(wrote) and not self.detached
+                if not go_on or time.monotonic_ns() >= until_ns:
+                    break
+        finally:
+            if go_on:
+                self._inline_scheduled = True
+                self.loop.call_soon(self._step_inline)
+
     def detach(self) -> None:
-        """The loop is stopping: never block the engine thread again (call on the loop's thread)."""
+        """The loop is stopping: never block the engine thread again, nor step it here (call
+        on the loop's thread)."""
         if self.detached:
             return
         self.detached = True

@@ -43,6 +43,19 @@ class Histogram:
         self.sum_ns += value_ns * n
         self.count += n
 
+    def observe_drained_ns(self, values_ns) -> None:
+        """Record every duration in the deque `values_ns`, emptying it (another thread may
+        append meanwhile: each value is taken once)."""
+        counts, bounds = self.counts, self.bounds_ns
+        total = num = 0
+        while values_ns:
+            value_ns = values_ns.popleft()
+            counts[bisect_left(bounds, value_ns)] += 1
+            total += value_ns
+            num += 1
+        self.sum_ns += total
+        self.count += num
+
     def render(self, lines: list) -> None:
         lines.append(f"# HELP {self.name} {self.help}")
         lines.append(f"# TYPE {self.name} histogram")

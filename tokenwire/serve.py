@@ -117,6 +117,10 @@ def add_arguments(parser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--mock-step-us", type=_non_negative_float, default=DEFAULTS.mock_step_us,
                         help="mock backend: microseconds per engine step (default: %(default)s, zero cost)")
+    parser.add_argument("--inline-step-us", type=_non_negative_float, default=DEFAULTS.inline_step_us, metavar="US",
+                        help="run engine steps whose executor time is at most this on the event loop instead of "
+                             "the engine thread, where the thread hand-off would cost more than the step "
+                             "(default: %(default)s; 0: always the engine thread)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
     parser.add_argument("--api-key", default=None,
@@ -189,7 +193,7 @@ def run(args) -> int:
                         kv_cache_bytes=args.kv_cache_memory, strict_params=args.strict_params,
                         access_log=args.access_log,
                         enable_prefix_caching=args.enable_prefix_caching,
-                        response_cache_size=args.response_cache_size,
+                        response_cache_size=args.response_cache_size, inline_step_us=args.inline_step_us,
                         activations=args.activations,
                         host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,
                         api_key=args.api_key, limits=limits, trace=args.trace, freeze_gc=True,
