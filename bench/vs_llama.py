@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from ..core.options import DEFAULTS
 from ..engine_build.build import BuildOptions, build_engine, open_source
 from ..kernels import cpu
@@ -98,6 +100,21 @@ class LlamaCpp:
         prefill_s = self._decode([(t, j, s, j == n - 1) for s in range(batch) for j, t in enumerate(prompt)])
         step_s = [self._decode([(prompt[i % n], n + i, s, True) for s in range(batch)]) for i in range(num_steps + 1)]
         return {"prefill_tokens_per_s": batch * n / prefill_s, "step_s": step_s[1:]}
+
+    def greedy(self, prompt: list, num_tokens: int) -> tuple:
+        """llama.cpp's own greedy continuation of one `prompt`. -> (the token ids, float32
+        [num_tokens, vocab] logits each was the argmax of)"""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.ctx), True)
+        vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self._decode([(t, j, 0, j == len(prompt) - 1) for j, t in enumerate(prompt)])
+        tokens, logits = [], []
+        for i in range(num_tokens):
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, -1), shape=(vocab,)).copy()
+            tokens.append(int(np.argmax(row)))
+            logits.append(row)
+            if i < num_tokens - 1:
+                self._decode([(tokens[-1], len(prompt) + i, 0, True)])
+        return tokens, np.stack(logits)
 
     def close(self) -> None:
         llama_cpp.llama_batch_free(self.batch)
