@@ -132,7 +132,10 @@ class Server:
         if self._thread is None:
             return
         if self.loop is not None and not self._done.is_set():
-            self.loop.call_soon_threadsafe(self._request_stop, timeout)
+            try:
+                self.loop.call_soon_threadsafe(self._request_stop, timeout)
+            except RuntimeError:        # the loop ended and closed since the check (a failed start): nothing to stop
+                pass
         self._thread.join(timeout + 10)
         self._thread = None
 

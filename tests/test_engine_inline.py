@@ -158,12 +158,12 @@ def test_inline_step_us_zero_keeps_every_step_on_the_engine_thread(host):
 
 
 def test_a_stream_switching_threads_mid_way_gets_every_token_in_order(host):
-    h = host(inline_step_ns=2_000_000)
+    h = host(inline_step_ns=2_000_000, step_s=0.0002)      # 0.6 s of short steps: the switch comes mid-way
     h.submit(1, 3000)
     assert wait_for(lambda: h.engine.inline)
     h.step_s = 0.005
     assert wait_for(lambda: not h.engine.inline)
-    h.step_s = 0.0
+    h.step_s = 0.0002
     assert wait_for(lambda: h.finished(1), timeout=30)
     assert {LOOP, ENGINE} <= set(h.threads)
     assert h.num_tokens(1) == 3000 and h.outputs[1][-1].finish_reason == FINISH_LENGTH
