@@ -1,5 +1,7 @@
 """Engines for tests, built the way the server builds them: through tokenwire/runtime.py."""
 
+import time
+
 from tokenwire.core.options import EngineOptions
 from tokenwire.runtime import build_engine
 
@@ -16,3 +18,14 @@ def engine_core(model, backend: str, *, on_step=None, **options):
     core = build_engine(EngineOptions(backend=backend, **options), model=model).core
     core.on_step = on_step
     return core
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    """Poll `predicate` every millisecond until it holds (-> True) or `timeout` s pass (-> False):
+    for what an engine thread or an event loop does on its own time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.001)
+    return False

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from engines import mock_engine_core
+from engines import mock_engine_core, wait_for
 from tokenwire.core.engine_core import INLINE_AFTER_SHORT_STEPS
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, Timeline
 from tokenwire.core.sampling_params import SamplingParams
@@ -104,15 +104,6 @@ class Host:
         self.handoff.close()
 
 
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.001)
-    return False
-
-
 @pytest.fixture
 def host():
     made = []
@@ -198,7 +189,7 @@ def test_a_failing_executor_while_inline_fails_the_running_requests_and_serving_
 
 
 def test_many_streams_inline_each_get_one_token_per_step(host):
-    h = host()
+    h = host(inline_step_ns=50_000_000)     # a 128-row mock step is short by any measure, however loaded the machine
     h.submit(0, 8)                                          # lends the steps to the loop
     assert wait_for(lambda: h.finished(0) and h.engine.inline)
 

@@ -14,7 +14,7 @@ import time
 import orjson
 import pytest
 
-from engines import mock_engine_core
+from engines import mock_engine_core, wait_for
 from tokenwire.core.doorbell import Doorbell
 from tokenwire.core.outputs import RequestOutput, Timeline
 from tokenwire.core.sampling_params import SamplingParams
@@ -55,32 +55,23 @@ def test_doorbell_wakes_a_thread_blocked_on_it():
     bell.close()
 
 
-def _wait(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.001)
-    return False
-
-
 def test_engine_sleeps_until_woken_once_for_a_batch_of_requests():
     seen = []
     engine = mock_engine_core(on_step=seen.extend, max_model_len=256)
     engine.start()
     try:
-        assert _wait(lambda: engine._sleeping)
+        assert wait_for(lambda: engine._sleeping)
         params = SamplingParams(max_tokens=3)
         for rid in (1, 2):
             engine.add_request(rid, [5, 6], params, Timeline(), wake=False)
         time.sleep(0.05)
         assert seen == [] and engine._sleeping          # submitted, not woken: nothing ran
         engine.wake()
-        assert _wait(lambda: sum(o.finish_reason is not None for o in seen) == 2)
+        assert wait_for(lambda: sum(o.finish_reason is not None for o in seen) == 2)
         engine.add_request(3, [5], params, Timeline())  # the default wakes it at once
-        assert _wait(lambda: any(o.request_id == 3 and o.finish_reason for o in seen))
+        assert wait_for(lambda: any(o.request_id == 3 and o.finish_reason for o in seen))
         engine.cancel(99)                               # a cancel of nothing wakes it and does no harm
-        assert _wait(lambda: engine._sleeping)
+        assert wait_for(lambda: engine._sleeping)
     finally:
         engine.shutdown(timeout=5)
     assert not engine.is_alive() and engine._doorbell.closed
@@ -92,7 +83,7 @@ def test_steps_reach_the_loop_in_order_and_the_engine_never_runs_ahead():
     written, ahead, made = [], [], []
     loop.call_soon(lambda: made.append(StepHandoff(loop, lambda step: written.append(step[0]))))
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    assert _wait(lambda: made)
+    assert wait_for(lambda: made)
     handoff = made[0]
 
     def engine_thread():
@@ -105,7 +96,7 @@ def test_steps_reach_the_loop_in_order_and_the_engine_never_runs_ahead():
     t.join(10)
     assert written == list(range(200)) and max(ahead) == 0
     loop.call_soon_threadsafe(handoff.detach)
-    assert _wait(lambda: handoff.detached)
+    assert wait_for(lambda: handoff.detached)
     t0 = time.monotonic()
     handoff.on_step_threadsafe([0])                 # detached: returns at once, written nowhere
     assert time.monotonic() - t0 < 0.5 and len(written) == 200
