@@ -48,7 +48,7 @@ from .choices import ChoiceGroup
 from .dispatch import JSON, Dispatcher, Exchange
 from .errors import ApiError, bad_param
 from .events import BodyTooLarge, ConnectionClosed, PriorityUpdate, Request, StreamReset
-from .grpc import RESOURCE_EXHAUSTED, GenerateEncoder, GrpcRoutes
+from .grpc import RESOURCE_EXHAUSTED, STATUS_CODES, UNKNOWN, GenerateEncoder, GrpcRoutes
 from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
@@ -360,14 +360,22 @@ class App:
         try:
             then(future.result())
         except ApiError as exc:
-            self._respond_error(proto, req.stream_id, exc)
+            self._respond_job_error(job, exc)
         except Exception as exc:
             log.exception("internal error preparing %s %s off the loop", req.method, req.target)
-            self._respond_error(proto, req.stream_id, ApiError(
+            self._respond_job_error(job, ApiError(
                 500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
         finally:
             self.engine.wake()
             proto.flush()
+
+    def _respond_job_error(self, job: "Submission", exc: ApiError) -> None:
+        """A submission's error found off the loop, in its route's protocol: a gRPC status, or
+        the HTTP status with its JSON body."""
+        if job.g.route == "grpc":
+            self.grpc.respond_status(job.proto, job.req, STATUS_CODES.get(exc.status, UNKNOWN), exc.message)
+        else:
+            self._respond_error(job.proto, job.req.stream_id, exc)
 
     def _check_constraint(self, g: GenerationRequest) -> None:
         model = self.model

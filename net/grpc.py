@@ -6,7 +6,8 @@ big-endian length, the message) and its status in trailers; every rule below is 
 gRPC's "PROTOCOL-HTTP2" specification:
 
 - Services: `tokenwire.v1.Generator` (Generate: server streaming; ListModels: unary; the
-  schema is net/proto/tokenwire.proto), `grpc.health.v1.Health` (Check, Watch: SERVING
+  schema is net/proto/tokenwire.proto; Generate's `constraint` oneof goes through the HTTP
+  routes' guided_* rules, net/structured.py), `grpc.health.v1.Health` (Check, Watch: SERVING
   while /health answers 200), and server reflection (`grpc.reflection.v1alpha` and `v1`).
 - Status: every response is HEADERS (:status 200) then messages then trailers with
   `grpc-status` and a percent-encoded `grpc-message`. Route errors map to codes by their
@@ -30,11 +31,13 @@ import struct
 import zlib
 from urllib.parse import quote
 
+from ..core.constraint import ConstraintSpec
 from ..core.sampling_params import InvalidParameter, SamplingParams
 from .errors import ApiError
 from .events import Request
 from .http2 import H2Session
 from .openai_api import GenerationRequest
+from .structured import guided_constraint
 from . import grpc_schema as schema
 
 # status codes (grpc/doc/statuscodes.md)
@@ -346,7 +349,24 @@ def generation_request(m) -> GenerationRequest:
         raise GrpcError(INVALID_ARGUMENT, "max_tokens must be >= 1 (leave it out for the rest of the context)")
     params = SamplingParams(**kwargs)
     return GenerationRequest("grpc", m.text or None, list(m.token_ids) or None, None, params, True, False, False,
-                             m.model or None)
+                             m.model or None, constraint=_constraint(m))
+
+
+# GenerateRequest's constraint fields -> the HTTP routes' guided_* keys (net/structured.py)
+_GUIDED = {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
+           "choice": "guided_choice"}
+
+
+def _constraint(m):
+    """The request's `constraint` oneof -> a ConstraintSpec (None: unconstrained), by the same
+    rules as the HTTP routes; a bad one is a 400, which `handle` answers as INVALID_ARGUMENT."""
+    field = m.WhichOneof("constraint")
+    if field is None or (field == "json_object" and not m.json_object):
+        return None
+    if field == "json_object":
+        return ConstraintSpec("json_object", "")
+    value = list(m.choice.choices) if field == "choice" else getattr(m, field)
+    return guided_constraint(_GUIDED[field], value, name=field)
 
 
 def _one(messages: list, cls):

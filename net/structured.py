@@ -56,7 +56,7 @@ def constraint_spec(body: dict) -> ConstraintSpec | None:
     if not found:
         return None
     key, value = found[0]
-    return value if key == "response_format" else _guided(key, value)
+    return value if key == "response_format" else guided_constraint(key, value)
 
 
 def _structured_outputs(value) -> list:
@@ -99,22 +99,25 @@ def schema_spec(schema: dict) -> ConstraintSpec:
     return ConstraintSpec("json_schema", orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode())
 
 
-def _guided(key: str, value) -> ConstraintSpec:
+def guided_constraint(key: str, value, name: str | None = None) -> ConstraintSpec:
+    """A guided_* key's value (GUIDED_KEYS) -> its ConstraintSpec, or a 400 naming `name`
+    (default: the key; the gRPC route names its own fields)."""
+    name = name or key
     if key == "guided_json":
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except ValueError as exc:
-                raise bad_param(key, f"{key} is not valid JSON: {exc}") from None
+                raise bad_param(name, f"{name} is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
-            raise bad_param(key, f"{key} must be a JSON schema object")
+            raise bad_param(name, f"{name} must be a JSON schema object")
         return schema_spec(value)
     if key == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise bad_param(key, f"{key} must be a non-empty array of non-empty strings")
+            raise bad_param(name, f"{name} must be a non-empty array of non-empty strings")
         return ConstraintSpec("choice", json.dumps(value))
     if not isinstance(value, str) or not value:
-        raise bad_param(key, f"{key} must be a non-empty string")
+        raise bad_param(name, f"{name} must be a non-empty string")
     return ConstraintSpec("regex" if key == "guided_regex" else "grammar", value)
 
 

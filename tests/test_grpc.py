@@ -6,6 +6,8 @@ the protobuf classes; the committed descriptor set against the .proto files."""
 import asyncio
 import gzip
 import importlib.util
+import json
+import re
 import sys
 import tempfile
 import threading
@@ -356,3 +358,54 @@ def test_committed_descriptor_set_matches_the_proto_files():
     committed = descriptor_pb2.FileDescriptorSet.FromString(grpc_schema.DESCRIPTORS.read_bytes())
     fresh = descriptor_pb2.FileDescriptorSet.FromString(grpc_schema.compile_descriptor_set())
     assert committed == fresh, "run: python -m tokenwire.net.grpc_schema --regenerate"
+
+
+# ------------------------------------------------------------------ output constraints
+
+@pytest.fixture(scope="module")
+def cpu_server():
+    """The default model on the CPU backend: it does constrained decoding (llguidance)."""
+    s = tokenwire.Server(backend="cpu", port=0).start()
+    yield s
+    s.stop()
+
+
+def _generate(server, **fields) -> tuple:
+    """-> (the text, the final message), or raises grpc.RpcError."""
+    with grpc.insecure_channel(target(server)) as channel:
+        replies = list(pb2_grpc.GeneratorStub(channel).Generate(pb2.GenerateRequest(**fields), timeout=120))
+    return "".join(r.text for r in replies), replies[-1].final
+
+
+def test_generate_output_constraints(cpu_server):
+    text, final = _generate(cpu_server, text="Code:", max_tokens=40, regex=r"[0-9]{3}-[a-z]{2}", seed=1)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", text) and final.finish_reason == "stop", text
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "rain"],
+              "properties": {"city": {"enum": ["Paris", "Oslo"]}, "rain": {"type": "boolean"}}}
+    text, final = _generate(cpu_server, text="Weather:", max_tokens=60, json_schema=json.dumps(schema), seed=2)
+    value = json.loads(text)
+    assert set(value) == {"city", "rain"} and value["city"] in ("Paris", "Oslo") and isinstance(value["rain"], bool)
+    text, _ = _generate(cpu_server, text="Answer:", max_tokens=10, choice=pb2.Choices(choices=["yes", "no"]), seed=3)
+    assert text in ("yes", "no")
+    text, _ = _generate(cpu_server, text="Object:", max_tokens=60, json_object=True, seed=4)
+    assert isinstance(json.loads(text), dict)
+    text, _ = _generate(cpu_server, text="Free:", max_tokens=5, json_object=False, temperature=0)   # no constraint
+    assert text
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
+    ({"json_schema": "[1, 2]"}, "json_schema must be a JSON schema object"),
+    ({"choice": pb2.Choices(choices=[])}, "choice must be a non-empty array"),
+    ({"grammar": "start: nonsense_rule_that_is_not_defined"}, "grammar"),     # compiled off the loop
+])
+def test_generate_bad_constraints_are_invalid_argument(cpu_server, fields, message):
+    with pytest.raises(grpc.RpcError) as exc:
+        _generate(cpu_server, text="x", max_tokens=5, **fields)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in exc.value.details()
+
+
+def test_generate_constraint_on_a_backend_without_grammars_is_invalid_argument(server):
+    with pytest.raises(grpc.RpcError) as exc:
+        _generate(server, text="x", max_tokens=5, regex="a+")
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no constrained decoding" in exc.value.details()
