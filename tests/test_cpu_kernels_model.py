@@ -11,6 +11,10 @@ forward (kernels/model.py), on the same engine tensors:
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -356,4 +360,39 @@ def test_fused_argmax_keeps_numpys_ties_and_nans(encoding, nan):
             assert np.array_equal(ids, want)
             assert set(want.tolist()) <= ({2500} if nan else {1000, 2000})
     finally:
+        cpu.set_num_threads(before)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a taken core needs at least 2 CPUs")
+def test_a_taken_core_never_changes_the_logits_nor_stops_the_pool():
+    """With a busy loop on one CPU the adaptive pool lowers and raises its thread count while
+    steps of several shapes, some capped below the count on trial (model.threads), run back to
+    back: every step's logits stay those of the quiet run (the thread count never changes
+    them), and the pool never runs a task on no thread (a trial judged on a capped task once
+    set the limit to 0: SIGFPE in tile_shares)."""
+    config = tiny_config(hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, head_dim=64)
+    tensors = engine_tensors(config, ENCODINGS["int4_g64_int8_embed"])
+    prompt = np.random.default_rng(3).integers(0, config.vocab_size, 120).tolist()
+    batches = [build_forward_batch([seq_step(prompt[:n], 0, range(0, 32))], 4) for n in (120, 64, 1)]
+    before = cpu.num_threads()
+    cpu.set_num_threads(2)
+    models = {}
+    for threads in (2, 1):
+        models[threads] = cpu.create_model(config, tensors, block_size=4, num_blocks=32, activations="int8")
+        models[threads].threads = threads
+    want = [models[2].forward(b) for b in batches]
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})\n"
+                                                   "parent = os.getppid()\nwhile os.getppid() == parent:\n"
+                                                   "    for _ in range(100000): pass\n"])   # ends with this process
+    try:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            for batch, expected in zip(batches, want):
+                for model in models.values():           # a shape repeated on the pool, then capped at 1
+                    for _ in range(4):
+                        assert np.array_equal(model.forward(batch), expected)
+        assert cpu.pool_state()[0] >= 1
+    finally:
+        busy.kill()
+        busy.wait()
         cpu.set_num_threads(before)
