@@ -523,20 +523,41 @@ static shares attention_shares(const clock0 *c, const tw_batch *b) {
     return (shares){items, first > 1 ? first : 1, 1};
 }
 
+/* A batch with a prefill chunk splits its attention by token (tw_attention_prepare, then
+ * (token, KV head) items after a barrier): its sequences' items would be too few and too
+ * uneven to share (a lone prompt on 2 threads: 3 items of a 3-KV-head model, one thread
+ * doing two). A decode step keeps the self-contained items and no barrier. */
+static int split_attention(const clock0 *c, const tw_batch *b) {
+    return c->nth > 1 && b->num_tokens > b->num_seqs;
+}
+
 static void warm_attention(const clock0 *c, int layer, const tw_batch *b) {
     const tw_model *m = c->m;
     const int item = c->ith * attention_shares(c, b).first;
-    if (c->nth > 1 && item < b->num_seqs * m->num_kv_heads)
+    if (c->nth > 1 && !split_attention(c, b) && item < b->num_seqs * m->num_kv_heads)
         tw_attention_prefetch(m, layer, b, item / m->num_kv_heads, item % m->num_kv_heads);
 }
 
 static void attention(clock0 *c, int layer, const tw_batch *b, tw_thread_scratch *own, const int32_t *out_row) {
     const tw_model *m = c->m;
+    const float *rope = m->layers[layer].local_rope ? own->rope_local : own->rope;
+    const int hkv = m->num_kv_heads;
     int i0 = 0, i1 = -1;
-    while (claim(c, attention_shares(c, b), &i0, &i1))
-        for (int i = i0; i < i1; i++)
-            tw_attention_item(m, layer, b, i / m->num_kv_heads, i % m->num_kv_heads,
-                              m->layers[layer].local_rope ? own->rope_local : own->rope, own->scores, out_row);
+    if (split_attention(c, b)) {
+        int t0, t1;
+        tw_split(b->num_tokens, c->ith, c->nth, &t0, &t1);
+        tw_attention_prepare(m, layer, b, t0, t1, rope);
+        stamp(c, TW_PROF_ATTN);
+        sync(c);
+        const int items = b->num_tokens * hkv, first = items / (2 * c->nth);
+        const shares s = {items, first > 1 ? first : 1, 1};
+        while (claim(c, s, &i0, &i1))
+            for (int i = i0; i < i1; i++) tw_attention_token(m, layer, b, i / hkv, i % hkv, own->scores, out_row);
+    } else {
+        while (claim(c, attention_shares(c, b), &i0, &i1))
+            for (int i = i0; i < i1; i++)
+                tw_attention_item(m, layer, b, i / hkv, i % hkv, rope, own->scores, out_row);
+    }
     c->stage_no++;
 }
 

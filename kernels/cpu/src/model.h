@@ -134,5 +134,8 @@ void tw_attention_prefetch(const tw_model *m, int layer, const tw_batch *b, int 
  * written but its attention is not needed) */
 void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
                        float *scores, const int32_t *out_row);
+void tw_attention_prepare(const tw_model *m, int layer, const tw_batch *b, int t0, int t1, const float *rope);
+void tw_attention_token(const tw_model *m, int layer, const tw_batch *b, int t, int kv_head, float *scores,
+                        const int32_t *out_row);
 
 #endif

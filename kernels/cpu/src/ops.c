@@ -108,10 +108,6 @@ static void add(float *x, const float *bias, int n) {
     for (int i = 0; i < n; i++) x[i] += bias[i];
 }
 
-/* Everything one sequence's tokens need from one KV head, self-contained so items run in
- * parallel with no barrier: bias and RoPE on the group's query heads and on the key head,
- * this step's K/V into the cache, then attention for each token (a later token of a
- * prefill chunk sees the earlier ones, written just before). rope: [T][hd] tables. */
 /* Ask for an item's cached keys and values (the sequence's context, within the sliding
  * window) towards L2 ahead of tw_attention_item: the weight stream has evicted them since the
  * last step, and the item would miss on them block by block (~4 of a batch-1 layer's 25 us
@@ -131,8 +127,9 @@ void tw_attention_prefetch(const tw_model *m, int layer, const tw_batch *b, int 
     }
 }
 
-void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
-                       float *scores, const int32_t *out_row) {
+/* One token's slice of one KV head: bias and RoPE on the group's query heads and on the key
+ * head, and its K/V into the cache (rope: the token's [hd] table). */
+static void prepare_head(const tw_model *m, int layer, const tw_batch *b, int t, int kv_head, const float *rope) {
     const int hd = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size, hkv = m->num_kv_heads;
     const int q_size = m->num_heads * hd, kv_size = hkv * hd, row = q_size + 2 * kv_size;
     const int q0 = kv_head * group * hd, k0 = q_size + kv_head * hd, v0 = q_size + kv_size + kv_head * hd;
@@ -141,6 +138,56 @@ void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq,
     float *v = m->v_cache + layer * per_layer + (size_t)kv_head * bs * hd;     /* block stride kv_size * bs */
     const tw_layer *L = &m->layers[layer];
     const float *bias = L->qkv_bias;
+    float *r = m->qkv + (size_t)t * row;
+    if (bias) {
+        add(r + q0, bias + q0, group * hd);
+        add(r + k0, bias + k0, hd);
+        add(r + v0, bias + v0, hd);
+    }
+    if (L->q_norm) {                        /* per head, over hd, before RoPE */
+        for (int g = 0; g < group; g++) tw_rms_norm(r + q0 + g * hd, r + q0 + g * hd, L->q_norm, hd, m->eps);
+        tw_rms_norm(r + k0, r + k0, L->k_norm, hd, m->eps);
+    }
+    tw_rope_apply(r + q0, rope, group, hd);
+    tw_rope_apply(r + k0, rope, 1, hd);
+    const int slot = b->slot_mapping[t];
+    float *kblock = kt + (size_t)(slot / bs) * kv_size * bs + slot % bs;
+    for (int d = 0; d < hd; d++) kblock[(size_t)d * bs] = r[k0 + d];
+    memcpy(v + (size_t)(slot / bs) * kv_size * bs + (size_t)(slot % bs) * hd, r + v0, (size_t)hd * sizeof(float));
+}
+
+/* One token's attention over its context for the group's query heads of one KV head, into
+ * attention row out_row[t] (t without out_row; none when out_row[t] < 0). */
+void tw_attention_token(const tw_model *m, int layer, const tw_batch *b, int t, int kv_head, float *scores,
+                        const int32_t *out_row) {
+    const int pos = b->positions[t], out = out_row ? out_row[t] : t;
+    if (out < 0) return;
+    const int hd = m->head_dim, group = m->num_heads / m->num_kv_heads, bs = m->block_size, hkv = m->num_kv_heads;
+    const int q_size = m->num_heads * hd, kv_size = hkv * hd, row = q_size + 2 * kv_size, q0 = kv_head * group * hd;
+    const size_t per_layer = (size_t)m->num_blocks * bs * kv_size;
+    const tw_layer *L = &m->layers[layer];
+    const tw_attn_args args = {
+        .q = m->qkv + (size_t)t * row + q0, .out = m->attn + (size_t)out * q_size + q0,
+        .kt = m->k_cache + layer * per_layer + (size_t)kv_head * hd * bs,
+        .v = m->v_cache + layer * per_layer + (size_t)kv_head * bs * hd,
+        .kt_block = (size_t)kv_size * bs, .v_block = (size_t)kv_size * bs, .v_row = (size_t)hd,
+        .table = b->block_tables + (size_t)b->token_seq[t] * b->max_blocks, .block_size = bs,
+        .lo = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0,
+        .hi = pos, .group = group, .head_dim = hd, .scale = m->attn_scale, .softcap = m->attn_softcap,
+        .scores = scores,
+    };
+    tw_active()->attend(&args);
+}
+
+/* Everything one sequence's tokens need from one KV head, self-contained so items run in
+ * parallel with no barrier (a decode step's: one token per sequence): prepare_head for each
+ * token, then attention for each token (a later token of a prefill chunk sees the earlier
+ * ones, written just before). rope: [T][hd] tables. */
+void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq, int kv_head, const float *rope,
+                       float *scores, const int32_t *out_row) {
+    const int hd = m->head_dim, group = m->num_heads / m->num_kv_heads, hkv = m->num_kv_heads;
+    const int q_size = m->num_heads * hd, kv_size = hkv * hd, row = q_size + 2 * kv_size;
+    const int q0 = kv_head * group * hd, k0 = q_size + kv_head * hd, v0 = q_size + kv_size + kv_head * hd;
     for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
         /* this item's slice of the qkv row was written by whichever core computed its tiles:
          * ask for all of its lines at once rather than missing on them one by one */
@@ -149,35 +196,18 @@ void tw_attention_item(const tw_model *m, int layer, const tw_batch *b, int seq,
         tw_prefetch_l2(r + k0, (size_t)hd * sizeof(float));
         tw_prefetch_l2(r + v0, (size_t)hd * sizeof(float));
     }
-    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
-        float *r = m->qkv + (size_t)t * row;
-        if (bias) {
-            add(r + q0, bias + q0, group * hd);
-            add(r + k0, bias + k0, hd);
-            add(r + v0, bias + v0, hd);
-        }
-        if (L->q_norm) {                    /* per head, over hd, before RoPE */
-            for (int g = 0; g < group; g++) tw_rms_norm(r + q0 + g * hd, r + q0 + g * hd, L->q_norm, hd, m->eps);
-            tw_rms_norm(r + k0, r + k0, L->k_norm, hd, m->eps);
-        }
-        tw_rope_apply(r + q0, rope + (size_t)t * hd, group, hd);
-        tw_rope_apply(r + k0, rope + (size_t)t * hd, 1, hd);
-        const int slot = b->slot_mapping[t];
-        float *kblock = kt + (size_t)(slot / bs) * kv_size * bs + slot % bs;
-        for (int d = 0; d < hd; d++) kblock[(size_t)d * bs] = r[k0 + d];
-        memcpy(v + (size_t)(slot / bs) * kv_size * bs + (size_t)(slot % bs) * hd, r + v0, (size_t)hd * sizeof(float));
-    }
-    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++) {
-        const int pos = b->positions[t], out = out_row ? out_row[t] : t;
-        if (out < 0) continue;
-        const tw_attn_args args = {
-            .q = m->qkv + (size_t)t * row + q0, .out = m->attn + (size_t)out * q_size + q0,
-            .kt = kt, .v = v, .kt_block = (size_t)kv_size * bs, .v_block = (size_t)kv_size * bs, .v_row = (size_t)hd,
-            .table = b->block_tables + (size_t)b->token_seq[t] * b->max_blocks, .block_size = bs,
-            .lo = L->window > 0 && pos - L->window + 1 > 0 ? pos - L->window + 1 : 0,
-            .hi = pos, .group = group, .head_dim = hd, .scale = m->attn_scale, .softcap = m->attn_softcap,
-            .scores = scores,
-        };
-        tw_active()->attend(&args);
-    }
+    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++)
+        prepare_head(m, layer, b, t, kv_head, rope + (size_t)t * hd);
+    for (int t = b->seq_starts[seq]; t < b->seq_starts[seq + 1]; t++)
+        tw_attention_token(m, layer, b, t, kv_head, scores, out_row);
+}
+
+/* A prefill's attention in two passes, for even shares (a sequence's (sequence, KV head)
+ * items are as few as its KV heads, 3 for a lone prompt on 2 threads, and a token's cost
+ * grows with its position). Tokens [t0, t1) of every KV head: bias, RoPE and K/V into the
+ * cache; then, once every thread's are in (a barrier), tw_attention_token per (token, KV
+ * head) item (above). */
+void tw_attention_prepare(const tw_model *m, int layer, const tw_batch *b, int t0, int t1, const float *rope) {
+    for (int t = t0; t < t1; t++)
+        for (int h = 0; h < m->num_kv_heads; h++) prepare_head(m, layer, b, t, h, rope + (size_t)t * m->head_dim);
 }
