@@ -33,6 +33,10 @@ from .sampling_params import SamplingParams
 
 
 class RequestState(enum.Enum):
+    # members are singletons compared by identity: hash them by identity too, in C (Enum's own
+    # __hash__ is a Python call, ~0.2 us per TRANSITIONS lookup, several per request)
+    __hash__ = object.__hash__
+
     WAITING = "waiting"
     PREFILLING = "prefilling"
     DECODING = "decoding"
