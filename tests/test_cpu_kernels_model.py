@@ -199,6 +199,36 @@ def test_thread_count_never_changes_the_logits():
         assert all(np.array_equal(a, b) for a, b in zip(run, runs[0]))
 
 
+@pytest.mark.parametrize("family", CONFIGS)
+def test_long_prefill_attention_split_by_token_matches_the_reference(family):
+    """From TW_SPLIT_ROWS (32) tokens on, a batch with a prefill chunk prepares its K/V by
+    token and attends per (token, KV head) item after a barrier (model.c, split_attention):
+    a 40-token prompt after a cached 6-token start, beside a decoding sequence, on 2 and 3
+    threads, with the last layer on the logits rows alone: the reference's logits, and the
+    same bits as one thread (which takes the per-sequence items)."""
+    config = CONFIGS[family]
+    tensors = engine_tensors(config, ENCODINGS["int4_g32_fp16_embed"])
+    rng = np.random.default_rng(11)
+    long_prompt, short_prompt = (rng.integers(0, config.vocab_size, n).tolist() for n in (46, 5))
+    first = [seq_step(long_prompt[:6], 0, range(0, 12), seq_id=0), seq_step(short_prompt, 0, range(12, 14), seq_id=1)]
+    second = [seq_step(long_prompt[6:], 6, range(0, 12), seq_id=0), seq_step([3], 5, range(12, 14), seq_id=1)]
+    before = cpu.num_threads()
+    try:
+        cpu.set_num_threads(3)
+        runs = []
+        for threads in (1, 2, 3):
+            model = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
+            model.threads = threads
+            model.forward(build_forward_batch(first, 4))
+            runs.append(model.forward(build_forward_batch(second, 4)))
+    finally:
+        cpu.set_num_threads(before)
+    assert all(np.array_equal(run, runs[0]) for run in runs[1:])
+    reference = ReferenceModel(config, tensors, block_size=4, num_blocks=32)
+    reference.forward(build_forward_batch(first, 4))
+    assert_logits_close(runs[0], reference.forward(build_forward_batch(second, 4)))
+
+
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 def test_long_prefill_splits_rows_across_threads(activations):
     """From 32 tokens on, activations are prepared split over the threads into shared
