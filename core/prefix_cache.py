@@ -79,11 +79,15 @@ class PrefixCache:
         if len(order) == 1 or head[2].num_passed_over >= MAX_PASSED_OVER:
             return 0, head_cached
         best, best_cached = 0, head_cached
+        block_size = self.block_manager.block_size
         for i in range(1, min(ADMIT_WINDOW, len(order))):
             entry = order[i]
             if entry[0] != head[0]:
                 break
-            cached = self.cached_prefix(entry[2])
+            req = entry[2]
+            if (req.num_tokens - 1) // block_size <= len(best_cached):
+                continue                    # it has no more full blocks than the best has cached: no lookup
+            cached = self.cached_prefix(req)
             if len(cached) > len(best_cached):
                 best, best_cached = i, cached
         for i in range(best):
