@@ -114,6 +114,28 @@ def test_bench_peers_command(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_bench_peers_repeat_reports_medians_of_alternating_rounds(tmp_path):
+    """--repeat 3: the server list runs three times, alternating; the report is on each figure's
+    median over the rounds, with a table of ranges and the lone stream's paired ratios."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenwire", "bench", "peers", "--servers", "tokenwire,h2-minimal", "--concurrency",
+         "1,2", "--requests", "6", "--max-tokens", "5", "--floor-round-trips", "100", "--repeat", "3",
+         "--json", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rounds = out.stdout.split("-- round ")
+    assert len(rounds) == 4 and all(r.index("tokenwire:") < r.index("h2-minimal:") for r in rounds[1:])
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert len(doc["rounds"]) == 3
+    for r in doc["rows"]:
+        per_round = sorted(x["cpu_us_per_token"] for rows in doc["rounds"] for x in rows
+                           if (x["server"], x["concurrency"]) == (r["server"], r["concurrency"]))
+        assert r["num_rounds"] == 3 and r["cpu_us_per_token"] == per_round[1]      # the median of the three
+        assert type(r["concurrency"]) is int and r["num_tokens"] == 6 * 5
+    table = out.stdout.split("over 3 alternating rounds")[1]
+    assert "tokenwire        3" in table and "h2-minimal       3" in table
+    assert "tokenwire / h2-minimal, lone stream, per round: itl p50" in table and "(median" in table
+
+
 def test_bench_peers_rejects_unknown_server():
     out = subprocess.run([sys.executable, "-m", "tokenwire", "bench", "peers", "--servers", "tokenwire,nginx"],
                          capture_output=True, text=True, timeout=60)

@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client", choices=fast_client.CLIENTS, default="python",
                         help="load client for the HTTP/2 SSE servers: python (default), c (hand-written HTTP/2 in C: "
                              "resolves sub-millisecond TTFT at concurrency 64), node; the others keep the Python one")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of the whole server list, alternating (tokenwire, peer, tokenwire, ...); the "
+                             "report is on each figure's median, with a table of ranges and the lone stream's "
+                             "paired ratios per round (default 1)")
     parser.add_argument("--trace", default=None, help="tokenwire's per-request stage timelines as Chrome trace JSON")
     parser.add_argument("--json", default=None, help="write one row per server and concurrency to this JSON file")
     parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput against concurrency")
@@ -62,9 +66,20 @@ def run_peers(args) -> int:
     floor = measure_floor(args.floor_round_trips, server_core=server_core)
     print(f"ping-pong floor (64 B round trip, two processes, loopback TCP): p50 {floor.p50_us:.0f} µs, "
           f"p99 {floor.p99_us:.0f} µs, min {floor.min_us:.0f} µs\n")
-    rows, failures = run_event_loop(_measure_all(args, servers, levels, server_core))
+    rounds, failures = [], {}
+    for n in range(args.repeat):
+        if args.repeat > 1:
+            print(f"-- round {n + 1} of {args.repeat}", flush=True)
+        rows, failed = run_event_loop(_measure_all(args, servers, levels, server_core))
+        rounds.append(rows)
+        failures.update(failed)
+    rows = rounds[0] if args.repeat == 1 else report.median_rows(rounds)
     _print_report(rows, servers, floor, failures)
-    _write(args, rows, servers, floor, failures)
+    if args.repeat > 1:
+        ok = [s for s in servers if s not in failures]
+        print(f"\nover {args.repeat} alternating rounds")
+        print(report.rounds_table([report.summarize_servers(r, ok) for r in rounds]))
+    _write(args, rows, servers, floor, failures, rounds)
     return 1 if failures or not rows else 0
 
 
@@ -80,7 +95,7 @@ def _parse(args):
         raise ValueError("--concurrency takes comma-separated integers, e.g. 1,8,64,256") from None
     if not concurrency or min(concurrency) < 1:
         raise ValueError("--concurrency levels must be >= 1")
-    for name in ("requests", "max_tokens", "prompt_len", "floor_round_trips"):
+    for name in ("requests", "max_tokens", "prompt_len", "floor_round_trips", "repeat"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.step_us < 0:
@@ -170,12 +185,13 @@ def _print_report(rows, servers, floor, failures) -> None:
     print(f"\nload average at the end: {load1:.2f} (1 min)")
 
 
-def _write(args, rows, servers, floor, failures) -> None:
+def _write(args, rows, servers, floor, failures, rounds) -> None:
     if args.json:
         summary = report.summarize_servers(rows, [s for s in servers if s not in failures])
         doc = {"command": "peers", "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "config": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                "floor": floor._asdict(), "rows": rows, "summary": summary, "failures": failures,
+               "rounds": rounds if len(rounds) > 1 else None,
                "targets": [{"target": d, "measured": m, "met": ok}
                            for d, m, ok in report.targets(summary, floor.p50_us)]}
         with open(args.json, "wb") as f:

@@ -8,6 +8,7 @@ the nearest level is used and its concurrency is printed with the figure.
 """
 
 import math
+import statistics
 from typing import Optional
 
 from ..stats import fmt_us, table
@@ -57,6 +58,72 @@ def summarize_servers(rows: list, servers: list) -> list:
                     "max_tokens_per_s_concurrency": best and best["concurrency"],
                     "server_cpu_util_at_max": best and best["server_cpu_util"]})
     return out
+
+
+def median_rows(rounds: list) -> list:
+    """Rows of several alternating rounds (`--repeat`) -> one row per (server, client, concurrency),
+    each number the median over the rounds that measured it (the stage timings key by key)."""
+    groups = {}
+    for rows in rounds:
+        for r in rows:
+            groups.setdefault((r["server"], r.get("client", "python"), r["concurrency"]), []).append(r)
+    return [_median_row(group) for group in groups.values()]
+
+
+def _median_row(group: list) -> dict:
+    out = dict(group[0])
+    for key, value in group[0].items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            values = [r[key] for r in group if isinstance(r.get(key), (int, float)) and not _nan(r[key])]
+            if values:              # counts and levels stay integers: the lower median, a value some round had
+                out[key] = statistics.median_low(values) if isinstance(value, int) else statistics.median(values)
+        elif isinstance(value, dict) and key.startswith("server_timings"):
+            out[key] = {k: statistics.median([r[key][k] for r in group if k in (r.get(key) or {})]) for k in value}
+    out["num_rounds"] = len(group)
+    return out
+
+
+# (heading, summary key) of the figures the repetitions table shows, per server
+ROUND_FIGURES = [("lone itl p50", "lone_itl_p50_us"), ("lone CPU µs/token", "lone_cpu_us_per_token"),
+                 ("TTFT p50 (low)", "ttft_p50_us"), ("srv TTFT p99 (loaded)", "server_ttft_p99_us"),
+                 ("cli TTFT p99 (loaded)", "ttft_p99_us"), ("CPU µs/token (loaded)", "cpu_us_per_token")]
+
+
+def rounds_table(round_summaries: list, ours: str = "tokenwire") -> str:
+    """Median (min-max) of each figure over the rounds, per server; and, per round, tokenwire's
+    lone stream against the minimal h2 server's measured in the same round (paired ratios)."""
+    servers = list(dict.fromkeys(s["server"] for summary in round_summaries for s in summary))
+    body = []
+    for server in servers:
+        mine = [s for summary in round_summaries for s in summary if s["server"] == server]
+        body.append([server, len(mine), *(_spread([s[key] for s in mine]) for _, key in ROUND_FIGURES)])
+    out = table(["server", "rounds", *(h for h, _ in ROUND_FIGURES)], body)
+    pairs = []
+    for summary in round_summaries:
+        a = next((s for s in summary if s["server"] == ours), None)
+        b = next((s for s in summary if s["server"] == H2_MINIMAL), None)
+        if a and b and a["lone_itl_p50_us"] and b["lone_itl_p50_us"] and b["lone_cpu_us_per_token"]:
+            pairs.append((a["lone_itl_p50_us"] / b["lone_itl_p50_us"],
+                          a["lone_cpu_us_per_token"] / b["lone_cpu_us_per_token"]))
+    if pairs:
+        out += (f"\n{ours} / {H2_MINIMAL}, lone stream, per round: itl p50 "
+                + ", ".join(f"{p[0]:.2f}" for p in pairs) + f" (median {statistics.median(p[0] for p in pairs):.2f}); "
+                + "CPU/token " + ", ".join(f"{p[1]:.2f}" for p in pairs)
+                + f" (median {statistics.median(p[1] for p in pairs):.2f})")
+    return out + "\n(µs: median (min-max) over the rounds; the report above is on each figure's median)"
+
+
+def _spread(values: list) -> str:
+    values = [v for v in values if v is not None and not _nan(v)]
+    if not values:
+        return "-"
+    return f"{fmt_us(statistics.median(values))} ({fmt_us(min(values))}-{fmt_us(max(values))})"
+
+
+def _nan(value) -> bool:
+    return isinstance(value, float) and math.isnan(value)
 
 
 def levels_table(rows: list) -> str:
