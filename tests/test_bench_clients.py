@@ -17,8 +17,10 @@ import pytest
 from tokenwire.bench import fast_client, loadgen
 from tokenwire.bench.load import make_target
 from tokenwire.bench.peers.mock_source import token_sequence
-from tokenwire.bench.peers.runner import HOST, ServerProcess, free_port, peer_specs, wait_until_streaming
+from tokenwire.bench.peers.runner import HOST, free_port
 from tokenwire.bench.wire import StreamRecord, count_sse
+
+from peer_servers import start_peer
 
 MAX_TOKENS = 7
 
@@ -30,12 +32,8 @@ def servers():
 
     def start(name):
         if name not in ports:
-            port = free_port()
-            spec = peer_specs(port, 0.0)[name]
-            server = ServerProcess(spec, None)
+            port, server = start_peer(name, MAX_TOKENS)
             started.append(server)
-            target = make_target(HOST, port, spec.path, spec.protocol, spec.framing, 3, MAX_TOKENS)
-            asyncio.run(wait_until_streaming(server, target, timeout_s=60))
             ports[name] = (port, server.pid)
         return ports[name]
     yield start

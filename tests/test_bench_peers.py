@@ -18,6 +18,8 @@ from tokenwire.bench.load import make_target
 from tokenwire.bench.loadgen import run_level, wait_with_progress
 from tokenwire.kernels.mock import MOCK_TEXT
 
+from peer_servers import start_peer
+
 MAX_TOKENS = 12
 
 
@@ -47,12 +49,8 @@ def started():
     servers = []
 
     def start(name):
-        port = free_port()
-        spec = peer_specs(port, 0.0)[name]
-        server = ServerProcess(spec, None)
+        port, server = start_peer(name, MAX_TOKENS)
         servers.append(server)
-        target = make_target(HOST, port, spec.path, spec.protocol, spec.framing, 3, MAX_TOKENS)
-        asyncio.run(wait_until_streaming(server, target, timeout_s=60))
         return port
     yield start
     for server in servers:

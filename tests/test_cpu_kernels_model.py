@@ -111,6 +111,16 @@ def assert_logits_close(got, want):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * scale)
 
 
+def on_each_thread_count(run, counts=(1, 2, 3)) -> list:
+    """[run(threads) for each count], the pool allowed the largest meanwhile (then restored)."""
+    before = cpu.num_threads()
+    try:
+        cpu.set_num_threads(max(counts))
+        return [run(threads) for threads in counts]
+    finally:
+        cpu.set_num_threads(before)
+
+
 @pytest.mark.parametrize("encoding", ENCODINGS)
 @pytest.mark.parametrize("family", CONFIGS)
 def test_mixed_steps_match_the_reference(family, encoding):
@@ -185,16 +195,12 @@ def test_every_isa_runs_the_same_forward(isa):
 def test_thread_count_never_changes_the_logits():
     config = CONFIGS["llama_gqa"]
     tensors = engine_tensors(config, ENCODINGS["int4_g32_fp16_embed"])
-    before = cpu.num_threads()
-    try:
-        cpu.set_num_threads(3)
-        runs = []
-        for threads in (1, 2, 3):
-            model = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
-            model.threads = threads
-            runs.append([model.forward(build_forward_batch(s, 4)) for s in mixed_steps(config.vocab_size)])
-    finally:
-        cpu.set_num_threads(before)
+
+    def run(threads):
+        model = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
+        model.threads = threads
+        return [model.forward(build_forward_batch(s, 4)) for s in mixed_steps(config.vocab_size)]
+    runs = on_each_thread_count(run)
     for run in runs[1:]:
         assert all(np.array_equal(a, b) for a, b in zip(run, runs[0]))
 
@@ -212,17 +218,13 @@ def test_long_prefill_attention_split_by_token_matches_the_reference(family):
     long_prompt, short_prompt = (rng.integers(0, config.vocab_size, n).tolist() for n in (46, 5))
     first = [seq_step(long_prompt[:6], 0, range(0, 12), seq_id=0), seq_step(short_prompt, 0, range(12, 14), seq_id=1)]
     second = [seq_step(long_prompt[6:], 6, range(0, 12), seq_id=0), seq_step([3], 5, range(12, 14), seq_id=1)]
-    before = cpu.num_threads()
-    try:
-        cpu.set_num_threads(3)
-        runs = []
-        for threads in (1, 2, 3):
-            model = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
-            model.threads = threads
-            model.forward(build_forward_batch(first, 4))
-            runs.append(model.forward(build_forward_batch(second, 4)))
-    finally:
-        cpu.set_num_threads(before)
+
+    def run(threads):
+        model = cpu.create_model(config, tensors, block_size=4, num_blocks=32)
+        model.threads = threads
+        model.forward(build_forward_batch(first, 4))
+        return model.forward(build_forward_batch(second, 4))
+    runs = on_each_thread_count(run)
     assert all(np.array_equal(run, runs[0]) for run in runs[1:])
     reference = ReferenceModel(config, tensors, block_size=4, num_blocks=32)
     reference.forward(build_forward_batch(first, 4))
@@ -238,16 +240,12 @@ def test_long_prefill_splits_rows_across_threads(activations):
     prompts = [np.random.default_rng(7).integers(0, config.vocab_size, n).tolist() for n in (45, 33)]
     steps = [seq_step(prompts[0], 0, range(0, 12), seq_id=0), seq_step(prompts[1], 0, range(12, 21), seq_id=1)]
     batch = build_forward_batch(steps, 4)
-    before = cpu.num_threads()
-    try:
-        cpu.set_num_threads(3)
-        runs = []
-        for threads in (1, 2, 3):
-            model = cpu.create_model(config, tensors, block_size=4, num_blocks=32, activations=activations)
-            model.threads = threads
-            runs.append(model.forward(batch))
-    finally:
-        cpu.set_num_threads(before)
+
+    def run(threads):
+        model = cpu.create_model(config, tensors, block_size=4, num_blocks=32, activations=activations)
+        model.threads = threads
+        return model.forward(batch)
+    runs = on_each_thread_count(run)
     assert all(np.array_equal(run, runs[0]) for run in runs[1:])
     if activations == "fp32":
         assert_logits_close(runs[0], ReferenceModel(config, tensors, block_size=4, num_blocks=32).forward(batch))
