@@ -270,13 +270,13 @@ def test_cancel_in_every_state_frees_every_block(state):
         cancel_when(c, 2, lambda r: r.num_preemptions > 0 and r.state is RequestState.WAITING)
         target = 2
     tokens, finish, _ = c.run()
-    assert finish[target] == FINISH_CANCELLED
+    # exactly the requests cancelled here end cancelled: a cancel that took a neighbour along fails
+    cancelled = {target} | ({0} if state in ("prefilling", "decoding") else set())
+    assert finish == {rid: FINISH_CANCELLED if rid in cancelled else FINISH_LENGTH for rid in (0, 1, 2, 7)}
     assert engine.stats().num_kv_blocks_used == 0 and engine.stats().num_running == 0
     assert all(b == 0 for b in engine.block_manager.ref_counts)
-    for rid, reason in finish.items():
-        if rid != target and reason != FINISH_CANCELLED:
-            assert reason == FINISH_LENGTH
-            assert tokens[rid] == alone(rid, prompt_len=10 if rid < 7 else 12, max_tokens=25)
+    for rid in finish.keys() - cancelled:
+        assert tokens[rid] == alone(rid, prompt_len=10 if rid < 7 else 12, max_tokens=25)
 
 
 def test_cancel_after_finish_is_a_no_op():
@@ -359,8 +359,10 @@ def test_random_workloads_keep_every_invariant(ops, num_blocks, budget):
             add(engine, rid, prompt_len=prompt_len, max_tokens=max_tokens)
             submitted[rid] = (prompt_len, max_tokens)
         elif op == "cancel":
+            if rid not in submitted:    # a cancel before the add: test_a_cancel_of_an_unknown_id_...
+                continue
             engine.cancel(rid)
-            if rid in submitted and rid not in c.finish:
+            if rid not in c.finish:
                 cancelled.add(rid)
         else:
             c.step()
@@ -368,11 +370,24 @@ def test_random_workloads_keep_every_invariant(ops, num_blocks, budget):
     assert set(finish) == set(submitted)
     assert engine.block_manager.num_used_blocks == 0 and all(c == 0 for c in engine.block_manager.ref_counts)
     for rid, (prompt_len, max_tokens) in submitted.items():
-        if finish[rid] != FINISH_CANCELLED:
+        if finish[rid] == FINISH_CANCELLED:
+            assert rid in cancelled, f"request {rid} ended cancelled, and nothing cancelled it"
+        else:
             assert rid not in cancelled or finish[rid] == FINISH_LENGTH
             want = alone(rid, prompt_len=prompt_len, max_tokens=max_tokens)
             assert tokens[rid] == want[:len(tokens[rid])] and finish[rid] == FINISH_LENGTH
             assert len(tokens[rid]) == min(max_tokens, 32 - prompt_len)
+
+
+@pytest.mark.xfail(strict=True, reason="product bug: EngineCore.step takes the inbox before the cancels, so "
+                   "cancel(5) with no request 5, then add_request(5) before the next step, cancels the new "
+                   "request 5 (the server counts its ids and never reuses one; EngineCore callers can)")
+def test_a_cancel_of_an_unknown_id_does_not_cancel_a_later_request_with_that_id():
+    engine = make_engine()
+    engine.cancel(5)                    # no request 5 yet: ignored, as any unknown id
+    add(engine, 5, max_tokens=3)
+    tokens, finish, _ = run(engine)
+    assert finish == {5: FINISH_LENGTH} and len(tokens[5]) == 3
 
 
 def test_logprobs_reach_their_own_requests_in_mixed_steps():
