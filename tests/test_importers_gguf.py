@@ -230,10 +230,10 @@ def test_other_types_are_requantized_with_their_error(tmp_path, types):
     engine = load_engine(build_engine(open_source(tmp_path / "m.gguf"), tmp_path / "e", options))
     expected = canonical_expected(weights, engine.config)
     report = engine.manifest["report"]["tensors"]
-    for name, shape_ in linear_shapes(engine.config).items():
-        row = report[name]
-        if row["encoding"] != "int4":
-            continue
+    int4 = [name for name in linear_shapes(engine.config) if report[name]["encoding"] == "int4"]
+    assert {n for n in linear_shapes(engine.config) if n.startswith("layers.")} <= set(int4), int4   # all checked
+    for name in int4:
+        row, shape_ = report[name], linear_shapes(engine.config)[name]
         got = engine_matrix(engine, name, shape_)
         err = np.linalg.norm(got - expected[name]) / np.linalg.norm(expected[name])
         assert row["weight_rel_error"] == pytest.approx(err, rel=1e-4) and 0 < err < 0.15, name
