@@ -284,7 +284,7 @@ def test_bench_load_with_the_c_client_reports_server_ttft(mock_server, tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "srv ttft p50" in out.stdout and "p99 cli/srv" in out.stdout
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["config"]["client"] == "c"
+    assert doc["config"]["client"] == "c" and [r["concurrency"] for r in doc["levels"]] == [1, 3]
     for r in doc["levels"]:
         assert r["client"] == "c" and r["num_errors"] == 0 and r["num_tokens"] == 36
         assert 0 < r["server_ttft_us_p50"] <= r["server_ttft_us_p99"] and r["server_ttft_us_p50"] < r["ttft_us_p50"]
