@@ -124,6 +124,8 @@ def test_bench_peers_repeat_reports_medians_of_alternating_rounds(tmp_path):
     assert len(rounds) == 4 and all(r.index("tokenwire:") < r.index("h2-minimal:") for r in rounds[1:])
     doc = json.loads((tmp_path / "p.json").read_text())
     assert len(doc["rounds"]) == 3
+    assert sorted((r["server"], r["concurrency"]) for r in doc["rows"]) == [
+        ("h2-minimal", 1), ("h2-minimal", 2), ("tokenwire", 1), ("tokenwire", 2)]
     for r in doc["rows"]:
         per_round = sorted(x["cpu_us_per_token"] for rows in doc["rounds"] for x in rows
                            if (x["server"], x["concurrency"]) == (r["server"], r["concurrency"]))
