@@ -84,7 +84,7 @@ class LogprobExecutor(MockExecutor):
     def step(self, seqs):
         ids = super().step(seqs).token_ids
         sampled = [s for s in seqs if s.sample]
-        return StepOutput(ids, [TopLogprobs(-0.5, (t,), (-0.5,)) if s.request_id == 0 else None
+        return StepOutput(ids, [TopLogprobs(-0.5, (t,), (-0.5,)) if s.seq_id == 0 else None
                                 for s, t in zip(sampled, ids)])
 
 
@@ -93,13 +93,17 @@ def test_a_step_with_logprobs_is_all_rows():
     engine = EngineCore(ex, ex.tokenizer, eos_token_ids=(1,), max_model_len=512)
     engine.step_columns = True
     submit(engine)
+    num_with_logprobs = 0
     while engine.has_unfinished():
         out = engine.step()
         if isinstance(out, StepTokens):
             assert out.request_ids == []
             out = out.rows
         for r in out:
+            assert r.finish_reason != "error", r.error
             assert (r.logprobs is not None) == (r.request_id == 0 and bool(r.token_ids))
+            num_with_logprobs += r.logprobs is not None
+    assert num_with_logprobs == REQUESTS[0][0]          # each of request 0's tokens came with its logprobs
 
 
 def test_small_batches_are_steps_without_columns():
