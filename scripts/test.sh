@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The README's test command: install what the tests need on a fresh Debian machine, then run them.
 # Real clients the network tests drive: curl (HTTP/2), nghttp and h2load (nghttp2-client), Node.js;
-# HAProxy for the replicas test (deploy/haproxy.cfg); python3-venv for the binary's build venv.
+# HAProxy for the replicas test (deploy/haproxy.cfg); for the single-file binary, which the suite
+# builds once (scripts/build_binary.sh, about 2 minutes) and runs, python3-venv (its build venv,
+# filled from PyPI) and binutils (strip, and PyInstaller's objdump). Arguments go to pytest:
+# `bash scripts/test.sh -m "not binary"` leaves the binary out.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
@@ -11,6 +14,7 @@ command -v nghttp >/dev/null && command -v h2load >/dev/null || need+=(nghttp2-c
 command -v node >/dev/null || need+=(nodejs)
 command -v cc >/dev/null || need+=(gcc)
 command -v haproxy >/dev/null || need+=(haproxy)
+command -v objdump >/dev/null && command -v strip >/dev/null || need+=(binutils)
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 if [ ${#need[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
