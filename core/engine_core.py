@@ -35,6 +35,10 @@ Contract (net/ builds on it):
   time, and the host writes a step before it runs the next (no step ahead of the wire).
 - Detokenization and stop strings run here, on the engine thread, because the scheduler must
   know at once that a request stopped (a deliberate change from docs/DESIGN's loop-side text).
+- Warm-up: before `start()`, `warm_up(prompt ids, params, constraints)` runs requests to
+  their end through `step()` on the calling thread, then forgets them: block accounting,
+  prefix cache, scheduler, response cache and counters as built (tokenwire/runtime.py
+  decides what a server runs before /health turns 200).
 - Failures: an executor exception fails the running requests (finish_reason "error", with
   the message) and the thread goes on serving new ones; a cancelled request gets one final
   output with finish_reason "cancelled"; `shutdown()` fails whatever is left.
@@ -91,20 +95,18 @@ class EngineCore:
         self.detokenizer = Detokenizer(tokenizer)           # per-token tables built now, not on a request
         # the prefix cache's hash chains start from the model's identity (`model_identity`, else
         # its config): blocks of different models or precisions never match
-        identity = (model_identity or repr(config)) if enable_prefix_caching else None
-        self.block_manager = BlockManager(executor.num_blocks, executor.block_size, prefix_cache_identity=identity)
+        self._prefix_cache_identity = (model_identity or repr(config)) if enable_prefix_caching else None
         # every running request decodes each step, so the token budget also bounds the batch
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=min(max_num_seqs, max_num_batched_tokens),
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-        # exact-match answers replayed without the model (core/response_cache.py); 0: off
-        self.response_cache = ResponseCache(response_cache_size) if response_cache_size else None
+        self._max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
+        self._max_num_batched_tokens = max_num_batched_tokens
+        self._response_cache_size = response_cache_size
+        self._new_books()                   # block_manager, scheduler, response_cache, counters
         self.on_step = on_step
         self.step_columns = False           # step() -> StepTokens instead of list[RequestOutput]
         self.step_times_ns = None           # a deque: each executor step's duration is appended (engine thread)
         self.inline_step_ns = inline_step_ns    # executor steps at most this long may run inline (0: never)
         self.inline_host = None             # runs short steps on its own thread (net/handoff.StepHandoff); None: never
         self.inline = False                 # the host runs the steps now; the engine thread sleeps (set under _lock)
-        self._num_short_steps = 0           # consecutive executor steps of at most inline_step_ns
         self._lock = threading.Lock()       # inbox, cancellations, live ids, the sleeping flag
         self._doorbell = Doorbell()         # rung to wake the engine thread when it sleeps
         self._inbox = []                    # list[Request], appended on the loop thread
@@ -113,7 +115,6 @@ class EngineCore:
         self._priorities = []               # list[(request id, priority)], appended on the loop thread
         self._live_ids = set()              # ids submitted and not yet finished (duplicate check)
         self._requests = {}                 # request_id -> Request; engine thread only
-        self._arrival_seq = itertools.count()
         # Seeds for requests that gave none: one PRNG seeded once from the OS, so a submission
         # costs no syscall. A request's stream is still its own (kernels/sampling.py).
         self._seeds = random.Random(int.from_bytes(os.urandom(16), "little"))
@@ -121,10 +122,24 @@ class EngineCore:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self._close_on_exit = False         # shutdown() came from the engine thread itself
+
+    def _new_books(self) -> None:
+        """The request-side state as built: KV block accounting (prefix cache included), the
+        scheduler, the response cache, the arrival order and the counters (`__init__`; and
+        `warm_up`, which forgets its requests this way)."""
+        self.block_manager = BlockManager(self.executor.num_blocks, self.executor.block_size,
+                                          prefix_cache_identity=self._prefix_cache_identity)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=self._max_num_seqs,
+                                   max_num_batched_tokens=self._max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
+        # exact-match answers replayed without the model (core/response_cache.py); 0: off
+        self.response_cache = ResponseCache(self._response_cache_size) if self._response_cache_size else None
+        self._arrival_seq = itertools.count()
         self.num_steps = 0
         self.num_scheduled = 0              # sequences in the last step
         self.num_tokens_generated = 0
         self.num_cancellations = 0
+        self._num_short_steps = 0           # consecutive executor steps of at most inline_step_ns
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -346,6 +361,30 @@ class EngineCore:
                 self.response_cache.put(req, self.detokenizer)
         with self._lock:
             self._live_ids.difference_update(finished)
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warm_up(self, prompt_token_ids: list, params: Sequence[SamplingParams], constraints: Sequence = ()) -> list:
+        """Before `start()`: run one request per `params` (the i-th constrained by
+        `constraints[i]`, when given) on `prompt_token_ids`, submitted together, to their end
+        through `step()` on the calling thread: the executor's prefill and decode, sampling
+        and the detokenizer, as a first request runs them (the executor's memory is touched,
+        its lazy parts made). Then forget them (`_new_books`): the KV block accounting and
+        prefix cache, scheduler, response cache and counters are as built; the request ids
+        used (-1, -2, ...) are none a client ever gets. -> the requests' final RequestOutputs
+        (finish_reason "error" with the message where one failed)."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up runs before the engine thread starts")
+        constraints = list(constraints) or [None] * len(params)
+        for i, (p, constraint) in enumerate(zip(params, constraints)):
+            self.add_request(-1 - i, prompt_token_ids, p, Timeline(arrived_ns=time.monotonic_ns()),
+                             wake=False, constraint=constraint)
+        finals = []
+        while self.has_unfinished():
+            step = self.step_or_fail()
+            finals += [out for out in (step.rows if type(step) is StepTokens else step) if out.finish_reason]
+        self._new_books()
+        return finals
 
     # ------------------------------------------------------------------ thread
 

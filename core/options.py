@@ -38,6 +38,10 @@ class EngineOptions:
     # 4-bit products: perplexity +0.01-0.02%, `tokenwire bench numerics`) or "fp32" (exact: matches the
     # numpy reference to float32 rounding, the golden path)
     activations: str = "int8"
+    # run a prefill, a decode and sampling with and without a grammar through the engine before it
+    # serves (tokenwire/runtime.py: warm_up), so /health turns 200 only once a first request is as
+    # fast as the fifth (the KV cache's first-touch page faults alone cost 0.3-0.6 s on the default model)
+    warm_up: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "block_size"):

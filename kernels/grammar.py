@@ -11,7 +11,8 @@ Contract:
   `compile(spec) -> CompiledGrammar` (thread-safe, cached by spec; raises
   `core.constraint.InvalidConstraint` naming the problem). net/ calls it off the event
   loop, before the request is queued. `CompiledGrammar.constraint()` makes one request's
-  `GrammarConstraint` (core/constraint.py's `TokenConstraint`).
+  `GrammarConstraint` (core/constraint.py's `TokenConstraint`). `forget(spec)` drops one
+  from the cache (compile / forget).
 - `mask_logits(logits, rows, constraints)`: kernels/sampling.py's one call per step with
   constrained rows: fills int32 `[k, ceil(V / 32)]` (bit j of word w allows token 32 w + j;
   llguidance's thread pool from PARALLEL_FILL_MIN_ROWS rows on) and sets every disallowed
@@ -112,6 +113,12 @@ class GrammarCompiler:
             if len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def forget(self, spec: ConstraintSpec) -> None:
+        """Drop `spec`'s compiled grammar from the cache (the model's tokenizer stays built):
+        the server's warm-up compiles one and leaves the cache as it found it."""
+        with self._lock:
+            self._cache.pop(spec, None)
 
 
 def grammar_text(spec: ConstraintSpec) -> str:

@@ -29,6 +29,7 @@ BENCHES = {
     "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
     "prefix": ("tokenwire.bench.prefix", "prefix cache on against off: shared system prompt TTFT, multi-turn prefill"),
     "response-cache": ("tokenwire.bench.response_cache", "TTFT of a response-cache answer against the mock engine's"),
+    "cold-start": ("tokenwire.bench.cold_start", "the first request after /health 200 against the fifth, over fresh starts"),
     "deploy": ("tokenwire.bench.deploy", "the binary against the pip install; HAProxy against one replica"),
     "abuse": ("tokenwire.bench.abuse", "floods, slow clients and oversized requests against a server, "
                                        "a legitimate client beside them"),

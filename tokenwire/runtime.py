@@ -9,16 +9,28 @@ use), kernels/engine_format.py loads it (or the backend brings its own model, li
 mock), the backend's row in kernels.BACKENDS makes the executor, and the EngineCore is
 built around it here with the scheduling options. `tokenwire serve`, `tokenwire.Server`,
 the benchmarks and the tests all come through `build_engine`.
+
+A server loads `build_warm_engine(options)`: `build_engine`, then, unless
+`options.warm_up` is off, `warm_up`: the paths a first request takes (a prefill, a decode
+step, greedy and sampled rows with and without a grammar, the grammar engine's tokenizer,
+the prompt encoder) run through the engine's own EngineCore and executor before /health
+turns 200, and leave no trace (EngineCore.warm_up; the grammar cache is left as it was).
+What it saves is measured by `tokenwire bench cold-start` (bench/cold_start.py).
 """
 
 import json
 import logging
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from .core.constraint import ConstraintSpec
 from .core.engine_core import EngineCore
 from .core.model_card import ModelCard
 from .core.options import DEFAULTS, EngineOptions
+from .core.outputs import FINISH_ERROR
+from .core.sampling_params import SamplingParams
 from .engine_build.resolve import resolve_model
 from .kernels import backend
 from .kernels.engine_format import load_engine
@@ -55,6 +67,57 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
                      grammars=GrammarCompiler(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
                      if row.samples_constrained else None)
     return BuiltEngine(core, card)
+
+
+WARM_UP_PROMPT = "Once upon a time"                # any short text: every tokenizer encodes it
+WARM_UP_SPEC = ConstraintSpec("json_object", "")    # compiles in milliseconds at any vocabulary size
+# each request: a prefill and one decode step; greedy rows take the fused-argmax path, sampled
+# ones the penalties / top-k / top-p path (and logprobs, where the backend computes them)
+WARM_UP_GREEDY = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+WARM_UP_SAMPLED = SamplingParams(max_tokens=2, temperature=0.8, top_k=40, top_p=0.95, repetition_penalty=1.1,
+                                 seed=0, ignore_eos=True)
+
+
+class WarmUp(NamedTuple):
+    """What `warm_up` ran."""
+    seconds: float                      # the whole warm-up, grammar compile included
+    num_requests: int                   # requests run through the engine
+    errors: list                        # list[str]: why warm-up requests failed (none, normally)
+
+
+def build_warm_engine(options: EngineOptions = DEFAULTS) -> BuiltEngine:
+    """What a server loads: `build_engine(options)`, warmed up unless `options.warm_up` is False."""
+    engine = build_engine(options)
+    if options.warm_up:
+        warm_up(engine)
+    return engine
+
+
+def warm_up(engine: BuiltEngine) -> WarmUp:
+    """Run every path a first request takes through `engine` (not started yet), so that the
+    first request served is as fast as the fifth: the KV cache's and the scratch buffers'
+    first-touch page faults, the executor's thread pool, sampling with and without a grammar,
+    the grammar engine's tokenizer (built by the first compile), the tokenizer's first call.
+    EngineCore.warm_up forgets the requests; the compiled grammar is dropped from the cache.
+    A failed warm-up request is a WARNING naming the reason (the server still starts). Logs
+    one line with the time it took."""
+    start = time.perf_counter()
+    core, card = engine
+    prompt = card.encode_prompt(WARM_UP_PROMPT)[:max(1, card.max_model_len - 3)]
+    sampled = replace(WARM_UP_SAMPLED, logprobs=1) if card.supports_logprobs else WARM_UP_SAMPLED
+    params, constraints = [WARM_UP_GREEDY, sampled], [None, None]
+    if card.grammars is not None:           # one batch: the constrained rows beside the plain ones
+        compiled = card.grammars.compile(WARM_UP_SPEC)
+        card.grammars.forget(WARM_UP_SPEC)
+        params, constraints = params * 2, constraints + [compiled.constraint(), compiled.constraint()]
+    finals = core.warm_up(prompt, params, constraints)
+    errors = [out.error for out in finals if out.finish_reason == FINISH_ERROR]
+    result = WarmUp(time.perf_counter() - start, len(finals), errors)
+    for error in errors:
+        log.warning("warm-up: a request failed in the engine: %s", error)
+    log.info("warm-up: %d requests (prefill, decode; greedy and sampled%s) in %.0f ms", result.num_requests,
+             ", with and without a grammar" if card.grammars is not None else "", result.seconds * 1000)
+    return result
 
 
 def load_model(spec: Optional[str]):

@@ -115,6 +115,10 @@ def add_arguments(parser) -> None:
                         help="cpu backend: INT4 products on int8-quantized activations (llama.cpp's trade-off; "
                              "perplexity +0.01-0.02%%) or exact fp32 ones, which match the numpy reference "
                              "(default: %(default)s)")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=DEFAULTS.warm_up,
+                        help="answer /health 200 as soon as the model is loaded, without first running a "
+                             "prefill, a decode and constrained sampling through the engine (the first "
+                             "requests then pay the engine's cold start: page faults, lazy setup)")
     parser.add_argument("--mock-step-us", type=_non_negative_float, default=DEFAULTS.mock_step_us,
                         help="mock backend: microseconds per engine step (default: %(default)s, zero cost)")
     parser.add_argument("--inline-step-us", type=_non_negative_float, default=DEFAULTS.inline_step_us, metavar="US",
@@ -194,7 +198,7 @@ def run(args) -> int:
                         access_log=args.access_log,
                         enable_prefix_caching=args.enable_prefix_caching,
                         response_cache_size=args.response_cache_size, inline_step_us=args.inline_step_us,
-                        activations=args.activations,
+                        activations=args.activations, warm_up=args.warm_up,
                         host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,
                         api_key=args.api_key, limits=limits, trace=args.trace, freeze_gc=True,
                         busy_poll_us=args.busy_poll_us)

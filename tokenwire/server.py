@@ -6,8 +6,10 @@ tokenwire/runtime.py builds from `EngineOptions`.
     server.stop()
 
 Keyword arguments that are `EngineOptions` fields (core/options.py: backend,
-max_model_len, max_num_seqs, ...) shape the engine; the rest go to net's Server (host,
-port, TLS, limits, ...). `tokenwire serve` is this class run on the main thread.
+max_model_len, max_num_seqs, warm_up, ...) shape the engine; the rest go to net's Server
+(host, port, TLS, limits, ...). The engine is built and warmed up (runtime.py:
+`build_warm_engine`) before /health turns 200. `tokenwire serve` is this class run on the
+main thread.
 """
 
 from dataclasses import replace
@@ -15,7 +17,7 @@ from functools import partial
 
 from .core.options import DEFAULTS, FIELDS, EngineOptions
 from .net.server import Server as NetServer
-from .runtime import build_engine
+from .runtime import build_warm_engine
 
 
 class Server(NetServer):
@@ -28,4 +30,4 @@ class Server(NetServer):
             super().__init__(engine=engine, model_info=model_info, **kwargs)
             return
         self.options = replace(options, **engine_fields, **({"model": model} if model is not None else {}))
-        super().__init__(partial(build_engine, self.options), **kwargs)
+        super().__init__(partial(build_warm_engine, self.options), **kwargs)
