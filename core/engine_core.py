@@ -175,10 +175,11 @@ class EngineCore:
                        stop_token_ids=self._stop_ids(params), text_stream=self.detokenizer.stream(prompt, params),
                        constraint=constraint)
 
-    def _enqueue(self, reqs: list, wake: bool) -> None:
+    def _enqueue(self, reqs: list, wake: bool, bounded: bool = True) -> None:
+        """`bounded`: refuse past `max_queued_requests` (False: the warm-up's, which no client waits behind)."""
         with self._lock:
             num_queued = len(self._inbox) + self.scheduler.num_waiting
-            if num_queued + len(reqs) > self.max_queued_requests:
+            if bounded and num_queued + len(reqs) > self.max_queued_requests:
                 raise QueueFull(num_queued, self.max_queued_requests)
             for req in reqs:
                 if req.request_id in self._live_ids:
@@ -375,10 +376,10 @@ class EngineCore:
         (finish_reason "error" with the message where one failed)."""
         if self._thread is not None:
             raise RuntimeError("warm_up runs before the engine thread starts")
+        prompt = self._check_prompt(prompt_token_ids)
         constraints = list(constraints) or [None] * len(params)
-        for i, (p, constraint) in enumerate(zip(params, constraints)):
-            self.add_request(-1 - i, prompt_token_ids, p, Timeline(arrived_ns=time.monotonic_ns()),
-                             wake=False, constraint=constraint)
+        self._enqueue([self._request(-1 - i, prompt, p, Timeline(arrived_ns=time.monotonic_ns()), 0, constraint)
+                       for i, (p, constraint) in enumerate(zip(params, constraints))], wake=False, bounded=False)
         finals = []
         while self.has_unfinished():
             step = self.step_or_fail()

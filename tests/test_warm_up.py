@@ -92,8 +92,9 @@ def test_the_executor_has_run_every_first_request_path_before_health_is_200(engi
 
 def test_the_warm_up_leaves_no_trace(engine_dir, recorded):
     _, ready, _ = recorded
-    # 4-token blocks: the warm-up prompt fills one, which the prefix cache would keep
-    server = serve(engine_dir, ready, block_size=4, response_cache_size=8)
+    # 4-token blocks: the warm-up prompt fills one, which the prefix cache would keep; a queue
+    # of one and one sequence at a time: the warm-up's four requests still run, one after another
+    server = serve(engine_dir, ready, block_size=4, response_cache_size=8, max_queued_requests=1, max_num_seqs=1)
     try:
         engine = server.engine
         assert engine.stats() == EngineStats(0, 0, 0, engine.block_manager.num_blocks, 0, 0, 0, 0, True, 0, 0, 0, 0)
