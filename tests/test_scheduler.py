@@ -14,7 +14,7 @@ from tokenwire.core.detokenizer import byte_level_alphabet
 from tokenwire.core.engine_core import EngineCore
 from tokenwire.core.executor import StepOutput
 from tokenwire.kernels.mock import build_mock_tokenizer, mock_config
-from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, Timeline
+from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Timeline
 from tokenwire.core.request import RequestState
 from tokenwire.kernels.sampling import sample
 from tokenwire.core.sampling_params import SamplingParams
@@ -93,7 +93,9 @@ def add(engine, rid, prompt_len=5, priority=0, **params):
 
 
 class Collector:
-    """Drives an engine's step() and records every output, checking none follows a final one."""
+    """Drives an engine's step() and records every output, checking none follows a final one and
+    none failed: the engine turns an executor's exception (the KV check above) into an error
+    output, which would otherwise pass any test that looks at order or timelines only."""
 
     def __init__(self, engine):
         self.engine, self.tokens, self.finish, self.steps = engine, {}, {}, []
@@ -103,6 +105,7 @@ class Collector:
         self.steps.append(outs)
         for o in outs:
             assert o.request_id not in self.finish, "an output after the final one"
+            assert o.finish_reason != FINISH_ERROR, f"request {o.request_id} failed: {o.error}"
             self.tokens.setdefault(o.request_id, []).extend(o.token_ids)
             if o.finish_reason is not None:
                 self.finish[o.request_id] = o.finish_reason
