@@ -17,9 +17,13 @@ Contract:
   constrained rows: fills int32 `[k, ceil(V / 32)]` (bit j of word w allows token 32 w + j;
   llguidance's thread pool from PARALLEL_FILL_MIN_ROWS rows on) and sets every disallowed
   logit of those rows to -inf, in place (`apply_bitmask`).
+- llguidance says nothing on stderr (its matchers are made with log_level 0: it used to print
+  "Warning: ..." lines outside the log's format): a grammar's warnings at compile time and
+  the reason a matcher refuses a token are WARNINGs on logger `tokenwire.kernels.grammar`.
 """
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +35,8 @@ import numpy as np
 
 from ..core.constraint import ConstraintSpec, InvalidConstraint
 
+log = logging.getLogger(__name__)
+SILENT = 0                              # llguidance's log_level: it prints nothing itself (the log says it)
 CACHE_SIZE = 256                        # compiled grammars kept per model
 SPARSE_WORDS_DIVISOR = 64              # a row is masked the sparse way while at most 1 word in 64 has a set bit
 PARALLEL_FILL_MIN_ROWS = 16             # fewer rows: one by one (llguidance's pool costs more than it saves;
@@ -60,7 +66,11 @@ class GrammarConstraint:
         self.mask_ns = 0                # mask filling charged to this request
 
     def accept(self, token_id: int) -> bool:
-        return self.matcher.consume_token(token_id)
+        """Hot path: once per generated token of a constrained request."""
+        if self.matcher.consume_token(token_id):
+            return True
+        log.warning("the grammar refuses token %d: %s", token_id, self.matcher.get_error().split("\n", 1)[0])
+        return False
 
     def is_finished(self) -> bool:
         return self.matcher.is_stopped()
@@ -103,9 +113,11 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if error:
             raise InvalidConstraint(f"invalid {spec.kind.replace('_', ' ')}: {error.strip()}")
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=SILENT)
         if matcher.is_error():
             raise InvalidConstraint(f"invalid {spec.kind.replace('_', ' ')}: {matcher.get_error()}")
+        for warning in matcher.get_grammar_warnings():
+            log.warning("the %s grammar compiles with a warning: %s", spec.kind.replace("_", " "), warning)
         matcher.compute_bitmask()                                   # the first mask's lazy parts, built once here
         compiled = CompiledGrammar(grammar, matcher, time.perf_counter_ns() - t0)
         with self._lock:
