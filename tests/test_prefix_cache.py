@@ -19,7 +19,7 @@ from tokenwire.core.outputs import Timeline
 from tokenwire.core.sampling_params import SamplingParams
 
 from engines import engine_core
-from test_scheduler import KVCheckingExecutor, make_engine, run
+from test_scheduler import Collector, KVCheckingExecutor, make_engine, run
 from tokenwire.kernels import cpu
 
 BS = 4
@@ -218,12 +218,16 @@ def test_cache_on_and_off_give_the_same_tokens_under_pressure(prompts, num_block
                              enable_prefix_caching=on, max_num_batched_tokens=budget, max_num_seqs=4)
         for rid, (k, tail, max_tokens) in enumerate(prompts):
             submit(engine, rid, SYSTEM[:k] + tail or [3], max_tokens=max_tokens)
+        c = Collector(engine)                       # from the first step: its outputs count too
         if 0 <= cancel < len(prompts):
-            engine.step()
+            c.step()
             engine.cancel(cancel)
-        tokens, finish, _ = run(engine)
+        tokens, finish, _ = c.run()
         assert engine.stats().num_kv_blocks_used == 0
         assert sum(engine.block_manager.ref_counts) == 0
+        assert set(finish) == set(range(len(prompts)))
+        assert all(finish[rid] == "length" and len(tokens[rid]) == max_tokens      # the context holds them all
+                   for rid, (_, _, max_tokens) in enumerate(prompts) if rid != cancel)
         results.append({rid: t for rid, t in tokens.items() if rid != cancel})
     assert results[0] == results[1]
 
@@ -257,6 +261,7 @@ def greedy(core, requests, together=False):
             core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=12), Timeline())
         while core.has_unfinished():
             for o in core.step():
+                assert o.finish_reason != "error", o.error
                 out.setdefault(o.request_id, []).extend(o.token_ids)
     return out
 
@@ -376,6 +381,7 @@ def test_n_greedy_choices_are_identical_and_share_the_prompt():
     engine = make_engine(ex)
     choices(engine, 10, SYSTEM + [7, 8], 4, temperature=0.0)
     tokens, finish, _ = run(engine)
+    assert finish == dict.fromkeys(range(10, 14), "length") and len(tokens[10]) == 6
     assert len(tokens) == 4 and all(tokens[r] == tokens[10] for r in tokens)
     firsts = {rid: (start, n) for step in reversed(ex.log) for rid, start, n, _ in step}
     assert firsts[10] == (0, 21)                        # the leader computes the prompt

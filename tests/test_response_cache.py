@@ -25,6 +25,7 @@ def ask(engine, rid, prompt=PROMPT, **params):
         outs += [o for o in engine.step() if o.request_id == rid]
         if outs and outs[-1].finish_reason:
             break
+    assert outs[-1].finish_reason in ("length", "stop"), outs[-1]   # a failed answer is never cached either
     return outs, t
 
 
