@@ -155,9 +155,10 @@ def test_mixed_sampling_batch_matches_the_cpu_executor():
     want = run_batch(cpu, seqs(), 12)
     got = run_batch(make(c, t), seqs(), 12)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    asked = [p.logprobs is not None for p in params]                 # rows 3 and 5
     for g, w in zip(got, want):
+        assert [a is not None for a in g.logprobs] == [b is not None for b in w.logprobs] == asked
         for a, b in zip(g.logprobs, w.logprobs):
-            assert (a is None) == (b is None)
             if a is not None:
                 assert a.top_ids == b.top_ids
                 np.testing.assert_allclose([a.token_logprob, *a.top_logprobs], [b.token_logprob, *b.top_logprobs],
