@@ -3,9 +3,10 @@ engine line while busy.
 
 - `AccessLog.request(proto, ...)`: one INFO line per finished request on logger
   `tokenwire.access`: peer (the connection's address, looked up only when a line is
-  written), method and path, status, and for generations the prompt and
-  completion tokens, TTFT, total time and finish reason. Off with `--no-access-log`
-  (the logger is still there; nothing is formatted).
+  written), method and path, status (a gRPC call: also its grpc-status, since its HTTP
+  status is 200 whatever happened), for generations the prompt and completion tokens,
+  TTFT, total time and finish reason, and last the response's `x-request-id`. Off with
+  `--no-access-log` (the logger is still there; nothing is formatted).
 - `EngineLog.tick(stats, now_s)`: called every few seconds on the loop; while the engine
   has running or waiting requests (or had them since the last tick) it logs prompt and
   generation throughput over the interval, running and waiting requests and KV usage,
@@ -27,19 +28,22 @@ class AccessLog:
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
 
-    def request(self, proto, method: str, path: str, status: int, *, num_prompt: Optional[int] = None,
+    def request(self, proto, method: str, path: str, status: int, *, request_id: str = "-",
+                grpc_status: Optional[int] = None, num_prompt: Optional[int] = None,
                 num_output: Optional[int] = None, ttft_us: float = 0.0, total_us: float = 0.0,
                 finish: Optional[str] = None) -> None:
-        """Once per request, when its response ends (`proto`: its connection's ServerProtocol)."""
+        """Once per request, when its response ends (`proto`: its connection's ServerProtocol;
+        `request_id`: the response's x-request-id)."""
         if not self.enabled or not access_log.isEnabledFor(logging.INFO):
             return
         peer = peer_name(proto)
+        grpc = "" if grpc_status is None else f" grpc-status={grpc_status}"
         if num_prompt is None:
-            access_log.info('%s "%s %s" %d', peer, method, path, status)
+            access_log.info('%s "%s %s" %d%s id=%s', peer, method, path, status, grpc, request_id)
             return
-        access_log.info('%s "%s %s" %d prompt=%d completion=%d ttft=%.2fms total=%.2fms finish=%s',
-                        peer, method, path, status, num_prompt, num_output, ttft_us / 1000, total_us / 1000,
-                        finish)
+        access_log.info('%s "%s %s" %d%s prompt=%d completion=%d ttft=%.2fms total=%.2fms finish=%s id=%s',
+                        peer, method, path, status, grpc, num_prompt, num_output, ttft_us / 1000, total_us / 1000,
+                        finish, request_id)
 
 
 def peer_name(proto) -> str:

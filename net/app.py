@@ -20,6 +20,10 @@ runs (net/priority.py). A generation request may carry `x-request-timeout-ms: N`
 grpc-timeout): N ms after it arrived it is cancelled and ends with finish_reason "deadline"
 (504 when nothing was sent).
 
+Every response carries `x-request-id`: a generation's response id (the body's "id",
+`cmpl-N`, ...; dispatch.py), else `req-N` from a counter of its own, so the ids of
+generations stay consecutive. The access line ends with it.
+
 A response that fails while it is being written resets its stream (HTTP/1.1: closes after
 it), logged; it never takes the connection, or another stream, down. A prompt is bounded
 by its byte length before it is tokenized, and a large one is tokenized on a worker thread
@@ -32,6 +36,7 @@ import itertools
 import logging
 import time
 from dataclasses import replace
+from functools import partial
 from typing import NamedTuple
 from urllib.parse import unquote
 
@@ -70,6 +75,7 @@ from .prompt_limits import (
 from .structured import new_call_id
 
 log = logging.getLogger("tokenwire.net")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
 SWEEP_BATCH = 32            # connections whose deadlines one pass of the loop checks (ending one costs ~0.2 ms)
 
 
@@ -98,8 +104,9 @@ class App:
         self.access_log = AccessLog(access_log)
         self.engine_log = EngineLog()       # the periodic throughput line (the server ticks it)
         self.dispatcher = Dispatcher(self.metrics, trace, self.access_log)
-        # unknown request fields: ignored with one log line per name, or a 400 (--strict-params)
-        self.on_unknown_param = None if strict_params else self._ignore_unknown_param
+        # unknown request fields: ignored with one log line per route and name, or a 400 (--strict-params)
+        self.on_unknown_param = None if strict_params else {
+            route: partial(self._ignore_unknown_param, route) for route in GENERATION_ROUTES}
         self._unknown_params_logged = set()
         self.grpc = GrpcRoutes(self)
         self.exchanges = self.dispatcher.exchanges          # engine request id -> Exchange
@@ -107,7 +114,7 @@ class App:
         self.connections = set()
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
-        self._current = (None, None)        # (proto, Request) being routed: its error's access line
+        self._response_ids = itertools.count(1)     # req-N: x-request-id of every response but a generation's
         self.shutting_down = False
         self.loop = None
         self.tokenizing: Tokenizing | None = None   # the worker thread for large prompts, made by `attach`
@@ -187,7 +194,7 @@ class App:
                     self.grpc.respond_status(proto, ev, RESOURCE_EXHAUSTED, "the request is larger than the "
                                              f"limit of {proto.limits.max_body_bytes} bytes")
                 elif kind is BodyTooLarge:
-                    self._respond_error(proto, ev.stream_id, ApiError(
+                    self._respond_error(proto, ev, ApiError(
                         413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",
                         code="body_too_large"))
                 elif kind is PriorityUpdate:
@@ -202,7 +209,6 @@ class App:
                 self.handoff.release_engine()
 
     def _handle(self, proto, req: Request) -> None:
-        self._current = (proto, req)
         if req.headers.get("content-type", "").startswith("application/grpc"):
             self.grpc.handle(proto, req)
             return
@@ -220,33 +226,35 @@ class App:
                                code="method_not_allowed", headers=[(b"allow", allowed.encode())])
             handler(proto, req)      # HEAD: the session sends the GET's headers without the body
         except ApiError as exc:
-            self._respond_error(proto, req.stream_id, exc)
+            self._respond_error(proto, req, exc)
         except Exception as exc:  # a bug here must not take the connection down
             log.exception("internal error handling %s %s", req.method, req.target)
-            self._respond_error(proto, req.stream_id, ApiError(
+            self._respond_error(proto, req, ApiError(
                 500, f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
 
-    def _respond_error(self, proto, stream_id: int, exc: ApiError) -> None:
+    def _respond_error(self, proto, req: Request | BodyTooLarge, exc: ApiError) -> None:
+        """`exc` as the response to `req` (or to a body over the limit), with its access line."""
         if exc.status >= 400 and exc.status not in (404, 405):
             self.metrics.count_request("rejected")
-        method, target = self._request_line(proto, stream_id)
+        request_id = self.next_response_id()
         try:        # to a HEAD request the session sends the headers only (http1.py, http2.py)
-            proto.session.respond(stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body())
+            proto.session.respond(req.stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body(),
+                                  extra=((b"x-request-id", request_id.encode()),))
         except Exception:       # a response that cannot be written ends its stream, not the connection
-            log.exception("could not write the %d response on stream %d", exc.status, stream_id)
-            proto.session.reset_stream(stream_id, ErrorCodes.INTERNAL_ERROR)
-        self.access_log.request(proto, method, target, exc.status)
-
-    def _request_line(self, proto, stream_id: int) -> tuple:
-        current_proto, req = self._current
-        if current_proto is proto and req.stream_id == stream_id:
-            return req.method, req.target
-        return "-", "-"
+            log.exception("could not write the %d response on stream %d", exc.status, req.stream_id)
+            proto.session.reset_stream(req.stream_id, ErrorCodes.INTERNAL_ERROR)
+        self.access_log.request(proto, req.method, req.target, exc.status, request_id=request_id)
 
     def _respond(self, proto, req: Request, body: bytes, content_type: bytes = JSON) -> None:
         """A whole 200 response to an info route, with its access line (HEAD: the session drops the body)."""
-        proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)], body)
-        self.access_log.request(proto, req.method, req.target, 200)
+        request_id = self.next_response_id()
+        proto.session.respond(req.stream_id, 200, [(b"content-type", content_type)], body,
+                              extra=((b"x-request-id", request_id.encode()),))
+        self.access_log.request(proto, req.method, req.target, 200, request_id=request_id)
+
+    def next_response_id(self) -> str:
+        """The x-request-id of a response that is not a generation's (info routes, errors, gRPC statuses)."""
+        return f"req-{next(self._response_ids)}"
 
     # ---------------------------------------------------------- info routes
 
@@ -282,19 +290,25 @@ class App:
     # ----------------------------------------------------- generation routes
 
     def _completions(self, proto, req) -> None:
-        self._submit(proto, req, parse_completions(self._json_body(req), self.on_unknown_param), "cmpl-")
+        self._submit(proto, req, parse_completions(self._json_body(req), self._on_unknown("/v1/completions")), "cmpl-")
 
     def _chat(self, proto, req) -> None:
-        self._submit(proto, req, parse_chat(self._json_body(req), self.on_unknown_param), "chatcmpl-")
+        self._submit(proto, req, parse_chat(self._json_body(req), self._on_unknown("/v1/chat/completions")),
+                     "chatcmpl-")
 
     def _generate(self, proto, req) -> None:
-        self._submit(proto, req, parse_generate(self._json_body(req), self.on_unknown_param), "gen-")
+        self._submit(proto, req, parse_generate(self._json_body(req), self._on_unknown("/generate")), "gen-")
 
-    def _ignore_unknown_param(self, name: str) -> None:
-        if name not in self._unknown_params_logged and len(self._unknown_params_logged) < 1024:
-            self._unknown_params_logged.add(name)       # bounded: clients choose the names
-            log.info("ignoring the unknown request parameter %r (logged once per name; "
-                     "--strict-params rejects unknown parameters)", name[:100])
+    def _on_unknown(self, route: str):
+        """parse_*'s `on_unknown` for `route`: log and go on; None (a 400) with --strict-params."""
+        return None if self.on_unknown_param is None else self.on_unknown_param[route]
+
+    def _ignore_unknown_param(self, route: str, name: str) -> None:
+        key = (route, name)
+        if key not in self._unknown_params_logged and len(self._unknown_params_logged) < 1024:
+            self._unknown_params_logged.add(key)        # bounded: clients choose the names
+            log.info("ignoring the unknown request parameter %r on %s (logged once per name and route; "
+                     "--strict-params rejects unknown parameters)", name[:100], route)
 
     def _json_body(self, req: Request) -> dict:
         self._authorize(req)
@@ -375,7 +389,7 @@ class App:
         if job.g.route == "grpc":
             self.grpc.respond_status(job.proto, job.req, STATUS_CODES.get(exc.status, UNKNOWN), exc.message)
         else:
-            self._respond_error(job.proto, job.req.stream_id, exc)
+            self._respond_error(job.proto, job.req, exc)
 
     def _check_constraint(self, g: GenerationRequest) -> None:
         model = self.model

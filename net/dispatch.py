@@ -7,9 +7,12 @@ per stream), writes every touched connection once (net/outbox.py), and ends the 
 that finished: the finish chunk, trailers (`server-timing`), the request's metrics. A
 reset stream or a lost connection cancels its request in the engine (`cancel`,
 `cancel_all`). Whole (non-streamed) responses are collected here and built by
-encoders.whole_body.
+encoders.whole_body. Every response, streamed or whole, failed or not, carries the
+request's response id as `x-request-id`; a request the engine failed is also a WARNING
+naming that id and the engine's reason.
 """
 
+import logging
 import time
 from collections import deque
 
@@ -22,6 +25,7 @@ from .busy_poll import BusyPoller
 from .errors import ApiError
 from .metrics import Metrics
 
+log = logging.getLogger("tokenwire.net")
 JSON = b"application/json"
 FINISH_DEADLINE = "deadline"        # the request's deadline passed (grpc-timeout, x-request-timeout-ms)
 # step times wait in their deque until this many (or a /metrics read) go into the histogram:
@@ -226,7 +230,7 @@ class Dispatcher:
         The header tuple is the encoder's constant, so its HPACK block is built once per connection."""
         if ex.group is not None and not ex.group.open(ex):
             return                          # another choice's token opened the response
-        ex.proto.session.start_response(ex.stream_id, 200, ex.encoder.response_headers)
+        ex.proto.session.start_response(ex.stream_id, 200, ex.encoder.response_headers, _id_field(ex))
         self._firsts.append(ex)
 
     def _stamp_first_tokens(self, wire_ns: int) -> None:
@@ -268,6 +272,8 @@ class Dispatcher:
         if ex.timeline.response_cached:
             timings["response_cached"] = True
         error = out.error if reason == FINISH_ERROR else None
+        if error is not None:
+            log.warning("request %s failed in the engine: %s", ex.response_id, error)
         if ex.timeline.mask_ns or ex.timeline.grammar_compile_ns:
             timings.update(encoders.grammar_timings_us(ex.timeline, out.num_output_tokens))
         opened = ex.last_ns or (ex.group is not None and ex.group.opened)
@@ -286,9 +292,11 @@ class Dispatcher:
         self._record_finish(ex, reason, now, out.num_cached_tokens)
         status = 200 if opened or ex.encoder is not None and ex.encoder.in_band_errors else \
             500 if error is not None else 504 if reason == FINISH_DEADLINE else 200
-        self.access_log.request(ex.proto, ex.method, ex.path, status,
-                                num_prompt=out.num_prompt_tokens, num_output=out.num_output_tokens,
-                                ttft_us=timings["ttft_us"], total_us=timings["total_us"], finish=reason)
+        grpc_status = ex.encoder.status(reason, error) if ex.route == "grpc" else None
+        self.access_log.request(ex.proto, ex.method, ex.path, status, request_id=ex.response_id,
+                                grpc_status=grpc_status, num_prompt=out.num_prompt_tokens,
+                                num_output=out.num_output_tokens, ttft_us=timings["ttft_us"],
+                                total_us=timings["total_us"], finish=reason)
 
     def _finish_choice(self, ex: Exchange, out):
         """One choice of an n > 1 request ended (net/choices.py rules 2-3): a streamed one sends
@@ -306,7 +314,8 @@ class Dispatcher:
             exc = ApiError(500, f"the engine failed this request: {error}", code="engine_error") \
                 if error is not None else ApiError(504, "the request's deadline (x-request-timeout-ms) passed "
                                                    "before its response was complete", code="deadline_exceeded")
-            session.respond(ex.stream_id, exc.status, [(b"content-type", JSON)], exc.body(), trailers)
+            session.respond(ex.stream_id, exc.status, [(b"content-type", JSON)], exc.body(), trailers,
+                            _id_field(ex))
             return
         token_text = self.engine.detokenizer.token_text
         if ex.group is not None:
@@ -315,8 +324,7 @@ class Dispatcher:
         else:
             body = encoders.whole_body(ex.route, ex.response_id, ex.created, self.model.name, "".join(ex.texts),
                                        reason, use, ex.token_ids, ex.logprobs if ex.want_logprobs else None, token_text)
-        session.respond(ex.stream_id, 200, [(b"content-type", JSON), (b"x-request-id", ex.response_id.encode())],
-                        body, trailers)
+        session.respond(ex.stream_id, 200, [(b"content-type", JSON)], body, trailers, _id_field(ex))
 
     def _respond_tools(self, ex: Exchange, reason: str, use: dict, timings: dict, trailers: list) -> None:
         """A chat completion with tools, read back as OpenAI tool calls (finish reason
@@ -342,8 +350,8 @@ class Dispatcher:
             body = dumps({"id": ex.response_id, "object": "chat.completion", "created": ex.created,
                           "model": self.model.name, "usage": use, "choices": [
                               {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}]})
-            headers = [(b"content-type", JSON), (b"x-request-id", ex.response_id.encode())]
-        session.respond(ex.stream_id, 200, headers, body, trailers)
+            headers = [(b"content-type", JSON)]
+        session.respond(ex.stream_id, 200, headers, body, trailers, _id_field(ex))
 
     def _record_finish(self, ex: Exchange, reason: str, now: int, num_cached_tokens: int = 0) -> None:
         m = self.metrics
@@ -370,7 +378,8 @@ class Dispatcher:
                     member.deadline_timer.cancel()
                 self.engine.cancel(member.request_id)
         self.metrics.count_request("cancelled")
-        self.access_log.request(proto, ex.method, ex.path, 499, finish="cancelled by the client")
+        self.access_log.request(proto, ex.method, ex.path, 499, request_id=ex.response_id,
+                                finish="cancelled by the client")
 
     def _group_member(self, first_id: int):
         """n > 1 whose first choice already ended: a choice still running, or None."""
@@ -386,3 +395,7 @@ class Dispatcher:
     def drain_step_times(self) -> None:
         self.metrics.step.observe_drained_ns(self.step_times_ns)
 
+
+def _id_field(ex: Exchange) -> tuple:
+    """The response's x-request-id field (its response id: the body's "id"), once per response."""
+    return ((b"x-request-id", ex.response_id.encode()),)

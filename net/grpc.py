@@ -187,11 +187,17 @@ class GenerateEncoder:
         return frame(message.SerializeToString())
 
     def trailers(self, base: list, finish_reason: str, error: str | None) -> list:
-        if error is not None:
+        code = self.status(finish_reason, error)
+        if code == INTERNAL:
             return status_trailers(INTERNAL, f"the engine failed this request: {error}", base)
-        if finish_reason == "deadline":
+        if code == DEADLINE_EXCEEDED:
             return status_trailers(DEADLINE_EXCEEDED, "the deadline (grpc-timeout) passed", base)
         return status_trailers(OK, "", base)
+
+    @staticmethod
+    def status(finish_reason: str, error: str | None) -> int:
+        """The grpc-status the call ends with (its trailers; the access line)."""
+        return INTERNAL if error is not None else DEADLINE_EXCEEDED if finish_reason == "deadline" else OK
 
 
 # ------------------------------------------------------------------ the routes
@@ -236,13 +242,15 @@ class GrpcRoutes:
             self.respond_status(proto, req, INVALID_ARGUMENT, str(exc))
 
     def respond_status(self, proto, req: Request, code: int, message: str, messages: bytes = b"") -> None:
-        """A whole response: headers, `messages` (framed), the status in trailers."""
+        """A whole response: headers (with its x-request-id), `messages` (framed), the status in
+        trailers; the access line shows the grpc-status beside the HTTP status (always 200)."""
         session = proto.session
-        session.start_response(req.stream_id, 200, RESPONSE_HEADERS)
+        request_id = self.app.next_response_id()
+        session.start_response(req.stream_id, 200, RESPONSE_HEADERS, ((b"x-request-id", request_id.encode()),))
         if messages:
             session.send_data(req.stream_id, messages)
         session.end_response(req.stream_id, status_trailers(code, message))
-        self.app.access_log.request(proto, req.method, f"{req.target} grpc-status={code}", 200)
+        self.app.access_log.request(proto, req.method, req.target, 200, request_id=request_id, grpc_status=code)
 
     # ---------------------------------------------------------- Generator
 
@@ -278,7 +286,8 @@ class GrpcRoutes:
         service = _one(messages, schema.HealthCheckRequest).service
         status = self.serving_status(service)
         status = SERVICE_UNKNOWN if status is None else status
-        proto.session.start_response(req.stream_id, 200, RESPONSE_HEADERS)
+        request_id = self.app.next_response_id().encode()
+        proto.session.start_response(req.stream_id, 200, RESPONSE_HEADERS, ((b"x-request-id", request_id),))
         proto.session.send_data(req.stream_id, _health_message(status))
         self.watchers.append([proto, req.stream_id, service, status])
 

@@ -155,10 +155,14 @@ class H1Session:
         self._out = []
         return b"".join(out)
 
-    def start_response(self, stream_id: int, status: int, headers: list) -> None:
+    def start_response(self, stream_id: int, status: int, headers, extra=()) -> None:
+        """The response head. `extra`: fields that differ per response (x-request-id,
+        content-length), after `headers` (HTTP/2's session caches `headers`' block; here
+        they are simply joined)."""
         self._check(stream_id)
+        headers = [*headers, *extra]
         if self._draining or self._too_large:
-            headers = [*headers, (b"connection", b"close")]
+            headers.append((b"connection", b"close"))
         self._chunked = (self.conn.their_http_version == b"1.1" and not self._head
                          and not any(name == b"content-length" for name, _ in headers))
         if self._chunked and self._trailers_ok:
@@ -205,8 +209,8 @@ class H1Session:
             self.wants_poll = True
 
     def respond(self, stream_id: int, status: int, headers: list, body: bytes,
-                trailers: list | None = None) -> None:
-        self.start_response(stream_id, status, headers + [(b"content-length", str(len(body)).encode())])
+                trailers: list | None = None, extra=()) -> None:
+        self.start_response(stream_id, status, headers, (*extra, (b"content-length", b"%d" % len(body))))
         if body and not self._head:
             self.send_data(stream_id, body)
         self.end_response(stream_id, trailers)

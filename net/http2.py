@@ -764,14 +764,16 @@ class H2Session:
         out.clear()                 # the same list: data writers hold its append
         return data
 
-    def start_response(self, stream_id: int, status: int, headers) -> None:
+    def start_response(self, stream_id: int, status: int, headers, extra=()) -> None:
         """Send the response HEADERS (once per request). `headers`: (name, value) byte pairs;
-        pass the same tuple for every stream and its block is encoded once per connection."""
+        pass the same tuple for every stream and its block is encoded once per connection.
+        `extra`: the fields whose values differ per response (x-request-id, content-length),
+        encoded each time after them (a context-free block is a concatenation of its fields)."""
         st = self.streams[stream_id]
         st.started = True
-        self._send_headers(st, status, headers, 0)
+        self._send_headers(st, status, headers, 0, extra)
 
-    def _send_headers(self, st: _Stream, status: int | None, headers, flags: int) -> None:
+    def _send_headers(self, st: _Stream, status: int | None, headers, flags: int, extra=()) -> None:
         """One HEADERS frame (response or trailers), continued by CONTINUATION frames if it is too big."""
         if status is None:              # trailers: their values differ per stream, nothing to cache
             block = encode_block(None, headers)
@@ -782,6 +784,8 @@ class H2Session:
                 block = encode_block(status, key[1])
                 if len(self._blocks) < 64:
                     self._blocks[key] = block
+            if extra:
+                block += encode_block(None, extra)
         encoder = self.conn.encoder
         if encoder.table_size_changes:      # the peer resized its table: the next block says so first
             block = encoder.encode([]) + block
@@ -866,10 +870,11 @@ class H2Session:
             self._finish(st)
 
     def respond(self, stream_id: int, status: int, headers: list, body: bytes,
-                trailers: list | None = None) -> None:
+                trailers: list | None = None, extra=()) -> None:
         """A complete response in one call (errors, JSON bodies). To a HEAD request: the
-        headers only, with the content-length the body would have."""
-        self.start_response(stream_id, status, headers + [(b"content-length", str(len(body)).encode())])
+        headers only, with the content-length the body would have. `extra`: as in
+        `start_response` (the content-length follows them)."""
+        self.start_response(stream_id, status, headers, (*extra, (b"content-length", b"%d" % len(body))))
         if body and self.streams[stream_id].method != "HEAD":
             self.send_data(stream_id, body)
         self.end_response(stream_id, trailers)
