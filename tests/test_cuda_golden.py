@@ -120,7 +120,9 @@ def test_seeded_sampling_matches_the_cpu_executor(stories):
     finally:
         ex.close()
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    asked = [p.logprobs is not None for p in params]                 # rows 2 and 4
     for g, w in zip(got, want):
+        assert [a is not None for a in g.logprobs] == [b is not None for b in w.logprobs] == asked
         for a, b in zip(g.logprobs, w.logprobs):
             if b is not None:
                 assert a.top_ids == b.top_ids
