@@ -153,3 +153,31 @@ def test_engine_core_warm_up_runs_to_the_end_then_forgets_and_only_before_start(
             core.warm_up([5, 6], [SamplingParams(max_tokens=1)])
     finally:
         core.shutdown(timeout=5)
+
+
+def test_bench_cold_start_reports_medians_and_ratios_of_synthetic_starts():
+    from tokenwire.bench import cold_start
+    runs = [{"start_s": s, "warm_up_ms": w, "server_ttft_us": ttfts, "client_ttft_us": [t + 100 for t in ttfts]}
+            for s, w, ttfts in ((1.0, 10.0, [300, 120, 100]), (3.0, 30.0, [200, 100, 100]),
+                                (2.0, None, [900, 100, 300]))]
+    s = cold_start.summary(runs)
+    assert s["ratios"] == [3.0, 2.0, 3.0] and s["ratio"] == 3.0
+    assert (s["first_us"], s["last_us"], s["start_s"], s["warm_up_ms"]) == (300, 100, 2.0, 20.0)
+    assert (s["client_first_us"], s["client_last_us"]) == (400, 200)
+    args = type("Args", (), {"starts": 3, "requests": 3, "max_tokens": 8})
+    text = cold_start.report({"m": {"warm-up": runs}}, args)
+    row = text.splitlines()[-1].split()
+    assert "target <= 2" in text and row[:10] == ["m", "warm-up", "0.30", "0.10", "3.00", "no", "3.00", "2.00",
+                                                  "3.00", "0.40"], text
+    assert cold_start.warm_up_ms("x warm-up: 4 requests (prefill, decode) in 125 ms\n") == 125.0
+
+
+def test_bench_cold_start_runs(engine_dir):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "tokenwire", "bench", "cold-start", "--model", str(engine_dir),
+                          "--starts", "1", "--requests", "2", "--max-tokens", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = [line for line in out.stdout.splitlines() if line.startswith(str(engine_dir))]
+    assert len(row) == 1 and "warm-up" in row[0] and row[0].split()[-1] != "-", out.stdout   # warm-up ms read
