@@ -59,7 +59,7 @@ def start(binary, tmp_path, *args):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
     proc = subprocess.Popen(scrubbed(binary, tmp_path, "serve", "--port", "0", *args), cwd=elsewhere,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     log, port = [], None
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -70,8 +70,18 @@ def start(binary, tmp_path, *args):
         port = port or next(iter(re.findall(r"listening on http://127\.0\.0\.1:(\d+)", line)), None)
         if "serving " in line and port:
             return proc, int(port), log
-    proc.kill()
+    kill(proc)
     raise AssertionError("the binary did not become ready:\n" + "".join(log))
+
+
+def kill(proc):
+    """SIGKILL the binary's whole process group: the one-file bootloader runs the server as its
+    child, which outlives a SIGKILL of the bootloader alone (a failed test left servers behind)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def curl_stream(port, http, body):
@@ -114,9 +124,7 @@ def test_binary_streams_plain_and_constrained_from_a_scrubbed_environment_and_dr
         assert curl.returncode == 0 and (first + rest).count("data: ") == 66 and rest.endswith("data: [DONE]\n\n")
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill(proc)
 
 
 def test_binary_builds_an_engine_and_runs_benchmarks(binary, tmp_path, stories260k_dir):
@@ -145,6 +153,4 @@ def test_binary_builds_an_engine_and_runs_benchmarks(binary, tmp_path, stories26
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        kill(proc)
