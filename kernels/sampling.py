@@ -113,10 +113,14 @@ TOP_P_MARGIN = 1e-12                    # relative: far above the 3 x 2**-53 a l
 def sample(logits: np.ndarray, seqs: Sequence[SeqStep], argmax: Optional[np.ndarray] = None) -> StepOutput:
     """logits: float32 [S, V], one row per sampling SeqStep (hot path: once per step).
     argmax: np.argmax(logits, axis=1) when the forward already found it (the C lm_head does),
-    used for greedy rows without penalties instead of another pass over [S, V]."""
+    used for greedy rows without penalties instead of another pass over [S, V]; it was taken
+    before the grammar masks, so a masked row's argmax is taken again here."""
     num_seqs = len(seqs)
     assert logits.ndim == 2 and logits.shape[0] == num_seqs, (logits.shape, num_seqs)
-    apply_constraints(logits, seqs)
+    masked = apply_constraints(logits, seqs)
+    if argmax is not None and masked:
+        argmax = argmax.copy()
+        argmax[masked] = np.argmax(logits[masked], axis=1)
     params = [s.sampling for s in seqs]
     rows = _Rows(logits, seqs, {i for i, p in enumerate(params) if p.has_penalties})
     token_ids = np.empty(num_seqs, dtype=np.int64)                 # [S]
@@ -140,15 +144,16 @@ def sample(logits: np.ndarray, seqs: Sequence[SeqStep], argmax: Optional[np.ndar
     return StepOutput(token_ids.tolist(), logprobs)
 
 
-def apply_constraints(logits: np.ndarray, seqs: Sequence[SeqStep]) -> None:
-    """Mask the rows whose request carries a grammar (float32 [S, V], in place). Hot path: an
-    unconstrained step costs one attribute read per row and a count in C (batch 64: ~7 µs on
-    the shared 2-core machine, against a decode step of tens of ms)."""
+def apply_constraints(logits: np.ndarray, seqs: Sequence[SeqStep]) -> list:
+    """Mask the rows whose request carries a grammar (float32 [S, V], in place) -> those rows.
+    Hot path: an unconstrained step costs one attribute read per row and a count in C (batch
+    64: ~7 µs on the shared 2-core machine, against a decode step of tens of ms)."""
     constraints = [s.constraint for s in seqs]
     if constraints.count(None) == len(constraints):
-        return
+        return []
     rows = [i for i, c in enumerate(constraints) if c is not None]
     mask_logits(logits, rows, [constraints[i] for i in rows])
+    return rows
 
 
 def is_filtered(p) -> bool:

@@ -389,6 +389,10 @@ def test_generate_output_constraints(cpu_server):
     assert text in ("yes", "no")
     text, _ = _generate(cpu_server, text="Object:", max_tokens=60, json_object=True, seed=4)
     assert isinstance(json.loads(text), dict)
+    for k in range(4):              # greedy (the cpu forward's argmax comes before the mask): not INTERNAL
+        text, final = _generate(cpu_server, text=f"Request number {k} says", max_tokens=60, json_object=True,
+                                temperature=0)
+        assert isinstance(json.loads(text), dict) and final.finish_reason == "stop", text
     text, _ = _generate(cpu_server, text="Free:", max_tokens=5, json_object=False, temperature=0)   # no constraint
     assert text
 
