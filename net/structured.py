@@ -95,8 +95,10 @@ def _response_format(fmt) -> ConstraintSpec | None:
 
 
 def schema_spec(schema: dict) -> ConstraintSpec:
-    """Canonical text (sorted keys), so equal schemas share one compiled grammar."""
-    return ConstraintSpec("json_schema", orjson.dumps(schema, option=orjson.OPT_SORT_KEYS).decode())
+    """The schema's text with its keys in the order given: the grammar writes an object's
+    properties in the schema's order (a "reasoning, answer" schema thinks before it answers,
+    as OpenAI and vLLM keep it), so two schemas that differ only in key order are two grammars."""
+    return ConstraintSpec("json_schema", orjson.dumps(schema).decode())
 
 
 def guided_constraint(key: str, value, name: str | None = None) -> ConstraintSpec:

@@ -4,6 +4,7 @@ directly, as the server drives it, through tokenwire/runtime.py); grammar errors
 sampler's mask agrees between the fast path and the reference."""
 
 import json
+import random
 import re
 
 import jsonschema
@@ -16,6 +17,7 @@ from tokenwire.core.executor import SeqStep
 from tokenwire.core.options import EngineOptions
 from tokenwire.core.outputs import Timeline
 from tokenwire.core.sampling_params import SamplingParams
+from tokenwire.kernels import BACKENDS
 from tokenwire.kernels.grammar import apply_bitmask
 from tokenwire.kernels.sampling import sample, sample_reference
 from tokenwire.net.structured import schema_spec
@@ -59,15 +61,17 @@ def built():
     return build_engine(EngineOptions(backend="cpu", max_num_seqs=64))
 
 
-def run_constrained(built, spec: ConstraintSpec, num: int, temperature: float = 1.0) -> list:
-    """`num` seeded requests under `spec`, run to the end -> [(text, finish_reason)]."""
+def run_constrained(built, spec: ConstraintSpec, num: int, temperature: float = 1.0,
+                    prompt: str = "Answer in JSON:") -> list:
+    """`num` seeded requests under `spec`, run to the end -> [(text, finish_reason)]. `prompt`
+    may hold `{k}`, the request's index (greedy requests differ by their prompts)."""
     core, card = built
     compiled = card.grammars.compile(spec)
-    prompt = card.encode_prompt("Answer in JSON:")
     base = 10_000 * (abs(hash(spec)) % 1000)
     texts, finish = {}, {}
     for k in range(num):
-        core.add_request(base + k, prompt, SamplingParams(temperature=temperature, seed=k, max_tokens=MAX_TOKENS),
+        core.add_request(base + k, card.encode_prompt(prompt.format(k=k)),
+                         SamplingParams(temperature=temperature, seed=k, max_tokens=MAX_TOKENS),
                          Timeline(), constraint=compiled.constraint())
     while core.has_unfinished():
         for out in core.step():
@@ -101,11 +105,68 @@ def test_regex_and_choice_outputs_match(built):
 
 def test_json_object_and_grammar(built):
     grammar = 'start: "(" item ("," item)* ")"\nitem: /[a-c]/'
-    for text, _ in run_constrained(built, ConstraintSpec("grammar", grammar), 30):
-        assert re.fullmatch(r"\([a-c](,[a-c])*\)", text), text
-    for text, reason in run_constrained(built, ConstraintSpec("json_object", ""), 20, temperature=0.0):
-        if reason == "stop":
-            assert isinstance(json.loads(text), dict)
+    outputs = run_constrained(built, ConstraintSpec("grammar", grammar), 30)
+    assert len(outputs) == 30
+    for text, reason in outputs:
+        assert reason == "stop" and re.fullmatch(r"\([a-c](,[a-c])*\)", text), (reason, text)
+    # greedy: each request its own prompt (json_object has no bound; on these the random model closes it)
+    outputs = run_constrained(built, ConstraintSpec("json_object", ""), 20, temperature=0.0,
+                              prompt="Request number {k} says")
+    assert len(outputs) == 20
+    for text, reason in outputs:
+        assert reason == "stop" and isinstance(json.loads(text), dict), (reason, text)
+
+
+@pytest.mark.parametrize("backend", [name for name, row in BACKENDS.items()
+                                     if row.samples_constrained and name not in ("cuda", "trt")])
+def test_greedy_decoding_keeps_to_every_kind_of_constraint(backend):
+    """temperature 0 on every backend that masks (the cpu forward's fused argmax is taken
+    before the mask: the sampler must not trust it for a constrained row)."""
+    built = build_engine(EngineOptions(backend=backend, max_num_seqs=16))
+    cases = [(ConstraintSpec("choice", json.dumps(["happy", "sad"])), lambda t: t in ("happy", "sad")),
+             (ConstraintSpec("regex", r"(yes|no), [a-z]{2,5} [0-9]{1,3}"),
+              lambda t: re.fullmatch(r"(yes|no), [a-z]{2,5} [0-9]{1,3}", t)),
+             (ConstraintSpec("grammar", 'start: "(" item ("," item)? ")"\nitem: /[a-c]/'),
+              lambda t: re.fullmatch(r"\([a-c](,[a-c])?\)", t)),
+             (schema_spec(SCHEMAS["array_enum"]), lambda t: jsonschema.validate(json.loads(t), SCHEMAS["array_enum"])
+              is None)]
+    for spec, valid in cases:
+        outputs = run_constrained(built, spec, 8, temperature=0.0, prompt="Request {k}: the answer is")
+        assert len(outputs) == 8
+        for text, reason in outputs:
+            assert reason == "stop" and valid(text), (spec.kind, reason, text)
+
+
+def _out_of_order_schemas(num: int) -> list:
+    """`num` object schemas of 2-6 bounded properties, none listed in alphabetical order."""
+    rng = random.Random(25)
+    names = ["zeta", "reasoning", "answer", "id", "mood", "beta", "alpha", "count", "verdict", "note"]
+    kinds = [{"type": "boolean"}, {"enum": ["low", "high"]}, {"type": "integer", "minimum": 0, "maximum": 9},
+             {"type": "string", "maxLength": 6}]
+    schemas = []
+    for i in range(num):
+        props = rng.sample(names, 2 + i % 5)
+        if props == sorted(props):
+            props.reverse()
+        schemas.append({"type": "object", "additionalProperties": False, "required": props,
+                        "properties": {p: kinds[(i + j) % len(kinds)] for j, p in enumerate(props)}})
+    return schemas
+
+
+def test_json_follows_the_schemas_property_order(built):
+    """"reasoning, answer" thinks before it answers: the output's keys come in the schema's
+    order, never sorted (20 schemas, greedy and sampled)."""
+    schemas = _out_of_order_schemas(20)
+    assert all(list(s["properties"]) != sorted(s["properties"]) for s in schemas)
+    for schema in schemas:
+        outputs = run_constrained(built, schema_spec(schema), 2, temperature=0.0) + \
+            run_constrained(built, schema_spec(schema), 2, temperature=1.0)
+        assert len(outputs) == 4
+        for text, reason in outputs:
+            assert reason == "stop", (reason, text)
+            value = json.loads(text)
+            jsonschema.validate(value, schema)
+            assert list(value) == list(schema["properties"]), (text, list(schema["properties"]))
 
 
 @pytest.mark.parametrize("spec", [ConstraintSpec("regex", "a(b"), ConstraintSpec("json_schema", '{"type": 12}'),
@@ -129,6 +190,9 @@ def test_mask_is_applied_alike_by_fast_path_and_reference(built):
     seqs = [SeqStep(i, [1], 0, [0], True, params[i], i, [1], [], compiled.constraint() if i % 2 == 0 else None)
             for i in range(8)]
     fast = sample(logits.copy(), seqs).token_ids
+    seqs = [s._replace(constraint=compiled.constraint() if s.constraint is not None else None) for s in seqs]
+    # the cpu forward hands over the argmax of the unmasked logits: a masked row's must be taken again
+    assert sample(logits.copy(), seqs, np.argmax(logits, axis=1)).token_ids == fast
     seqs = [s._replace(constraint=compiled.constraint() if s.constraint is not None else None) for s in seqs]
     ref = sample_reference(logits.copy(), seqs).token_ids
     assert fast == ref
