@@ -393,12 +393,9 @@ class App:
 
     def _check_constraint(self, g: GenerationRequest) -> None:
         model = self.model
-        if g.best_of > 1:
-            raise ApiError(400, "n > 1 (or best_of > 1) with structured output or tools is not supported; "
-                           "send one request per choice", param="n", code="unsupported_parameter")
         if model.grammars is None:
             raise ApiError(400, f"the {model.name!r} engine ({model.backend}) does no constrained decoding",
-                           param=_constraint_param(g), code="unsupported_parameter")
+                           param=g.constraint_param, code="unsupported_parameter")
 
     def _enqueue(self, job: "Submission", prompt_ids: list, compiled=None) -> None:
         """Check max_tokens against what the context leaves, stamp the request and hand it to
@@ -453,7 +450,7 @@ class App:
         try:
             return self.model.grammars.compile(g.constraint)
         except InvalidConstraint as exc:
-            raise ApiError(400, str(exc), param=_constraint_param(g), code="invalid_constraint") from None
+            raise ApiError(400, str(exc), param=g.constraint_param, code="invalid_constraint") from None
 
     def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline,
                         priority: int) -> list:
@@ -587,8 +584,3 @@ def request_timeout_ns(value: str) -> int:
                        param="x-request-timeout-ms", code="invalid_header")
     return int(ms * 1e6)
 
-
-def _constraint_param(g: GenerationRequest) -> str:
-    if g.tools is not None:
-        return "tools"
-    return "response_format" if g.route == "chat" else "guided_json"

@@ -18,7 +18,7 @@ from collections import deque
 
 from orjson import dumps
 
-from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, RequestOutput, StepTokens
+from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, RequestOutput, StepTokens
 from . import choices, encoders, structured
 from .access_log import AccessLog
 from .busy_poll import BusyPoller
@@ -329,11 +329,7 @@ class Dispatcher:
     def _respond_tools(self, ex: Exchange, reason: str, use: dict, timings: dict, trailers: list) -> None:
         """A chat completion with tools, read back as OpenAI tool calls (finish reason
         "tool_calls" when there are some), as a whole body or as one SSE body."""
-        text = "".join(ex.texts)
-        try:
-            content, calls = structured.tool_calls(ex.tools, text)
-        except ValueError:                  # a constrained call cut short by max_tokens
-            content, calls = text, []
+        content, calls = structured.tool_calls(ex.tools, "".join(ex.texts), cut=reason == FINISH_LENGTH)
         if calls and reason == "stop":
             reason = "tool_calls"
         session = ex.proto.session

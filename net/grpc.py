@@ -358,7 +358,7 @@ def generation_request(m) -> GenerationRequest:
         raise GrpcError(INVALID_ARGUMENT, "max_tokens must be >= 1 (leave it out for the rest of the context)")
     params = SamplingParams(**kwargs)
     return GenerationRequest("grpc", m.text or None, list(m.token_ids) or None, None, params, True, False, False,
-                             m.model or None, constraint=_constraint(m))
+                             m.model or None, constraint=_constraint(m), constraint_param=m.WhichOneof("constraint"))
 
 
 # GenerateRequest's constraint fields -> the HTTP routes' guided_* keys (net/structured.py)

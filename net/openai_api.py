@@ -47,14 +47,17 @@ class GenerationRequest(NamedTuple):
     n: int = 1                          # choices returned
     best_of: int = 1                    # choices sampled (>= n; completions only, not streamed)
     constraint: ConstraintSpec | None = None    # the output must match it (response_format, guided_*, tools)
+    constraint_param: str | None = None # the request field that asked for it: errors about it name this
     tools: ToolPlan | None = None       # chat with tools: how the output is read back
     template_tools: list | None = None  # the tools as the chat template receives them
 
 
 def max_tokens_problem(max_tokens: int | None, num_prompt: int, max_model_len: int) -> str | None:
     """Why max_tokens cannot be served after a prompt of `num_prompt` tokens, naming both
-    numbers (OpenAI and vLLM refuse it rather than finish early with "length"), or None."""
-    if max_tokens is None or num_prompt + max_tokens <= max_model_len:
+    numbers (OpenAI and vLLM refuse it rather than finish early with "length"), or None. None
+    also when the prompt alone fills the context: that is the engine's PromptTooLong (400
+    context_length_exceeded) whatever max_tokens says, never a negative number of tokens left."""
+    if max_tokens is None or num_prompt >= max_model_len or num_prompt + max_tokens <= max_model_len:
         return None
     num_left = max_model_len - num_prompt
     return (f"max_tokens is {max_tokens}, but the context leaves {num_left} tokens after the prompt "
@@ -110,21 +113,23 @@ def parse_completions(body: dict, on_unknown=None) -> GenerationRequest:
         raise bad_param("best_of", f"best_of must be in [n, {MAX_CHOICES}] (n = {n}), got {best_of}")
     if best_of > n and stream:
         raise bad_param("best_of", "best_of > n cannot be streamed: the best choices are known only at the end")
+    constraint, constraint_param = constraint_spec(body)
+    _one_choice_if_read_back(n, best_of, constraint_param)
     return GenerationRequest("completions", prompt, prompt_ids, None, params, stream, include_usage, continuous,
-                             _opt(body, "model", str, None), n, best_of, constraint=constraint_spec(body))
+                             _opt(body, "model", str, None), n, best_of, constraint=constraint,
+                             constraint_param=constraint_param)
 
 
 def parse_chat(body: dict, on_unknown=None) -> GenerationRequest:
     _check_keys(body, _CHAT_KEYS, on_unknown)
     _check_common_unsupported(body)
-    plan, template_tools, tool_constraint = tool_plan(body)
-    _opt(body, "parallel_tool_calls", bool, True)
-    constraint = constraint_spec(body)
+    plan, template_tools, tool_constraint = tool_plan(body, _opt(body, "parallel_tool_calls", bool, True))
+    constraint, constraint_param = constraint_spec(body)
     if tool_constraint is not None:
         if constraint is not None:
             raise bad_param("tool_choice", "tool_choice required or a named function constrains the output "
-                            "already; drop response_format / guided_*")
-        constraint = tool_constraint
+                            f"already; drop {constraint_param}")
+        constraint, constraint_param = tool_constraint, "tools"
     messages = _messages(body)
     max_tokens = _opt(body, "max_completion_tokens", int, None)
     if max_tokens is None:
@@ -136,9 +141,10 @@ def parse_chat(body: dict, on_unknown=None) -> GenerationRequest:
     params = _sampling(body, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None)
     stream, include_usage, continuous = _stream(body)
     n = _num_choices(body)
+    _one_choice_if_read_back(n, n, constraint_param or ("tools" if plan is not None else None))
     return GenerationRequest("chat", None, None, messages, params, stream, include_usage, continuous,
-                             _opt(body, "model", str, None), n, n, constraint=constraint, tools=plan,
-                             template_tools=template_tools)
+                             _opt(body, "model", str, None), n, n, constraint=constraint,
+                             constraint_param=constraint_param, tools=plan, template_tools=template_tools)
 
 
 def parse_generate(body: dict, on_unknown=None) -> GenerationRequest:
@@ -149,8 +155,9 @@ def parse_generate(body: dict, on_unknown=None) -> GenerationRequest:
     prompt = _opt(body, "prompt", str, None)
     prompt_ids = _token_ids(body["prompt_token_ids"], "prompt_token_ids") if has_ids else None
     params = _sampling(body, max_tokens=_opt(body, "max_tokens", int, None), logprobs=None)
+    constraint, constraint_param = constraint_spec(body)
     return GenerationRequest("generate", prompt, prompt_ids, None, params, True, True, False,
-                             _opt(body, "model", str, None), constraint=constraint_spec(body))
+                             _opt(body, "model", str, None), constraint=constraint, constraint_param=constraint_param)
 
 
 # ---------------------------------------------------------------- helpers
@@ -164,6 +171,14 @@ def _check_keys(body: dict, known: set, on_unknown) -> None:
                 raise unsupported(key, f"unknown or unsupported parameter {key!r} (the server runs with "
                                        "--strict-params)")
             on_unknown(key)
+
+
+def _one_choice_if_read_back(n: int, best_of: int, constrained_by: str | None) -> None:
+    """n / best_of > 1 with an output constraint, or with tools read back as calls (tool_choice
+    other than "none"), is a 400: choices carry no grammar and no tool read-back."""
+    if best_of > 1 and constrained_by is not None:
+        raise unsupported("n" if n > 1 else "best_of", f"n > 1 (or best_of > 1) with {constrained_by} is not "
+                          "supported; send one request per choice")
 
 
 def _num_choices(body: dict) -> int:

@@ -13,7 +13,10 @@ Accepted (each validated here; compiling the grammar is kernels/grammar.py's, of
 - `tools` ({"type": "function", "function": {name, description, parameters}}) with
   `tool_choice` "none" | "auto" | "required" | {"type": "function", "function": {"name"}}:
   required and named constrain the output to the tools' argument schemas; auto parses the
-  model's own markup (`TOOL_FAMILIES`).
+  model's own markup (`tool_family`). `parallel_tool_calls: false` means at most one call
+  (required: the grammar ends after it; auto: the first is kept). A completion cut short by
+  max_tokens still reads back as tool calls, the last one's arguments as far as they got
+  (OpenAI's behaviour), never as the raw markup.
 """
 
 import json
@@ -37,10 +40,12 @@ class ToolPlan(NamedTuple):
     mode: str                           # "auto" | "required" | "named"
     names: tuple                        # the functions offered (named: the one chosen)
     family: str                         # "hermes" | "llama3": the markup `auto` parses
+    parallel: bool = True               # parallel_tool_calls: False reads back (and allows) one call at most
 
 
-def constraint_spec(body: dict) -> ConstraintSpec | None:
-    """The one output constraint the body asks for, or None."""
+def constraint_spec(body: dict) -> tuple:
+    """The one output constraint the body asks for -> (ConstraintSpec, the key that asked for
+    it, which an error about it names), or (None, None)."""
     for key in REFUSED_GUIDED_KEYS:
         if body.get(key) is not None:
             raise unsupported(key, f"{key} is not supported (the grammar engine is llguidance)")
@@ -54,9 +59,12 @@ def constraint_spec(body: dict) -> ConstraintSpec | None:
     if len(found) > 1:
         raise bad_param(found[1][0], f"give one output constraint, got {', '.join(k for k, _ in found)}")
     if not found:
-        return None
+        return None, None
     key, value = found[0]
-    return value if key == "response_format" else guided_constraint(key, value)
+    if key == "response_format":
+        return value, key
+    guided_key = _STRUCTURED_OUTPUTS.get(key.removeprefix("structured_outputs."), key)
+    return guided_constraint(guided_key, value, name=key), key
 
 
 def _structured_outputs(value) -> list:
@@ -70,7 +78,7 @@ def _structured_outputs(value) -> list:
             raise unsupported("structured_outputs", f"structured_outputs.{key} is not supported; "
                               f"use one of {', '.join(_STRUCTURED_OUTPUTS)}")
         if item is not None:
-            out.append((_STRUCTURED_OUTPUTS[key], item))
+            out.append((f"structured_outputs.{key}", item))
     return out
 
 
@@ -132,9 +140,10 @@ def tool_family(chat_template_source: str | None) -> str:
     return "hermes"
 
 
-def tool_plan(body: dict) -> tuple:
+def tool_plan(body: dict, parallel: bool = True) -> tuple:
     """-> (ToolPlan | None, the tools for the chat template | None, ConstraintSpec | None).
-    The plan's family is "hermes" until the route knows the model (`tool_family`)."""
+    The plan's family is "hermes" until the route knows the model (`tool_family`);
+    `parallel`: the request's parallel_tool_calls."""
     tools = body.get("tools")
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise unsupported("functions", "the deprecated functions / function_call are not supported; use tools")
@@ -151,9 +160,9 @@ def tool_plan(body: dict) -> tuple:
     if choice == "none":
         return None, tools, None
     if choice == "auto":
-        return ToolPlan("auto", names, family), tools, None
+        return ToolPlan("auto", names, family, parallel), tools, None
     if choice == "required":
-        return ToolPlan("required", names, family), tools, schema_spec(_calls_schema(functions))
+        return ToolPlan("required", names, family, parallel), tools, schema_spec(_calls_schema(functions, parallel))
     if (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
             and isinstance(choice["function"].get("name"), str)):
         name = choice["function"]["name"]
@@ -176,49 +185,101 @@ def _function(i: int, tool) -> dict:
     return fn
 
 
-def _calls_schema(functions: list) -> dict:
-    """tool_choice=required: a JSON array of one or more {"name", "arguments"} calls."""
+def _calls_schema(functions: list, parallel: bool = True) -> dict:
+    """tool_choice=required: a JSON array of one or more {"name", "arguments"} calls (exactly
+    one when not `parallel`), name first: the grammar keeps the schema's property order."""
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
               "properties": {"name": {"const": f["name"]},
                              "arguments": f.get("parameters") or {"type": "object"}}} for f in functions]
-    return {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
-def tool_calls(plan: ToolPlan, text: str) -> tuple:
+def tool_calls(plan: ToolPlan, text: str, cut: bool = False) -> tuple:
     """A finished completion -> (content or None, [OpenAI tool call, ...]); no calls found in
-    `auto` mode: (text, [])."""
+    `auto` mode: (text, []). `cut`: max_tokens ended it, so the last call may be unfinished:
+    it is returned with its arguments as far as they got (a call cut inside its name is
+    dropped), and its markup never becomes content."""
     if plan.mode == "named":
         return None, [_call(plan.names[0], text)]
     if plan.mode == "required":
-        return None, [_call(c["name"], orjson.dumps(c["arguments"]).decode()) for c in json.loads(text)]
-    calls = parse_hermes(text) if plan.family == "hermes" else parse_llama3(text)
-    calls = [c for c in calls if c[0] in plan.names]
-    if not calls:
+        return None, [_call(name, args) for name, args in parse_required(text)]
+    calls = parse_hermes(text, cut) if plan.family == "hermes" else parse_llama3(text, cut)
+    calls = [c for c in calls if c[0] in plan.names][:None if plan.parallel else 1]
+    opened = _opens_call(text, plan.family)
+    if not calls and not (cut and opened):
         return text, []
-    content = text.split("<tool_call>", 1)[0].strip() if plan.family == "hermes" else ""
+    content = text[:opened].strip() if opened is not None else text
     return content or None, [_call(name, args) for name, args in calls]
+
+
+def parse_required(text: str) -> list:
+    """tool_choice=required's output, the compact JSON array its grammar writes
+    (`[{"name":...,"arguments":{...}},...]`) -> [(name, arguments text)]; an array cut short
+    gives its complete calls and the cut one (`_cut_call`)."""
+    decoder, out, pos = json.JSONDecoder(), [], 1
+    while pos < len(text):
+        try:
+            call, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            out += _cut_call(text[pos:])
+            break
+        out.append((call["name"], orjson.dumps(call["arguments"]).decode()))
+        if not text.startswith(",", pos):
+            break
+        pos += 1
+    return out
+
+
+_CUT_CALL = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*(?:,\s*"(?:arguments|parameters)"\s*:\s*(.*))?', re.S)
+
+
+def _cut_call(text: str) -> list:
+    """The start of a call object that max_tokens cut -> [(name, the arguments' text so far)],
+    or [] when the name itself is not complete."""
+    m = _CUT_CALL.match(text.strip())
+    return [(m.group(1), (m.group(2) or "").rstrip())] if m else []
+
+
+def _opens_call(text: str, family: str):
+    """Where the model's tool-call markup starts in `text`, or None."""
+    if family == "hermes":
+        at = text.find("<tool_call>")
+        return None if at < 0 else at
+    body = text.lstrip()
+    return len(text) - len(body) if body.startswith(("{", "<|python_tag|>")) else None
 
 
 _HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 
 
-def parse_hermes(text: str) -> list:
-    """Hermes / Qwen2.5: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated."""
-    out = []
+def parse_hermes(text: str, cut: bool = False) -> list:
+    """Hermes / Qwen2.5: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated
+    (`cut`: then maybe one whose `</tool_call>` never came)."""
+    out, end = [], 0
     for m in _HERMES.finditer(text):
         call = _json_object(m.group(1))
         if call is not None and isinstance(call.get("name"), str):
             out.append((call["name"], orjson.dumps(call.get("arguments", {})).decode()))
+        end = m.end()
+    rest = text.find("<tool_call>", end)
+    if cut and rest >= 0:
+        out += _cut_call(text[rest + len("<tool_call>"):])
     return out
 
 
-def parse_llama3(text: str) -> list:
+def parse_llama3(text: str, cut: bool = False) -> list:
     """Llama 3.1: the whole reply is `{"name": ..., "parameters": {...}}` (after an optional
-    `<|python_tag|>`), several separated by ';'."""
+    `<|python_tag|>`), several separated by ';' (`cut`: the last one may be unfinished)."""
     body = text.strip().removeprefix("<|python_tag|>").strip()
     out = []
-    for part in body.split(";"):
+    parts = body.split(";")
+    for k, part in enumerate(parts):
         call = _json_object(part.strip())
+        if call is None and cut and k == len(parts) - 1:
+            return out + _cut_call(part)
         if call is None or not isinstance(call.get("name"), str):
             return []
         out.append((call["name"], orjson.dumps(call.get("parameters", call.get("arguments", {}))).decode()))

@@ -4,6 +4,7 @@ knowledge) and, where HTTP/1.1 behaves differently, over HTTP/1.1.
 """
 
 import json
+import re
 import socket
 import threading
 
@@ -97,6 +98,19 @@ def test_prompt_longer_than_context(h2):
     assert str(MAX_MODEL_LEN) in error["message"]
     check_error(h2.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "tok " * 200}]}),
                 400, param="messages", code="context_length_exceeded")
+    still_serving(h2)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4, MAX_MODEL_LEN])
+def test_prompt_longer_than_context_whatever_max_tokens_says(h2, max_tokens):
+    """Not "the context leaves -210 tokens ... ask for at most -210": the prompt is the problem."""
+    for body, param in (({"prompt": "tok " * 200}, "prompt"),
+                        ({"prompt": list(range(5, 5 + MAX_MODEL_LEN + 10))}, "prompt"),
+                        ({"messages": [{"role": "user", "content": "tok " * 200}]}, "messages")):
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        error = check_error(h2.post(route, json={**body, "max_tokens": max_tokens}), 400, param=param,
+                            code="context_length_exceeded")
+        assert not re.search(r"-\d", error["message"]), error["message"]
     still_serving(h2)
 
 

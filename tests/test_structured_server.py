@@ -56,6 +56,9 @@ def test_parse_with_a_pydantic_model(client):
         message = completion.choices[0].message
         assert completion.choices[0].finish_reason == "stop"
         assert isinstance(message.parsed, Weather), message.content
+    greedy = client.chat.completions.parse(model=MODEL, messages=MESSAGES, response_format=Weather, temperature=0,
+                                           max_tokens=200)
+    assert isinstance(greedy.choices[0].message.parsed, Weather), greedy
 
 
 def test_beta_stream_with_a_pydantic_model(client):
@@ -89,14 +92,20 @@ def test_guided_keys_and_generate(client, server):
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"guided_regex": "a(b"}, "response_format", "unclosed group"),
+    ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),             # each 400 names the field sent
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
+    ({"guided_json": {"type": 7}}, "guided_json", "json schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}},
      "response_format", "json schema"),
-    ({"guided_grammar": "start: nothing_defined"}, "response_format", "grammar"),
+    ({"guided_grammar": "start: nothing_defined"}, "guided_grammar", "grammar"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
+      "tool_choice": "required"}, "tools", "json schema"),
     ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend", "not supported"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "one output constraint"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"n": 2, "guided_regex": "a"}, "n", "not supported"),
+    ({"n": 2, "tools": TOOLS}, "n", "not supported"),                         # auto: read back, one choice
+    ({"n": 2, "tools": TOOLS, "tool_choice": "required"}, "n", "not supported"),
 ])
 def test_bad_constraints_are_400s_naming_the_problem(server, body, param, words):
     r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
@@ -104,6 +113,48 @@ def test_bad_constraints_are_400s_naming_the_problem(server, body, param, words)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_n_choices_with_tools_that_are_never_called(client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none", n=2,
+                                       seed=1, max_tokens=4)
+    assert [c.index for c in r.choices] == [0, 1] and all(c.message.content for c in r.choices)
+
+
+def test_parallel_tool_calls_false_is_one_call_at_most(client):
+    """At temperature 1 the default model, left to itself, writes several calls or keeps adding
+    them until max_tokens; false ends the grammar after one."""
+    for seed in range(6):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=300)
+        calls = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and len(calls) == 1, r
+        json.loads(calls[0].function.arguments)
+    several = [client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                              temperature=1.0, seed=seed, max_tokens=300) for seed in range(6)]
+    assert any(len(r.choices[0].message.tool_calls) > 1 for r in several)       # true (the default) allows more
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_a_tool_call_cut_by_max_tokens_is_still_a_tool_call(client, streamed):
+    """finish_reason "length" keeps tool_calls (the last one's arguments cut, as OpenAI does),
+    never the raw markup as content."""
+    for max_tokens in (8, 20, 30):                  # cut before the name is complete, after it, in the arguments
+        kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0,
+                      max_tokens=max_tokens)
+        if streamed:
+            chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+            calls, finish = _stream_tool_calls(chunks)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        else:
+            r = client.chat.completions.create(**kwargs)
+            finish, content = r.choices[0].finish_reason, r.choices[0].message.content or ""
+            calls = [{"name": c.function.name, "arguments": c.function.arguments}
+                     for c in r.choices[0].message.tool_calls or []]
+        assert finish == "length" and content == "", (max_tokens, finish, content)
+        if max_tokens >= 20:
+            assert calls and calls[-1]["name"] in ("get_weather", "get_time"), (max_tokens, calls)
+            assert '"name"' not in calls[-1]["arguments"], calls
 
 
 def _stream_tool_calls(stream) -> tuple:
@@ -179,6 +230,28 @@ def test_auto_tool_choice_parses_hermes_and_llama3_markup():
     assert json.loads(calls[1]["function"]["arguments"]) == {"zone": "CET"}
     assert tool_family("{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert tool_family("<|start_header_id|>ipython<|end_header_id|>") == "llama3"
+
+
+def test_tool_calls_cut_by_max_tokens_read_back():
+    required = ToolPlan("required", ("get_weather", "get_time"), "hermes")
+    text = '[{"name":"get_time","arguments":{"zone":"CET"}},{"name":"get_weather","arguments":{"city":"Pa'
+    content, calls = tool_calls(required, text, cut=True)
+    assert content is None and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_time", '{"zone":"CET"}'), ("get_weather", '{"city":"Pa')]
+    assert tool_calls(required, '[{"name":"get_ti', cut=True) == (None, [])          # cut inside the name
+    assert [c["function"]["arguments"] for c in tool_calls(required, '[{"name":"get_time"', cut=True)[1]] == [""]
+    hermes = ToolPlan("auto", ("get_weather",), "hermes")
+    content, calls = tool_calls(hermes, 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"ci', cut=True)
+    assert content == "Sure." and calls[0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert tool_calls(hermes, "Sure. <tool_call>\n{\"na", cut=True) == ("Sure.", [])   # no markup as content
+    llama3 = ToolPlan("auto", ("get_weather", "get_time"), "llama3")
+    content, calls = tool_calls(llama3, '{"name": "get_time", "parameters": {"zone": "CET"}}; {"name": "get_w'
+                                        'eather", "parameters": {"ci', cut=True)
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    single = ToolPlan("auto", ("get_weather",), "hermes", parallel=False)
+    two = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", ' \
+          '"arguments": {"city": "Oslo"}}</tool_call>'
+    assert len(tool_calls(single, two)[1]) == 1 and len(tool_calls(hermes, two)[1]) == 2
 
 
 def test_tools_reach_the_chat_template():
