@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 
-from tokenwire.bench.peers import grpc_proto
+from tokenwire.bench.peers import grpc_proto, report
 from tokenwire.bench.peers.mock_source import MockTokens, token_sequence
 from tokenwire.bench.peers.runner import HOST, ServerProcess, free_port, peer_specs, wait_until_streaming
 from tokenwire.bench.load import make_target
@@ -134,6 +134,43 @@ def test_bench_peers_repeat_reports_medians_of_alternating_rounds(tmp_path):
     table = out.stdout.split("over 3 alternating rounds")[1]
     assert "tokenwire        3" in table and "h2-minimal       3" in table
     assert "tokenwire / h2-minimal, lone stream, per round: itl p50" in table and "(median" in table
+
+
+def _row(server, concurrency, itl, cpu, ttft_p99=900.0, timings=None):
+    """One level's row as bench peers measures it (the fields the report reads)."""
+    return {"server": server, "client": "python", "concurrency": concurrency, "num_requests": 6, "num_errors": 0,
+            "num_tokens": 30, "tokens_per_s": 1000.0 * concurrency, "itl_us_p50": itl, "e2e_us_p50": 5 * itl,
+            "cpu_us_per_token": cpu, "ttft_us_p50": 100.0, "ttft_us_p99": ttft_p99, "server_ttft_us_p99": ttft_p99,
+            "server_cpu_util": 0.5, "server_timings_us_p50": timings or {"queue_us": 10.0}}
+
+
+def test_repeat_report_arithmetic_on_synthetic_rounds():
+    """The --repeat report on fixed rounds: medians per figure (a count stays an integer some
+    round had), and the lone stream's paired ratios per round, where a figure read as 0 (a few
+    tokens of CPU can read 0 µs: the kernel advances a thread's runtime at a tick) is shown as
+    "-" and left out of the median instead of dropping the line. The live run below only checks
+    what does not depend on the machine's load."""
+    rounds = [[_row("tokenwire", 1, 20.0, 30.0, timings={"queue_us": 5.0}), _row("h2-minimal", 1, 10.0, 30.0),
+               _row("tokenwire", 2, 25.0, 8.0, 700.0)],
+              [_row("tokenwire", 1, 30.0, 12.0), _row("h2-minimal", 1, 20.0, 0.0),
+               _row("tokenwire", 2, 26.0, 9.0, 800.0, timings={"queue_us": 7.0})],
+              [_row("tokenwire", 1, 60.0, 40.0), _row("h2-minimal", 1, 20.0, 20.0),
+               _row("tokenwire", 2, 27.0, 7.0, 600.0)]]
+    rows = {(r["server"], r["concurrency"]): r for r in report.median_rows(rounds)}
+    assert set(rows) == {("tokenwire", 1), ("h2-minimal", 1), ("tokenwire", 2)}
+    assert rows["tokenwire", 1]["itl_us_p50"] == 30.0 and rows["tokenwire", 1]["cpu_us_per_token"] == 30.0
+    assert rows["h2-minimal", 1]["cpu_us_per_token"] == 20.0 and rows["tokenwire", 2]["ttft_us_p99"] == 700.0
+    assert rows["tokenwire", 2]["server_timings_us_p50"] == {"queue_us": 10.0}
+    assert rows["tokenwire", 1]["server_timings_us_p50"] == {"queue_us": 10.0}
+    assert all(r["num_rounds"] == 3 and type(r["concurrency"]) is int for r in rows.values())
+    table = report.rounds_table([report.summarize_servers(r, ["tokenwire", "h2-minimal"]) for r in rounds])
+    line = next(t for t in table.splitlines() if "per round" in t)
+    assert line == ("tokenwire / h2-minimal, lone stream, per round: itl p50 2.00, 1.50, 3.00 (median 2.00); "
+                    "CPU/token 1.00, -, 2.00 (median 1.50)"), line
+    unmeasured = [[_row("tokenwire", 1, 20.0, 30.0), _row("h2-minimal", 1, 10.0, 0.0)]]
+    line = next(t for t in report.rounds_table([report.summarize_servers(unmeasured[0], ["tokenwire", "h2-minimal"])])
+                .splitlines() if "per round" in t)
+    assert line.endswith("itl p50 2.00 (median 2.00); CPU/token - (median -)"), line
 
 
 def test_bench_peers_rejects_unknown_server():

@@ -100,19 +100,32 @@ def rounds_table(round_summaries: list, ours: str = "tokenwire") -> str:
         mine = [s for summary in round_summaries for s in summary if s["server"] == server]
         body.append([server, len(mine), *(_spread([s[key] for s in mine]) for _, key in ROUND_FIGURES)])
     out = table(["server", "rounds", *(h for h, _ in ROUND_FIGURES)], body)
-    pairs = []
+    pairs = []                      # per round where both ran: (itl p50 ratio, CPU/token ratio), None unmeasured
     for summary in round_summaries:
         a = next((s for s in summary if s["server"] == ours), None)
         b = next((s for s in summary if s["server"] == H2_MINIMAL), None)
-        if a and b and a["lone_itl_p50_us"] and b["lone_itl_p50_us"] and b["lone_cpu_us_per_token"]:
-            pairs.append((a["lone_itl_p50_us"] / b["lone_itl_p50_us"],
-                          a["lone_cpu_us_per_token"] / b["lone_cpu_us_per_token"]))
+        if a and b:
+            pairs.append((_quotient(a["lone_itl_p50_us"], b["lone_itl_p50_us"]),
+                          _quotient(a["lone_cpu_us_per_token"], b["lone_cpu_us_per_token"])))
     if pairs:
-        out += (f"\n{ours} / {H2_MINIMAL}, lone stream, per round: itl p50 "
-                + ", ".join(f"{p[0]:.2f}" for p in pairs) + f" (median {statistics.median(p[0] for p in pairs):.2f}); "
-                + "CPU/token " + ", ".join(f"{p[1]:.2f}" for p in pairs)
-                + f" (median {statistics.median(p[1] for p in pairs):.2f})")
+        out += (f"\n{ours} / {H2_MINIMAL}, lone stream, per round: itl p50 {_paired([p[0] for p in pairs])}; "
+                f"CPU/token {_paired([p[1] for p in pairs])}")
     return out + "\n(µs: median (min-max) over the rounds; the report above is on each figure's median)"
+
+
+def _quotient(a, b) -> Optional[float]:
+    """a / b, or None when either was not measured (None, NaN) or b is 0: a few tokens of CPU
+    can read 0 µs (the kernel's schedstat runtime advances at a tick), which says nothing."""
+    if a is None or b is None or _nan(a) or _nan(b) or b <= 0:
+        return None
+    return a / b
+
+
+def _paired(ratios: list) -> str:
+    """Per-round ratios, "-" for a round that could not measure one, and their median."""
+    measured = [r for r in ratios if r is not None]
+    median = f"{statistics.median(measured):.2f}" if measured else "-"
+    return ", ".join("-" if r is None else f"{r:.2f}" for r in ratios) + f" (median {median})"
 
 
 def _spread(values: list) -> str:
