@@ -231,8 +231,12 @@ class EngineCore:
         return prompt
 
     def cancel(self, request_id: int) -> None:
-        """Thread-safe and idempotent; the request's blocks are free after the next step."""
+        """Thread-safe and idempotent; the request's blocks are free after the next step. An id
+        not in flight is ignored now, not at the next step: a request submitted later under that
+        id must not inherit the cancel."""
         with self._lock:
+            if request_id not in self._live_ids:
+                return
             self._cancels.append(request_id)
             ring = self._sleeping
             self._sleeping = False

@@ -29,7 +29,7 @@ class Host:
     server's arrangement without sockets). Records, per step the executor ran, the thread
     that ran it, and every output written, in order."""
 
-    def __init__(self, inline_step_ns=1_000_000, step_s=0.0, fail_on=()):
+    def __init__(self, inline_step_ns=50_000_000, step_s=0.0, fail_on=()):
         self.engine = mock_engine_core(max_model_len=4096)
         self.engine.inline_step_ns = inline_step_ns
         self.engine.step_columns = True
@@ -117,19 +117,21 @@ def host():
 
 
 def test_short_steps_move_to_the_loop_and_long_ones_back_to_the_engine_thread(host):
-    h = host(inline_step_ns=2_000_000)                      # 2 ms: the zero-cost mock is short
+    # 50 ms: the zero-cost mock is short however loaded the machine (a 2 ms limit flipped when a
+    # busy machine preempted a step), and a 100 ms step is long
+    h = host(inline_step_ns=50_000_000)
     h.submit(1, 40)
     assert wait_for(lambda: h.finished(1))
     lent = INLINE_AFTER_SHORT_STEPS
     assert h.threads[:lent] == [ENGINE] * lent and set(h.threads[lent:]) == {LOOP}
     assert h.engine.inline and h.num_tokens(1) == 40
 
-    h.step_s = 0.01                                         # 10 ms steps: longer than a hand-off
+    h.step_s = 0.1                                          # 100 ms steps: longer than the limit
     n = len(h.threads)
-    h.submit(2, 20)
+    h.submit(2, 6)
     assert wait_for(lambda: h.finished(2))
     assert h.threads[n] == LOOP and set(h.threads[n + 1:]) == {ENGINE}   # one long step, then the thread
-    assert not h.engine.inline and h.num_tokens(2) == 20
+    assert not h.engine.inline and h.num_tokens(2) == 6
 
     h.step_s = 0.0
     n = len(h.threads)
@@ -149,10 +151,10 @@ def test_inline_step_us_zero_keeps_every_step_on_the_engine_thread(host):
 
 
 def test_a_stream_switching_threads_mid_way_gets_every_token_in_order(host):
-    h = host(inline_step_ns=2_000_000, step_s=0.0002)      # 0.6 s of short steps: the switch comes mid-way
+    h = host(inline_step_ns=50_000_000, step_s=0.0002)     # 0.6 s of short steps: the switch comes mid-way
     h.submit(1, 3000)
     assert wait_for(lambda: h.engine.inline)
-    h.step_s = 0.005
+    h.step_s = 0.1
     assert wait_for(lambda: not h.engine.inline)
     h.step_s = 0.0002
     assert wait_for(lambda: h.finished(1), timeout=30)
@@ -175,7 +177,7 @@ def test_cancel_while_inline_ends_the_request_and_frees_its_blocks(host):
 
 def test_a_failing_executor_while_inline_fails_the_running_requests_and_serving_goes_on(host):
     fail_at = INLINE_AFTER_SHORT_STEPS + 5
-    h = host(fail_on={fail_at})
+    h = host(inline_step_ns=50_000_000, fail_on={fail_at})     # every mock step short, however loaded
     h.submit(1, 50)
     h.submit(2, 50)
     assert wait_for(lambda: h.finished(1) and h.finished(2))
