@@ -6,8 +6,6 @@ The whole module runs twice: once on asyncio's event loop and once on uvloop. Th
 the mock (kernels/mock.py), so the tests measure the network layer, not a model.
 """
 
-import datetime
-import ipaddress
 import json
 import os
 import shutil
@@ -24,6 +22,7 @@ import tokenwire
 from tokenwire.net.events import Limits
 
 from clients.rawh2 import RawH2
+from clients.tls import self_signed_cert
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MOCK_START = "Once upon a time, there was a little robot named Tok."
@@ -56,38 +55,8 @@ def slow_server(loop_kind):
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    """A self-signed certificate for localhost / 127.0.0.1, made here (cryptography, or the openssl CLI)."""
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    try:
-        _self_signed_with_cryptography(cert, key)
-    except ImportError:
-        if shutil.which("openssl") is None:
-            pytest.fail("the TLS test needs the cryptography package or the openssl command", pytrace=False)
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
-                        "-nodes", "-days", "1", "-subj", "/CN=localhost", "-keyout", str(key), "-out", str(cert),
-                        "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"], check=True, capture_output=True)
-    return str(cert), str(key)
-
-
-def _self_signed_with_cryptography(cert_path, key_path):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    """A self-signed certificate for localhost / 127.0.0.1 (clients/tls.py)."""
+    return self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
