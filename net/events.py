@@ -16,6 +16,8 @@ class Limits:
 
     A flood limit is a rate per second with one second's worth of burst (flood.RateBudget);
     going over it ends the connection with GOAWAY ENHANCE_YOUR_CALM."""
+    http2_only: bool = False                    # speak HTTP/2 alone: bytes that are not the preface get GOAWAY
+                                                # PROTOCOL_ERROR, not HTTP/1.1's 400; TLS offers ALPN h2 alone
     max_body_bytes: int = 4 * 1024 * 1024       # request bodies above this get 413
     max_concurrent_streams: int = 256           # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS
     max_header_list_size: int = 64 * 1024       # HTTP/2 SETTINGS_MAX_HEADER_LIST_SIZE; HTTP/1.1 header block bytes

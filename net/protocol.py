@@ -3,9 +3,10 @@
 It picks the session (TLS ALPN `h2` -> HTTP/2, `http/1.1` -> HTTP/1.1; otherwise the first
 bytes: `PRI ` -> HTTP/2 with prior knowledge, whose session answers a preface that is not
 exactly right with GOAWAY PROTOCOL_ERROR; anything else -> HTTP/1.1, which may upgrade to
-h2c), moves bytes between the transport and the session, hands the session's events to the
-app, and honours transport back-pressure: while the transport is paused, output is held
-here and leaves on `resume_writing`.
+h2c, or with `Limits.http2_only` HTTP/2 too, so those bytes get the GOAWAY), moves bytes
+between the transport and the session, hands the session's events to the app, and honours
+transport back-pressure: while the transport is paused, output is held here and leaves on
+`resume_writing`.
 
 It also keeps the connection's deadlines and memory caps (`Limits`), checked by the app's
 periodic sweep (`check_deadlines`) and on every flush:
@@ -245,14 +246,15 @@ class ServerProtocol(asyncio.Protocol):
         only once the bytes decide (the whole preface, or where they leave it), so a client
         trickling the preface costs a buffer of at most 23 bytes, no session. Bytes that start
         `PRI ` and then leave the preface go to HTTP/2 too: its session answers them with
-        GOAWAY PROTOCOL_ERROR."""
+        GOAWAY PROTOCOL_ERROR; with `http2_only`, so do all other bytes (RFC 9113 3.4)."""
         buf = self._sniffed + data
         n = min(len(buf), len(PREFACE))
         if n < len(PREFACE) and buf[:n] == PREFACE[:n]:
             self._sniffed = buf
             return b""
         self._sniffed = b""
-        self.session = H2Session(self.limits) if buf[:len(PRI)] == PRI else H1Session(self.limits)
+        http2 = self.limits.http2_only or buf[:len(PRI)] == PRI
+        self.session = H2Session(self.limits) if http2 else H1Session(self.limits)
         return buf
 
     def _dispatch(self, events: list) -> None:

@@ -41,15 +41,15 @@ DRAIN_TIMEOUT_S = 30.0      # SIGTERM: in-flight streams get this long to finish
 ENGINE_LOG_INTERVAL_S = 10.0        # the periodic throughput / running / waiting / KV line, while busy
 
 
-def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """TLS 1.2+ with ALPN offering h2 then http/1.1."""
+def tls_context(cert_file: str, key_file: str, http2_only: bool) -> ssl.SSLContext:
+    """TLS 1.2+ with ALPN offering h2 then http/1.1 (h2 alone for `Limits.http2_only`)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
         ctx.load_cert_chain(cert_file, key_file)
     except (OSError, ssl.SSLError) as exc:
         raise ValueError(f"cannot load the TLS certificate {cert_file!r} / key {key_file!r}: {exc}") from None
-    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    ctx.set_alpn_protocols(["h2"] if http2_only else ["h2", "http/1.1"])
     ctx.options |= ssl.OP_NO_COMPRESSION
     return ctx
 
@@ -92,7 +92,7 @@ class Server:
         self.port = port
         self.loop_kind = loop
         self.limits = limits or Limits()
-        self.ssl = tls_context(tls_cert, tls_key) if tls_cert else None
+        self.ssl = tls_context(tls_cert, tls_key, self.limits.http2_only) if tls_cert else None
         self._cert_file = tls_cert
         self._prebuilt = (engine, model_info) if engine is not None else None
         self.reuse_port = reuse_port
@@ -210,7 +210,8 @@ class Server:
                                           ssl=self.ssl, backlog=1024, reuse_port=self.reuse_port or None)
         self._servers.append(server)
         self.port = server.sockets[0].getsockname()[1]
-        log.info("tokenwire listening on %s (HTTP/2 %s + HTTP/1.1)", self.url, "ALPN h2" if self.ssl else "h2c")
+        log.info("tokenwire listening on %s (HTTP/2 %s%s)", self.url, "ALPN h2" if self.ssl else "h2c",
+                 " only" if limits.http2_only else " + HTTP/1.1")
 
     async def _load(self, loop) -> bool:
         """Build the engine off the loop (the server already answers 503 meanwhile)."""

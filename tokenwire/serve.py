@@ -127,6 +127,10 @@ def add_arguments(parser) -> None:
                              "(default: %(default)s; 0: always the engine thread)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
+    parser.add_argument("--http2-only", action="store_true", default=d.http2_only,
+                        help="speak HTTP/2 alone: cleartext bytes that are not the HTTP/2 preface get GOAWAY "
+                             "PROTOCOL_ERROR instead of HTTP/1.1 (h2spec 146/146), TLS offers ALPN h2 alone "
+                             "(default: HTTP/2 and HTTP/1.1 on one port)")
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /generate "
                              "(gRPC: the authorization metadata)")
@@ -182,7 +186,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        limits = Limits(max_body_bytes=args.max_body_bytes, max_concurrent_streams=args.max_concurrent_streams,
+        limits = Limits(http2_only=args.http2_only,
+                        max_body_bytes=args.max_body_bytes, max_concurrent_streams=args.max_concurrent_streams,
                         max_header_list_size=args.max_header_list_size, idle_timeout_s=args.idle_timeout,
                         handshake_timeout_s=args.handshake_timeout, write_timeout_s=args.write_timeout,
                         max_unsent_bytes=args.max_unsent_bytes, max_resets_per_s=args.max_resets_per_s,
