@@ -49,6 +49,11 @@ class H1Session:
         self.num_pending_bytes = 0      # the H2Session counters the shell reads: nothing is ever queued here
         self.num_control_frames = 0
 
+    @property
+    def num_body_bytes(self) -> int:
+        """Body bytes held for the request being read (the server-wide budget counts them)."""
+        return len(self._body)
+
     # ----------------------------------------------------------------- input
 
     def receive_data(self, data: bytes) -> list:

@@ -42,7 +42,8 @@ Rule 9: a peer spends from per-connection budgets (flood.py, `Limits`): streams 
         nothing) and streams we reset for its errors, SETTINGS, PING, WINDOW_UPDATE, frames
         that do nothing. Over one: GOAWAY ENHANCE_YOUR_CALM. Control frames we owe a peer that
         does not read are counted (`num_control_frames`).
-        Queued response bytes are counted (`num_pending_bytes`) and a stream whose queue made
+        Queued response bytes and held body bytes are counted (`num_pending_bytes`,
+        `num_body_bytes`: the server-wide budgets read both) and a stream whose queue made
         no progress for the write timeout can be reset (`expire_stalled`); the shell enforces
         both (protocol.py).
 Rule 10: of the extension frames, PRIORITY_UPDATE (RFC 9218 7.1) is read: on stream 0, for
@@ -242,6 +243,7 @@ class H2Session:
         self.peer_goaway = False                    # the peer sent GOAWAY(NO_ERROR): finish and close
         self._credit_due: dict[int, _Stream] = {}   # streams owed a WINDOW_UPDATE at the end of this read
         self.num_pending_bytes = 0                  # response bytes queued in streams (waiting for windows)
+        self.num_body_bytes = 0                     # body bytes held for requests not yet complete (all streams)
         self.num_control_frames = 0                 # control frames we wrote (ACKs, RST_STREAM, WINDOW_UPDATE)
         self._resets = RateBudget(limits.max_resets_per_s)
         self._settings = RateBudget(limits.max_settings_per_s)
@@ -462,6 +464,7 @@ class H2Session:
             self._recv_unacked += len(chunk)
             raise StreamError(st.id, ErrorCodes.PROTOCOL_ERROR, "body longer than its content-length")
         st.held += len(chunk)
+        self.num_body_bytes += len(chunk)
         body = st.body
         if body is None:
             st.body = chunk
@@ -482,6 +485,7 @@ class H2Session:
     def _release_body(self, st: _Stream) -> None:
         """The held body is no longer ours to keep: its bytes count as consumed for the connection."""
         self._recv_unacked += st.held
+        self.num_body_bytes -= st.held
         st.held = 0
 
     def _credit_stream(self, st: _Stream, length: int) -> None:
