@@ -49,6 +49,7 @@ from ..core.outputs import Timeline
 from ..core.sampling_params import choice_params
 from . import encoders
 from .access_log import AccessLog, EngineLog
+from .budgets import ServerBudget, ServerLimits
 from .choices import ChoiceGroup
 from .dispatch import JSON, Dispatcher, Exchange
 from .errors import ApiError, bad_param
@@ -95,7 +96,7 @@ class App:
     """The HTTP application: one per server, shared by every connection."""
 
     def __init__(self, *, metrics: Metrics | None = None, api_key: str | None = None, trace=None,
-                 access_log: bool = True, strict_params: bool = False):
+                 access_log: bool = True, strict_params: bool = False, server_limits: ServerLimits | None = None):
         self.engine = None                  # EngineCore, set by `attach` once the model is loaded
         self.model: ModelInfo | None = None
         self.metrics = metrics or Metrics()
@@ -112,6 +113,7 @@ class App:
         self.exchanges = self.dispatcher.exchanges          # engine request id -> Exchange
         self.handoff = None                 # handoff.StepHandoff, made by `attach`
         self.connections = set()
+        self.budget = ServerBudget(server_limits or ServerLimits(), self.connections)     # budgets.py
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
         self._response_ids = itertools.count(1)     # req-N: x-request-id of every response but a generation's
@@ -285,7 +287,7 @@ class App:
     def _metrics(self, proto, req) -> None:
         self.dispatcher.drain_step_times()
         stats = self.engine.stats() if self.engine is not None else None
-        self._respond(proto, req, self.metrics.render(stats), b"text/plain; version=0.0.4; charset=utf-8")
+        self._respond(proto, req, self.metrics.render(stats, self.budget), b"text/plain; version=0.0.4; charset=utf-8")
 
     # ----------------------------------------------------- generation routes
 

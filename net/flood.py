@@ -16,10 +16,12 @@ Why each budget exists (the attack each one ends):
     empty           frames that carry nothing (CVE-2019-9518), PRIORITY (CVE-2019-9513)
 """
 
-# every cause a connection can end with; the metric renders each, 0 included
+# every cause a connection can end with; the metric renders each, 0 included. The last three
+# are server-wide budgets (budgets.py): a connection refused at accept counts as max_connections
 CLOSE_CAUSES = ("peer", "shutdown", "idle", "handshake_timeout", "write_timeout", "unsent_bytes",
                 "rapid_reset", "settings_flood", "ping_flood", "window_update_flood", "empty_frame_flood",
-                "control_frame_backlog", "protocol_error")
+                "control_frame_backlog", "protocol_error", "total_unsent_bytes", "total_body_bytes",
+                "max_connections")
 
 
 class RateBudget:

@@ -101,7 +101,8 @@ class Metrics:
     def count_closed(self, cause: str) -> None:
         self.connections_closed[cause] += 1
 
-    def render(self, stats: EngineStats | None) -> bytes:
+    def render(self, stats: EngineStats | None, budget=None) -> bytes:
+        """The exposition text; `budget`: the app's budgets.ServerBudget (its totals and limits)."""
         lines: list[str] = []
         for hist in (self.ttft, self.itl, self.queue, self.step, self.engine_to_wire, self.e2e, self.tokenize):
             hist.render(lines)
@@ -112,6 +113,8 @@ class Metrics:
                 [(f'{{reason="{c}"}}', n) for c, n in self.connections_closed.items()])
         _family(lines, "tokenwire_streamed_tokens_total", "counter",
                 "Tokens written to clients.", [("", self.streamed_tokens)])
+        if budget is not None:
+            _budget_gauges(lines, budget)
         s = stats or EngineStats(0, 0, 0, 0, 0, 0, 0, 0, False)
         for name, kind, help_text, value in (
             ("tokenwire_requests_running", "gauge", "Requests in the running batch.", s.num_running),
@@ -135,6 +138,24 @@ class Metrics:
             _family(lines, name, kind, help_text, [("", value)])
         lines.append("")
         return "\n".join(lines).encode()
+
+
+def _budget_gauges(lines: list, budget) -> None:
+    """The server-wide totals beside their budgets (net/budgets.py)."""
+    limits = budget.limits
+    for name, help_text, value in (
+        ("tokenwire_connections_open", "Open connections.", len(budget.connections)),
+        ("tokenwire_connections_limit", "--max-connections: more are refused at accept.", limits.max_connections),
+        ("tokenwire_unsent_bytes", "Response bytes waiting for peers that do not read them, all connections.",
+         budget.num_unsent_bytes),
+        ("tokenwire_unsent_bytes_limit", "--max-total-unsent-bytes: over it the largest holders are ended.",
+         limits.max_total_unsent_bytes),
+        ("tokenwire_body_bytes", "Request-body bytes buffered for requests not yet complete, all connections.",
+         budget.num_body_bytes),
+        ("tokenwire_body_bytes_limit", "--max-total-body-bytes: over it the largest holders are ended.",
+         limits.max_total_body_bytes),
+    ):
+        _family(lines, name, "gauge", help_text, [("", value)])
 
 
 def _family(lines: list, name: str, kind: str, help_text: str, samples) -> None:

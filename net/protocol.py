@@ -19,16 +19,28 @@ periodic sweep (`check_deadlines`) and on every flush:
   or more than `max_queued_control_frames` control frames owed while the peer does not
   read, end the connection with GOAWAY ENHANCE_YOUR_CALM.
 Why the connection ended is `close_cause`, counted by the app when it is lost.
+
+Server-wide (budgets.py): what the connection holds (unsent output, after each flush; body
+bytes of incomplete requests, after each read) is reported to the app's `ServerBudget`,
+which may end it for a budget. A connection over `max_connections` gets no session: it is
+answered in the protocol its first bytes name (`PRI ` -> HTTP/2 SETTINGS + GOAWAY NO_ERROR
+with last stream 0, so nothing was processed and a client may retry; anything else ->
+HTTP/1.1 503 with Retry-After; at once where TLS ALPN or `http2_only` decides) and closed.
+One that sends nothing within REFUSAL_WAIT_S, or any while MAX_WAITING_REFUSALS already
+wait, is closed without an answer.
 It runs unchanged on uvloop and on asyncio.
 """
 
 import asyncio
 import binascii
 import socket
+import struct
 import time
 
 import h2.exceptions
 
+from .budgets import Holding
+from .errors import ApiError
 from .events import BodyTooLarge, ConnectionClosed, Limits, Request, UpgradeRequested
 from .http1 import H1Session
 from .http2 import H2Session
@@ -37,6 +49,15 @@ from .outbox import Outbox
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 PRI = b"PRI "       # how the HTTP/2 preface starts: no HTTP/1.1 method is spelled so
 LINGER_S = 2.0      # after our FIN, how long to keep reading what the peer still sends
+REFUSAL_WAIT_S = 1.0        # a refused connection's first bytes, which name its protocol, are awaited this long
+REFUSAL = b"the server is at its connection limit; retry later"
+# over max_connections, HTTP/2: our (empty) SETTINGS, then GOAWAY(last stream 0, NO_ERROR, why)
+REFUSED_H2 = (struct.pack(">HBBBI", 0, 0, 4, 0, 0)
+              + struct.pack(">HBBBIII", 0, 8 + len(REFUSAL), 7, 0, 0, 0, 0) + REFUSAL)
+# HTTP/1.1: 503 with Retry-After and an OpenAI error body
+_REFUSED_BODY = ApiError(503, REFUSAL.decode(), code="too_many_connections").body()
+REFUSED_H1 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+              b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))
 
 
 class ServerProtocol(asyncio.Protocol):
@@ -60,11 +81,18 @@ class ServerProtocol(asyncio.Protocol):
         self._shutdown_at = 0.0         # when the idle deadline began a graceful close
         self._sniffed = b""
         self._linger = None
+        self.budget = app.budget        # the server-wide totals (budgets.py)
+        self.holding = Holding(self)    # what this connection holds, as the budget counted it
+        self.refused = False            # over max_connections: answered and closed, never served
+        self._refusal_wait = None       # the timer of a refused connection waiting for its first bytes
 
     # -------------------------------------------------------- transport side
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if not self.budget.admits():
+            self._refuse()
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -80,10 +108,16 @@ class ServerProtocol(asyncio.Protocol):
         if self.closing:
             return              # lingering after our FIN: read and drop (see close)
         if self.session is None:
+            if self.refused:
+                self._answer_refused(data)
+                return
             data = self._sniff(data)
             if self.session is None:
                 return
         events = self.session.receive_data(data)
+        num_body_bytes = self.session.num_body_bytes
+        if num_body_bytes != self.holding.body:
+            self.budget.hold_body(self.holding, num_body_bytes)
         if events:
             self.last_active = time.monotonic()     # events, not bytes, are activity
             self._dispatch(events)
@@ -96,6 +130,11 @@ class ServerProtocol(asyncio.Protocol):
         self.closing = True
         if self._linger is not None:
             self._linger.cancel()
+        self._held.clear()              # now, not when the collector finds this connection's cycles
+        self.num_held_bytes = 0
+        if self._refusal_wait is not None:
+            self._end_refusal_wait()
+        self.budget.closed(self.holding)
         self.app.connection_lost(self)
 
     def pause_writing(self) -> None:
@@ -129,7 +168,10 @@ class ServerProtocol(asyncio.Protocol):
             return
         if data:
             self.transport.write(data)
-        if session.num_pending_bytes > self.limits.max_unsent_bytes:
+        num_pending = session.num_pending_bytes        # not paused: nothing is held here
+        if num_pending != self.holding.unsent:
+            self.budget.hold_unsent(self.holding, num_pending)
+        if num_pending > self.limits.max_unsent_bytes:
             self._check_backlog()
         elif session.wants_close:
             self.close()
@@ -146,6 +188,7 @@ class ServerProtocol(asyncio.Protocol):
         if self.closing:
             return
         self.closing = True
+        self.budget.release(self.holding)       # nothing more leaves after our FIN
         self._close_transport()
 
     def _close_transport(self) -> None:
@@ -182,6 +225,7 @@ class ServerProtocol(asyncio.Protocol):
                 self.app.connection_ended(self)
         self._held.clear()
         self.num_held_bytes = 0
+        self.budget.release(self.holding)
         self._close_transport()
 
     def check_deadlines(self, now: float) -> list:
@@ -226,6 +270,8 @@ class ServerProtocol(asyncio.Protocol):
         elif self.paused and session.num_control_frames - self._control_at_pause > limits.max_queued_control_frames:
             self.end("control_frame_backlog", f"more than {limits.max_queued_control_frames} control frames "
                      "queued for a peer that does not read")
+        elif unsent != self.holding.unsent:
+            self.budget.hold_unsent(self.holding, unsent)
 
     def begin_shutdown(self) -> None:
         """Graceful: GOAWAY / Connection: close; the connection closes once its streams finish."""
@@ -256,6 +302,44 @@ class ServerProtocol(asyncio.Protocol):
         http2 = self.limits.http2_only or buf[:len(PRI)] == PRI
         self.session = H2Session(self.limits) if http2 else H1Session(self.limits)
         return buf
+
+    def _refuse(self) -> None:
+        """Over max_connections: no session; answered in its protocol (see the module's
+        docstring) once known: at once with TLS ALPN or http2_only, else when the first bytes come."""
+        self.refused = True
+        self.close_cause = "max_connections"
+        ssl_object = self.transport.get_extra_info("ssl_object")
+        alpn = ssl_object.selected_alpn_protocol() if ssl_object is not None else None
+        if self.limits.http2_only or alpn == "h2":
+            self._answer_refused(PRI)
+        elif alpn is not None:
+            self._answer_refused(b"HTTP/1.1")
+        elif self.budget.begin_refusal():
+            self._refusal_wait = asyncio.get_running_loop().call_later(REFUSAL_WAIT_S, self._give_up_refusal)
+        else:
+            self.closing = True
+            self.transport.abort()
+
+    def _answer_refused(self, data: bytes) -> None:
+        buf = self._sniffed + data
+        if len(buf) < len(PRI) and PRI.startswith(buf):
+            self._sniffed = buf         # may still become `PRI `
+            return
+        if self._refusal_wait is not None:
+            self._end_refusal_wait()
+        self.transport.write(REFUSED_H2 if buf.startswith(PRI) else REFUSED_H1)
+        self.close()
+
+    def _give_up_refusal(self) -> None:
+        """A refused connection said nothing that names its protocol: closed without an answer."""
+        self._end_refusal_wait()
+        self.closing = True
+        self.transport.close()
+
+    def _end_refusal_wait(self) -> None:
+        self._refusal_wait.cancel()
+        self._refusal_wait = None
+        self.budget.end_refusal()
 
     def _dispatch(self, events: list) -> None:
         last = type(events[-1])

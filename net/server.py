@@ -28,7 +28,9 @@ import time
 from typing import Callable
 
 from .app import App
+from .budgets import ServerLimits
 from .events import BUSY_POLL_US, Limits
+from .memory import GiveBack
 from .metrics import Metrics
 from .model_info import model_info
 from .protocol import ServerProtocol
@@ -69,6 +71,9 @@ class Server:
     busy_poll_us: after the last request in flight ends, poll the sockets without blocking
         this long before the loop sleeps (dispatch.py: a request in that window skips the
         idle core's wake-up); 0: never.
+    limits, server_limits: per connection (events.Limits) and server-wide (budgets.ServerLimits,
+        whose defaults are read from the machine); the periodic sweep also gives memory back
+        after a burst (memory.py).
     """
 
     def __init__(self, load: Callable[[], tuple] | None = None, *, host: str = "127.0.0.1", port: int = 8000,
@@ -76,7 +81,7 @@ class Server:
                  api_key: str | None = None, limits: Limits | None = None, trace: str | None = None,
                  engine=None, model_info=None, reuse_port: bool = False, freeze_gc: bool = False,
                  busy_poll_us: float = BUSY_POLL_US, access_log: bool = True, strict_params: bool = False,
-                 engine_log_interval_s: float = ENGINE_LOG_INTERVAL_S):
+                 engine_log_interval_s: float = ENGINE_LOG_INTERVAL_S, server_limits: ServerLimits | None = None):
         if loop not in LOOPS:
             raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
         if (tls_cert is None) != (tls_key is None):
@@ -98,7 +103,8 @@ class Server:
         self.reuse_port = reuse_port
         self.freeze_gc = freeze_gc
         self.app = App(metrics=Metrics(), api_key=api_key, trace=TraceWriter(trace) if trace else None,
-                       access_log=access_log, strict_params=strict_params)
+                       access_log=access_log, strict_params=strict_params, server_limits=server_limits)
+        self.give_back = GiveBack()
         self.api_key = api_key
         self.engine_log_interval_s = engine_log_interval_s
         self.app.dispatcher.busy_poll.window_ns = int(busy_poll_us * 1000)
@@ -303,6 +309,7 @@ class Server:
     def _sweep(self) -> None:
         self.app.sweep()
         self.app.grpc.notify_watchers()
+        self.give_back.maybe(self.app.budget, time.monotonic())
         if not self._stop.is_set():
             self.loop.call_later(self._sweep_interval(), self._sweep)
 

@@ -15,6 +15,7 @@ import sys
 
 from .core.options import ACTIVATIONS, DEFAULTS
 from .kernels import BACKENDS
+from .net.budgets import ServerLimits, raise_fd_limit
 from .net.events import BUSY_POLL_US, Limits
 from .server import Server
 
@@ -171,6 +172,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-queued-control-frames", type=_positive_int, default=d.max_queued_control_frames,
                         help="HTTP/2 control frames (ACKs, RST_STREAM) owed to a client that does not read "
                              "(default: %(default)s)")
+    parser.add_argument("--max-connections", type=_positive_int, default=None, metavar="N",
+                        help="open connections, server-wide; more are refused at accept (HTTP/1.1 503, HTTP/2 "
+                             "GOAWAY) (default: the open-file limit, raised to its hard limit at start, less 256, "
+                             "and at most 1/32 of memory at 32 KiB per connection)")
+    parser.add_argument("--max-total-unsent-bytes", type=byte_size, default=None, metavar="SIZE",
+                        help="response bytes all connections together may leave unread; over it the connections "
+                             "holding the most are closed, the oldest stall first (default: 1/64 of memory, "
+                             "within 16 MiB-1 GiB)")
+    parser.add_argument("--max-total-body-bytes", type=byte_size, default=None, metavar="SIZE",
+                        help="request-body bytes buffered for incomplete requests, all connections; over it the "
+                             "connections holding the most are closed (default: 1/64 of memory, within 16 MiB-1 GiB)")
     parser.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"),
                         help="event loop (default: %(default)s)")
     parser.add_argument("--busy-poll-us", type=_non_negative_float, default=BUSY_POLL_US, metavar="US",
@@ -181,6 +193,17 @@ def add_arguments(parser) -> None:
                         help="write per-request stage timelines as Chrome/Perfetto trace JSON")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                         help="least severe log messages shown (default: %(default)s)")
+
+
+def _server_limits(args) -> ServerLimits:
+    """The flags given over the machine's defaults (net/budgets.py), read after the open-file
+    limit is raised: the connection limit's default follows it."""
+    before, after = raise_fd_limit()
+    if after != before:
+        logging.getLogger("tokenwire").info("open-file limit raised from %d to %d", before, after)
+    given = {"max_connections": args.max_connections, "max_total_unsent_bytes": args.max_total_unsent_bytes,
+             "max_total_body_bytes": args.max_total_body_bytes}
+    return ServerLimits(**{name: value for name, value in given.items() if value is not None})
 
 
 def run(args) -> int:
@@ -195,6 +218,7 @@ def run(args) -> int:
                         max_window_updates_per_s=args.max_window_updates_per_s,
                         max_empty_frames_per_s=args.max_empty_frames_per_s,
                         max_queued_control_frames=args.max_queued_control_frames)
+        server_limits = _server_limits(args)
         server = Server(args.model, backend=args.backend, served_model_name=args.served_model_name,
                         chat_template=args.chat_template, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -206,7 +230,7 @@ def run(args) -> int:
                         activations=args.activations, warm_up=args.warm_up,
                         host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,
                         api_key=args.api_key, limits=limits, trace=args.trace, freeze_gc=True,
-                        busy_poll_us=args.busy_poll_us)
+                        busy_poll_us=args.busy_poll_us, server_limits=server_limits)
         return server.run()
     except (ValueError, OSError, ImportError) as exc:
         print(f"tokenwire serve: {exc}", file=sys.stderr)

@@ -1,0 +1,235 @@
+"""Server-wide budgets: what all connections together may hold, beside each one's `Limits`.
+
+`ServerLimits` (each a `tokenwire serve` flag; the defaults are read from the machine the
+server starts on, formulas below):
+    max_connections          open connections; one more is refused at accept (protocol.py
+                             answers in the protocol its first bytes name, then closes)
+    max_total_unsent_bytes   response bytes waiting for peers that do not read them (held while
+                             a socket is full + queued behind HTTP/2 windows), all connections
+    max_total_body_bytes     request-body bytes buffered for requests not yet complete
+
+Accounting is on the event loop only, without a lock or a walk over connections: each
+connection reports its two counts to `ServerBudget` as they change (unsent bytes once per
+flush, i.e. once per step it is written; body bytes once per read), as deltas to the
+totals. Going over a byte budget schedules one enforcement pass (`loop.call_soon`: nothing
+is ended in the middle of a step's write). It ends connections, GOAWAY ENHANCE_YOUR_CALM
+and their requests cancelled, the largest holders first, the oldest first among holdings
+within a factor of two (`pick_victims`), until the total fits again; each is counted in
+`tokenwire_connections_closed_total` under the budget's reason.
+"""
+
+import asyncio
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger("tokenwire.net")
+
+MIB = 1 << 20
+CONNECTION_BYTES = 32 * 1024    # an idle HTTP/2 connection's memory, rounded up (~21 KiB measured)
+FD_RESERVE = 256                # descriptors kept for the model's files, eventfds, the listening
+                                # sockets and refused connections waiting for their answer
+MAX_WAITING_REFUSALS = 64       # refused connections waiting for their first bytes; more are closed at once
+REFUSAL_LOG_INTERVAL_S = 10.0   # at most one "refusing connections" line this often
+
+
+def memory_bytes() -> int:
+    """Physical memory, or the cgroup v2 limit where it is lower (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text != "max":
+            total = min(total, int(text))
+    except (OSError, ValueError):
+        pass
+    return total
+
+
+def fd_limit() -> int:
+    """The process's open-file limit (soft RLIMIT_NOFILE)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_fd_limit() -> tuple:
+    """Soft RLIMIT_NOFILE up to the hard limit (`tokenwire serve` owns its process; the soft
+    limit is often 1024); -> (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def default_max_connections() -> int:
+    """The fd limit less FD_RESERVE (or half of it, whichever is smaller), and no more idle
+    connections than fit in 1/32 of memory at CONNECTION_BYTES each."""
+    fds = fd_limit()
+    return max(1, min(fds - min(FD_RESERVE, fds // 2), memory_bytes() // 32 // CONNECTION_BYTES))
+
+
+def default_max_total_bytes() -> int:
+    """1/64 of memory, within [16 MiB, 1 GiB]: the default of both byte budgets."""
+    return min(max(memory_bytes() // 64, 16 * MIB), 1024 * MIB)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Server-wide budgets; every one is a `tokenwire serve` flag (README: "Limits")."""
+    max_connections: int = field(default_factory=default_max_connections)
+    max_total_unsent_bytes: int = field(default_factory=default_max_total_bytes)
+    max_total_body_bytes: int = field(default_factory=default_max_total_bytes)
+
+    def __post_init__(self):
+        for name in ("max_connections", "max_total_unsent_bytes", "max_total_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+class Holding:
+    """What one connection holds, as the budget last counted it (owned by its ServerProtocol)."""
+    __slots__ = ("conn", "unsent", "unsent_since", "body", "body_since")
+
+    def __init__(self, conn):
+        self.conn = conn                # the ServerProtocol: `end(cause, message)` cuts it
+        self.unsent = 0                 # unsent response bytes
+        self.unsent_since = 0.0         # monotonic s when it began to hold them
+        self.body = 0                   # body bytes of incomplete requests
+        self.body_since = 0.0
+
+
+def pick_victims(holders: list, excess: int) -> list:
+    """holders: [(num_bytes, since, conn)] -> the conns to end so that at least `excess`
+    bytes go: the largest holdings first (to within a factor of two: by bit length), and
+    among those the one holding since longest first."""
+    ranked = sorted(holders, key=lambda h: (-h[0].bit_length(), h[1]))
+    victims, num_freed = [], 0
+    for num_bytes, _, conn in ranked:
+        if num_freed >= excess:
+            break
+        victims.append(conn)
+        num_freed += num_bytes
+    return victims
+
+
+class ServerBudget:
+    """The server-wide totals, one per App; only the event loop's thread touches it."""
+
+    def __init__(self, limits: ServerLimits, connections: set):
+        self.limits = limits
+        self.connections = connections      # the app's open connections
+        self.num_unsent_bytes = 0
+        self.num_body_bytes = 0
+        self.num_freed_bytes = 0            # bytes connections stopped holding, since memory was given back
+        self.num_closed = 0                 # connections closed since then
+        self.num_waiting_refusals = 0       # refused connections waiting for the bytes that name their protocol
+        self._unsent_holders: set = set()   # Holdings with unsent > 0
+        self._body_holders: set = set()     # Holdings with body > 0
+        self._enforcing = False
+        self._num_refused = 0               # refusals since the last log line
+        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
+
+    # ----------------------------------------------------------- accounting
+
+    def hold_unsent(self, holding: Holding, num_bytes: int) -> None:
+        """A connection's unsent bytes changed (once per flush at most)."""
+        old = holding.unsent
+        if not old:
+            holding.unsent_since = time.monotonic()
+            self._unsent_holders.add(holding)
+        elif num_bytes < old:
+            self.num_freed_bytes += old - num_bytes
+            if not num_bytes:
+                self._unsent_holders.discard(holding)
+        holding.unsent = num_bytes
+        self.num_unsent_bytes += num_bytes - old
+        if self.num_unsent_bytes > self.limits.max_total_unsent_bytes:
+            self._schedule()
+
+    def hold_body(self, holding: Holding, num_bytes: int) -> None:
+        """A connection's buffered body bytes changed (once per read at most)."""
+        old = holding.body
+        if not old:
+            holding.body_since = time.monotonic()
+            self._body_holders.add(holding)
+        elif num_bytes < old:
+            self.num_freed_bytes += old - num_bytes
+            if not num_bytes:
+                self._body_holders.discard(holding)
+        holding.body = num_bytes
+        self.num_body_bytes += num_bytes - old
+        if self.num_body_bytes > self.limits.max_total_body_bytes:
+            self._schedule()
+
+    def release(self, holding: Holding) -> None:
+        """The connection is ending: nothing it holds will be sent or completed."""
+        if holding.unsent:
+            self.hold_unsent(holding, 0)
+        if holding.body:
+            self.hold_body(holding, 0)
+
+    def closed(self, holding: Holding) -> None:
+        """The connection is gone (memory.py gives memory back after many)."""
+        self.release(holding)
+        self.num_closed += 1
+
+    def take_freed(self) -> tuple:
+        """-> (bytes let go of, connections closed) since the last call (memory.py's trigger)."""
+        freed, closed = self.num_freed_bytes, self.num_closed
+        self.num_freed_bytes = self.num_closed = 0
+        return freed, closed
+
+    # ------------------------------------------------------------ admission
+
+    def admits(self) -> bool:
+        """A new connection fits under max_connections; else it is counted as refused."""
+        if len(self.connections) < self.limits.max_connections:
+            return True
+        self._num_refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL_S:
+            log.warning("at the connection limit (--max-connections %d): refused %d new connections",
+                        self.limits.max_connections, self._num_refused)
+            self._refusal_logged_at, self._num_refused = now, 0
+        return False
+
+    def begin_refusal(self) -> bool:
+        """A refused connection may wait for its first bytes (-> True) unless too many do."""
+        if self.num_waiting_refusals >= MAX_WAITING_REFUSALS:
+            return False
+        self.num_waiting_refusals += 1
+        return True
+
+    def end_refusal(self) -> None:
+        self.num_waiting_refusals -= 1
+
+    # ---------------------------------------------------------- enforcement
+
+    def _schedule(self) -> None:
+        if not self._enforcing:
+            self._enforcing = True
+            asyncio.get_running_loop().call_soon(self.enforce)
+
+    def enforce(self) -> None:
+        """End the connections that hold the most until both byte totals fit their budgets."""
+        self._enforcing = False
+        limits = self.limits
+        excess = self.num_unsent_bytes - limits.max_total_unsent_bytes
+        if excess > 0:
+            holders = [(h.unsent, h.unsent_since, h.conn) for h in self._unsent_holders]
+            self._cut(pick_victims(holders, excess), "total_unsent_bytes", "unsent response bytes",
+                      self.num_unsent_bytes, limits.max_total_unsent_bytes)
+        excess = self.num_body_bytes - limits.max_total_body_bytes
+        if excess > 0:
+            holders = [(h.body, h.body_since, h.conn) for h in self._body_holders]
+            self._cut(pick_victims(holders, excess), "total_body_bytes", "buffered request-body bytes",
+                      self.num_body_bytes, limits.max_total_body_bytes)
+
+    def _cut(self, victims: list, cause: str, what: str, total: int, limit: int) -> None:
+        for conn in victims:
+            conn.end(cause, f"the server holds {total} {what}, over its limit of {limit}")
+        log.warning("%d %s held, over the server's limit of %d: ended %d connection(s) holding the most",
+                    total, what, limit, len(victims))

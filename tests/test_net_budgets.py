@@ -1,0 +1,263 @@
+"""Server-wide budgets (net/budgets.py) and memory given back (net/memory.py).
+
+The rule that picks which connections to end, the defaults' formulas, and when memory is
+given back, as units; then each budget over a real server (mock engine, both event loops)
+with small budgets: a connection over the total unsent budget is ended while a smaller,
+older one and a legitimate client are served; the largest body holder is ended at the total
+body budget; past max_connections, new connections are refused in their protocol (HTTP/1.1
+503, HTTP/2 SETTINGS + GOAWAY) and counted. Nothing here asserts a duration: every step
+waits for what the server said.
+"""
+
+import json
+import socket
+import struct
+import time
+
+import h2.settings
+import pytest
+from h2.errors import ErrorCodes
+
+import tokenwire
+from tokenwire.bench.abuses import (
+    DATA,
+    GOAWAY,
+    HEADERS,
+    HELLO,
+    PING,
+    SETTINGS,
+    frame,
+    goaway_of,
+    read_frames,
+    request_block,
+)
+from tokenwire.net import budgets, memory
+from tokenwire.net.budgets import MIB, ServerLimits, pick_victims
+from tokenwire.net.events import Limits
+
+from clients.rawh2 import RawH2
+
+HOST = "127.0.0.1"
+
+
+# ------------------------------------------------------------------ units
+
+def test_the_largest_holders_go_first_and_the_oldest_among_equals():
+    holders = [(100, 1.0, "small-old"), (5000, 9.0, "big-new"), (6000, 3.0, "big-old"), (9000, 8.0, "bigger")]
+    # 9000 is alone in its power of two; 5000 and 6000 share theirs, and the older goes first
+    assert pick_victims(holders, 1) == ["bigger"]
+    assert pick_victims(holders, 9001) == ["bigger", "big-old"]
+    assert pick_victims(holders, 15001) == ["bigger", "big-old", "big-new"]
+    assert pick_victims(holders, 10**9) == ["bigger", "big-old", "big-new", "small-old"]
+    assert pick_victims(holders, 0) == [] and pick_victims([], 10) == []
+
+
+def test_the_defaults_follow_the_machine(monkeypatch):
+    monkeypatch.setattr(budgets, "memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(budgets, "fd_limit", lambda: 1024)
+    limits = ServerLimits()
+    assert limits.max_connections == min(1024 - 256, (1 << 30) // 32 // (32 * 1024)) == 768
+    assert limits.max_total_unsent_bytes == limits.max_total_body_bytes == 16 * MIB       # 1/64 is below the floor
+    monkeypatch.setattr(budgets, "memory_bytes", lambda: 24 << 30)
+    monkeypatch.setattr(budgets, "fd_limit", lambda: 300)
+    limits = ServerLimits()
+    assert limits.max_connections == 150 and limits.max_total_unsent_bytes == 384 * MIB
+    monkeypatch.setattr(budgets, "memory_bytes", lambda: 1 << 40)
+    assert ServerLimits().max_total_body_bytes == 1024 * MIB
+    with pytest.raises(ValueError, match="max_connections"):
+        ServerLimits(max_connections=0)
+
+
+class Freed:
+    """What memory.GiveBack reads of a ServerBudget."""
+
+    def __init__(self, num_freed_bytes=0, num_closed=0):
+        self.num_freed_bytes, self.num_closed = num_freed_bytes, num_closed
+
+    def take_freed(self):
+        out = self.num_freed_bytes, self.num_closed
+        self.num_freed_bytes = self.num_closed = 0
+        return out
+
+
+def test_memory_is_given_back_after_large_frees_or_many_closes_at_most_once_per_interval():
+    give_back = memory.GiveBack()
+    trims = []
+    give_back.trim = trims.append
+    give_back.maybe(Freed(memory.GIVE_BACK_BYTES - 1, memory.GIVE_BACK_CONNECTIONS - 1), 100.0)
+    assert trims == []
+    give_back.maybe(Freed(memory.GIVE_BACK_BYTES), 100.0)
+    assert trims == [0]
+    give_back.maybe(Freed(0, memory.GIVE_BACK_CONNECTIONS), 100.0 + memory.GIVE_BACK_INTERVAL_S / 2)
+    assert trims == [0]
+    give_back.maybe(Freed(0, memory.GIVE_BACK_CONNECTIONS), 100.0 + memory.GIVE_BACK_INTERVAL_S)
+    assert trims == [0, 0] and give_back.num_times == 2
+
+
+# ------------------------------------------------------------ real servers
+
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def loop_kind(request):
+    return request.param
+
+
+def serve(loop_kind, **server_limits):
+    limits = Limits(write_timeout_s=600, idle_timeout_s=600, handshake_timeout_s=600)   # no deadline fires here
+    full = dict(max_connections=64, max_total_unsent_bytes=64 * MIB, max_total_body_bytes=64 * MIB) | server_limits
+    return tokenwire.Server(backend="mock", port=0, loop=loop_kind, limits=limits,
+                            server_limits=ServerLimits(**full)).start()
+
+
+def completion(max_tokens: int) -> dict:
+    return {"prompt": "hi", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+
+
+def get(sock: socket.socket, path: str) -> bytes:
+    """One HTTP/1.1 keep-alive GET on `sock`; -> the response (head and content-length body)."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    raw = b""
+    while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < _content_length(raw):
+        chunk = sock.recv(65536)
+        assert chunk, raw
+        raw += chunk
+    return raw
+
+
+def _content_length(raw: bytes) -> int:
+    for line in raw.split(b"\r\n\r\n", 1)[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def closed_count(sock: socket.socket, reason: str) -> float:
+    text = get(sock, "/metrics").split(b"\r\n\r\n", 1)[1].decode()
+    return float(text.split(f'tokenwire_connections_closed_total{{reason="{reason}"}} ', 1)[1].split()[0])
+
+
+def gauge(sock: socket.socket, name: str) -> float:
+    text = get(sock, "/metrics").split(b"\r\n\r\n", 1)[1].decode()
+    return float(text.split(f"\n{name} ", 1)[1].split()[0])
+
+
+def counted(port: int, reason: str, expected: int, sock: socket.socket | None = None) -> float:
+    """closed_total{reason} once it reaches `expected` (a close is counted when the server
+    sees the connection lost, after our side closed too), or what it is after 30 s; asked
+    on `sock`, else on a new connection."""
+    deadline = time.monotonic() + 30
+    with sock or socket.create_connection((HOST, port)) as s:
+        while (n := closed_count(s, reason)) < expected and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return n
+
+
+def read_to_eof(sock: socket.socket) -> bytes:
+    sock.settimeout(30)
+    raw = b""
+    try:
+        while chunk := sock.recv(65536):
+            raw += chunk
+    except ConnectionResetError:
+        pass
+    return raw
+
+
+def test_over_the_total_unsent_budget_the_largest_holder_is_ended(loop_kind):
+    """Two clients whose stream windows stay shut (responses queue in the server): an older
+    one holding a little, a newer one holding more and more. Past 256 KiB in all, the newer
+    is ended (GOAWAY ENHANCE_YOUR_CALM); the older gets its whole answer once it opens its
+    window, and a legitimate client is served."""
+    server = serve(loop_kind, max_total_unsent_bytes=256 * 1024)
+    try:
+        small = RawH2(HOST, server.port, window=0)
+        sid = small.post("/v1/completions", completion(20))
+        small.read_until(lambda: sid in small.status)           # its tokens queue behind a shut window
+        big = RawH2(HOST, server.port, window=0)
+        for _ in range(4):
+            big.post("/v1/completions", completion(3000))        # ~1.2 MB of SSE, far over 256 KiB
+        big.read_until(lambda: big.goaway is not None)
+        assert big.goaway.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+        big.close()
+        small.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1 << 20})
+        small.flush()
+        small.read_until(lambda: sid in small.ended)
+        assert small.data[sid].endswith(b"data: [DONE]\n\n") and small.goaway is None
+        legit = RawH2(HOST, server.port)
+        sid = legit.post("/v1/completions", completion(8))
+        legit.read_until(lambda: sid in legit.ended)
+        assert legit.status[sid] == b"200"
+        assert counted(server.port, "total_unsent_bytes", 1) == 1
+        with socket.create_connection((HOST, server.port)) as s:
+            assert gauge(s, "tokenwire_unsent_bytes") == 0
+    finally:
+        server.stop()
+
+
+def test_over_the_total_body_budget_the_largest_holder_is_ended(loop_kind):
+    """An HTTP/2 body of 300 KB held (older), then an HTTP/1.1 body passing 750 KB: past
+    1 MiB in all, the HTTP/1.1 connection (holding the most) is closed; the HTTP/2 request
+    completes and is answered."""
+    server = serve(loop_kind, max_total_body_bytes=1 * MIB)
+    try:
+        body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode() + b" " * 300_000
+        held = socket.create_connection((HOST, server.port))
+        held.sendall(HELLO + frame(HEADERS, 4, 1, request_block("/v1/completions"))
+                     + b"".join(frame(DATA, 0, 1, body[i:i + 16384]) for i in range(0, len(body) - 1, 16384))
+                     + frame(PING, 0, 0, b"counted!"))
+        frames, _ = read_frames(held, 30, until=lambda fs: any(f.type == PING and f.flags & 1 for f in fs))
+        assert any(f.type == PING for f in frames)             # every byte before the PING was read
+        big = socket.create_connection((HOST, server.port))
+        big.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                    b"content-length: 3000000\r\n\r\n")
+        try:
+            big.sendall(b" " * 800_000)
+        except OSError:
+            pass                                                # ended while we were still sending
+        assert b"HTTP/1.1" not in read_to_eof(big)             # closed, no response
+        big.close()
+        held.sendall(frame(DATA, 1, 1, body[-1:]))
+        frames, _ = read_frames(held, 30, until=lambda fs: any(f.type in (DATA, HEADERS) and f.flags & 1
+                                                               for f in fs))
+        assert any(f.type == HEADERS for f in frames) and goaway_of(frames) is None
+        assert b'"finish_reason"' in b"".join(f.payload for f in frames if f.type == DATA)
+        assert counted(server.port, "total_body_bytes", 1) == 1
+        with socket.create_connection((HOST, server.port)) as s:
+            assert gauge(s, "tokenwire_body_bytes") == 0
+        held.close()
+    finally:
+        server.stop()
+
+
+def test_past_max_connections_new_ones_are_refused_in_their_protocol_and_counted(loop_kind):
+    server = serve(loop_kind, max_connections=3)
+    try:
+        open_ = [socket.create_connection((HOST, server.port)) for _ in range(3)]
+        for s in open_:
+            assert get(s, "/health").startswith(b"HTTP/1.1 200 ")     # accepted and served
+        with socket.create_connection((HOST, server.port)) as s:        # HTTP/1.1: 503
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            head, body = read_to_eof(s).split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in head.lower()
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        with socket.create_connection((HOST, server.port)) as s:        # HTTP/2: SETTINGS, GOAWAY(0, NO_ERROR)
+            s.sendall(HELLO)
+            frames, closed = read_frames(s, 30)
+        assert closed and [f.type for f in frames] == [SETTINGS, GOAWAY]
+        assert struct.unpack(">II", frames[1].payload[:8]) == (0, ErrorCodes.NO_ERROR)
+        with socket.create_connection((HOST, server.port)) as s:        # says nothing: closed, no answer
+            assert read_to_eof(s) == b""
+        open_.pop().close()
+        num_refused = 3
+        for _ in range(1000):                       # once the server has seen the close, one more fits
+            with socket.create_connection((HOST, server.port)) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answer = read_to_eof(s)
+            if not answer.startswith(b"HTTP/1.1 503 "):
+                break
+            num_refused += 1
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert counted(server.port, "max_connections", num_refused, open_[0]) == num_refused
+        for s in open_[1:]:
+            s.close()
+    finally:
+        server.stop()
