@@ -10,17 +10,27 @@ reset stream or a lost connection cancels its request in the engine (`cancel`,
 encoders.whole_body. Every response, streamed or whole, failed or not, carries the
 request's response id as `x-request-id`; a request the engine failed is also a WARNING
 naming that id and the engine's reason.
+
+A write that raises (an encoder, the outbox's framing, the session, the finish chunk, tool
+read-back, choices) fails its stream alone (`_fail`): a 500 if its response had not
+started, else RST_STREAM(INTERNAL_ERROR) (HTTP/1.1: the connection closes before the last
+chunk); its request is cancelled in the engine and logged once, as an ERROR naming its id;
+the step's other streams go on. The guard is a try per token (free until it raises: Python
+3.11's exceptions cost nothing on entry) and, per connection, the outbox's batch, which
+goes on chunk by chunk after a fault (net/outbox.py). A connection whose flush raises is
+closed, its requests cancelled.
 """
 
 import logging
 import time
 from collections import deque
 
+from h2.errors import ErrorCodes
 from orjson import dumps
 
 from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, RequestOutput, StepTokens
 from . import choices, encoders, structured
-from .access_log import AccessLog
+from .access_log import AccessLog, peer_name
 from .busy_poll import BusyPoller
 from .errors import ApiError
 from .metrics import Metrics
@@ -143,43 +153,56 @@ class Dispatcher:
             ex = exchanges.get(out.request_id)
             if ex is None:
                 continue            # cancelled: the client is gone
-            finish = out.finish_reason
-            ids = out.token_ids
-            if ids:
-                num_tokens += len(ids)
-                if ex.streaming:
-                    last = ex.last_ns
-                    ex.last_ns = now
-                    if last:
-                        if last != run_last:
-                            if run_len:
-                                itl.observe_many_ns(now - run_last, run_len)
-                            run_last, run_len = last, 0
-                        run_len += 1
-                        prefix = ex.prefix
-                        if prefix is not None and finish is None and out.logprobs is None:
-                            ex.queue((ex.key, prefix + dumps(out.text) + ex.suffix))
-                        else:               # the finish chunk follows at once: this one goes first
-                            if ex.outbox.sends:     # after this stream's earlier tokens of this step
-                                ex.outbox.send_queued()     # (a replayed answer: many in one step)
-                            chunk = ex.encode(out)
-                            if chunk:               # (gRPC's last token goes in its final message)
+            try:            # free until it raises; then this stream fails alone
+                finish = out.finish_reason
+                ids = out.token_ids
+                if ids:
+                    num_tokens += len(ids)
+                    if ex.streaming:
+                        last = ex.last_ns
+                        ex.last_ns = now
+                        if last:
+                            if last != run_last:
+                                if run_len:
+                                    itl.observe_many_ns(now - run_last, run_len)
+                                run_last, run_len = last, 0
+                            run_len += 1
+                            prefix = ex.prefix
+                            if prefix is not None and finish is None and out.logprobs is None:
+                                ex.queue((ex.key, prefix + dumps(out.text) + ex.suffix))
+                            else:               # the finish chunk follows at once: this one goes first
+                                if ex.outbox.sends:     # after this stream's earlier tokens of this step
+                                    ex.outbox.send_queued()     # (a replayed answer: many in one step)
+                                    if ex.outbox.failed:
+                                        self._fail_chunks(ex.outbox)
+                                        if ex.request_id not in exchanges:
+                                            continue    # this stream's own chunk raised
+                                chunk = ex.encode(out)
+                                if chunk:               # (gRPC's last token goes in its final message)
+                                    ex.send(chunk)
+                        else:
+                            self._open_stream(ex)
+                            chunk = ex.encoder.first_token(out)
+                            if chunk:
                                 ex.send(chunk)
                     else:
-                        self._open_stream(ex)
-                        chunk = ex.encoder.first_token(out)
-                        if chunk:
-                            ex.send(chunk)
-                else:
-                    self._collect(ex, out)
-            if finish is not None:
-                self._finish(ex, out, now)
+                        self._collect(ex, out)
+                if finish is not None:
+                    self._finish(ex, out, now)
+            except Exception as exc:
+                self._fail(ex, exc)
+                continue
             outbox = ex.outbox
             if not outbox.pending:
                 outbox.pending = True
                 touched.append(outbox)
-        for outbox in touched:
-            outbox.write_step()
+        for outbox in touched:              # `_fail` may add to it: its stream's end goes out too
+            try:
+                outbox.write_step()
+            except Exception as exc:        # the connection's flush: no one stream's fault
+                self._fail_connection(outbox, exc)
+            if outbox.failed:
+                self._fail_chunks(outbox)
         touched.clear()
         if run_len:
             itl.observe_many_ns(now - run_last, run_len)
@@ -218,7 +241,12 @@ class Dispatcher:
                     itl.observe_many_ns(now - run_last, run_len)
                 run_last, run_len = last, 0
             run_len += 1
-            ex.queue((ex.key, prefix + dumps(text) + ex.suffix))
+            try:            # free until it raises; then this stream fails alone
+                ex.queue((ex.key, prefix + dumps(text) + ex.suffix))
+            except Exception as exc:
+                num_tokens -= 1
+                self._fail(ex, exc)
+                continue
             outbox = ex.outbox
             if not outbox.pending:
                 outbox.pending = True
@@ -359,6 +387,75 @@ class Dispatcher:
         if self.trace is not None:
             self.trace.add(ex.request_id, ex.route, t, now, num_cached_tokens)
 
+    # ------------------------------------------------------------ write faults
+
+    def _fail(self, ex: Exchange, exc: Exception) -> None:
+        """Writing `ex`'s stream raised (slow path: once per failed stream; its later tokens
+        find no exchange). The stream ends with an error, its request is cancelled in the
+        engine (its KV blocks are free after the next step) and logged once; see the module
+        docstring."""
+        log.error("request %s: writing its response raised; its stream ends with an error and the request is "
+                  "cancelled", ex.response_id, exc_info=exc)
+        self._drop(ex)
+        outbox = ex.outbox
+        outbox.streams.pop(ex.stream_id, None)
+        if outbox.sends:                    # its chunks queued earlier in this step
+            outbox.sends[:] = [item for item in outbox.sends if item[0] != ex.key]
+        answered = self._end_failed(ex)
+        self.metrics.count_request("error")
+        self.access_log.request(ex.proto, ex.method, ex.path, 500 if answered else 200, request_id=ex.response_id)
+        if not outbox.pending:              # the stream's end goes out with this step
+            outbox.pending = True
+            self._touched.append(outbox)
+
+    def _end_failed(self, ex: Exchange) -> bool:
+        """End a failed stream through its session (`fail_response`); if even that raises,
+        reset it. -> whether the 500 was sent."""
+        session = ex.proto.session
+        error = ApiError(500, "internal server error: the response could not be written", code="internal_error")
+        try:
+            return session.fail_response(ex.stream_id, 500, [(b"content-type", JSON)], error.body(), _id_field(ex))
+        except Exception:
+            log.debug("request %s: its error response raised too", ex.response_id, exc_info=True)
+        try:
+            session.reset_stream(ex.stream_id, ErrorCodes.INTERNAL_ERROR)
+        except Exception:
+            log.debug("request %s: its reset raised too", ex.response_id, exc_info=True)
+        return False
+
+    def _fail_chunks(self, outbox) -> None:
+        """Chunks whose framing raised in `outbox` (net/outbox.py): their streams fail."""
+        failed, outbox.failed = outbox.failed, []
+        for key, exc in failed:
+            for ex in list(self.exchanges.values()):
+                if ex.outbox is outbox and ex.key == key:
+                    self._fail(ex, exc)
+                    break
+
+    def _fail_connection(self, outbox, exc: Exception) -> None:
+        """The connection's write raised: nothing more can be written to it. It is closed and
+        each of its requests is cancelled in the engine, counted and logged as an error."""
+        proto = outbox.proto
+        log.error("connection %s: writing a step raised; it is closed and its %d requests cancelled",
+                  peer_name(proto), len(outbox.streams), exc_info=exc)
+        for request_id in list(outbox.streams.values()):
+            ex = self.exchanges.get(request_id) or self._group_member(request_id)
+            if ex is not None:
+                self._drop(ex)
+                self.metrics.count_request("error")
+                self.access_log.request(proto, ex.method, ex.path, 500, request_id=ex.response_id)
+        outbox.streams.clear()
+        outbox.sends.clear()
+        proto.transport.abort()
+
+    def _drop(self, ex: Exchange) -> None:
+        """Write nothing more for `ex`'s request (every choice of it) and cancel it in the engine."""
+        for member in (ex,) if ex.group is None else ex.group.members:
+            if self.exchanges.pop(member.request_id, None) is not None:
+                if member.deadline_timer is not None:
+                    member.deadline_timer.cancel()
+                self.engine.cancel(member.request_id)
+
     # ------------------------------------------------------------ cancellation
 
     def cancel(self, proto, stream_id: int) -> None:
@@ -368,11 +465,7 @@ class Dispatcher:
             ex = self._group_member(request_id)
         if ex is None:
             return
-        for member in (ex,) if ex.group is None else ex.group.members:
-            if self.exchanges.pop(member.request_id, None) is not None:
-                if member.deadline_timer is not None:
-                    member.deadline_timer.cancel()
-                self.engine.cancel(member.request_id)
+        self._drop(ex)
         self.metrics.count_request("cancelled")
         self.access_log.request(proto, ex.method, ex.path, 499, request_id=ex.response_id,
                                 finish="cancelled by the client")

@@ -232,6 +232,18 @@ class H1Session:
         """Nothing queues per stream here (the transport holds HTTP/1.1 output)."""
         return []
 
+    def fail_response(self, stream_id: int, status: int, headers: list, body: bytes, extra=()) -> bool:
+        """As H2Session's: a response not started is answered `status`; one started is cut
+        short by closing the connection (no last chunk: the client sees it incomplete);
+        -> whether `status` was sent."""
+        if stream_id != self._stream_id or not self._active:
+            return False
+        if self.conn.our_state is h11.SEND_RESPONSE:
+            self.respond(stream_id, status, headers, body, extra=extra)
+            return True
+        self.reset_stream(stream_id)
+        return False
+
     def reset_stream(self, stream_id: int, error_code: int = 0) -> None:
         """HTTP/1.1 has no stream reset: the only way to abandon a response is to close."""
         if stream_id == self._stream_id and self._active:

@@ -833,18 +833,20 @@ class H2Session:
         general path."""
         append, pack = self._out.append, DATA_HEADER.pack
         window, max_frame = self.send_window, self.max_frame_size
-        for st, payload in items:
-            n = len(payload)
-            if st.pending or n > window or n > st.send_window or n > max_frame or st.state >= HALF_CLOSED_LOCAL:
-                self.send_window = window
-                self._send(st, payload)
-                window = self.send_window
-                continue
-            window -= n
-            st.send_window -= n
-            append(pack(n >> 16, n & 0xFFFF, 0, 0, st.id))
-            append(payload)
-        self.send_window = window
+        try:            # an item that raises leaves the window exact for the frames made before it
+            for st, payload in items:
+                n = len(payload)
+                if st.pending or n > window or n > st.send_window or n > max_frame or st.state >= HALF_CLOSED_LOCAL:
+                    self.send_window = window
+                    self._send(st, payload)
+                    window = self.send_window
+                    continue
+                window -= n
+                st.send_window -= n
+                append(pack(n >> 16, n & 0xFFFF, 0, 0, st.id))
+                append(payload)
+        finally:
+            self.send_window = window
 
     def _send(self, st: _Stream, payload: bytes) -> None:
         n = len(payload)
@@ -882,6 +884,20 @@ class H2Session:
         if body and self.streams[stream_id].method != "HEAD":
             self.send_data(stream_id, body)
         self.end_response(stream_id, trailers)
+
+    def fail_response(self, stream_id: int, status: int, headers: list, body: bytes, extra=()) -> bool:
+        """The app cannot complete this stream's response (writing it raised): one not started
+        is answered `status` with `body`; one started is reset with INTERNAL_ERROR, so the
+        client never takes what it got for a whole response (RFC 9113 8.1); a stream the
+        response no longer holds (reset, or ended) is left alone. -> whether `status` was sent."""
+        st = self.streams.get(stream_id)
+        if st is None:
+            return False
+        if not st.started:
+            self.respond(stream_id, status, headers, body, extra=extra)
+            return True
+        self.reset_stream(stream_id, ErrorCodes.INTERNAL_ERROR)
+        return False
 
     def reset_stream(self, stream_id: int, error_code: int = ErrorCodes.CANCEL) -> None:
         if stream_id in self.streams:
