@@ -20,9 +20,14 @@ Rule 3: flow control is exact and ours in both directions. Out: every DATA frame
         against both receive windows, and a peer that overruns one ends the connection
         (FLOW_CONTROL_ERROR). Consumed bytes go back in at most one connection WINDOW_UPDATE per
         read, once half the window is used (our connection window is 2**24: one WINDOW_UPDATE
-        follows our SETTINGS). A body's bytes count as consumed for the connection only once its
-        request is complete (or dropped), so the bodies one connection can make us hold are
-        bounded by the connection window. A stream's window starts as large as the largest body
+        follows our SETTINGS). Every DATA byte counts as consumed for the connection as it
+        arrives, held body bytes too: bodies interleaved on one connection never wait for each
+        other (when held bodies counted against the window until their request was complete,
+        five bodies of nearly 4 MiB sent a little of each in turn spent it with none complete,
+        and the upload stalled until the idle timeout). What one connection can make us hold
+        is bounded by `max_body_bytes` per stream and `max_concurrent_streams`, and counted in
+        `num_body_bytes` (added in `_add_body`, released in `_release_body`: the one place the
+        server-wide body budget reads). A stream's window starts as large as the largest body
         we accept (a request body usually needs no stream WINDOW_UPDATE) and is handed back in
         batches of half a window as its bytes arrive, so the window is flow control, never the
         size limit: a body past `max_body_bytes` (or a content-length over it, before any body)
@@ -188,7 +193,7 @@ class _Stream:
         self.send_window = send_window  # bytes we may send (the peer's window for this stream)
         self.recv_window = recv_window  # bytes the peer may send
         self.recv_unacked = 0           # received bytes whose stream window is not handed back yet
-        self.held = 0                   # body bytes held here, not yet consumed for the connection window
+        self.held = 0                   # body bytes held here (in the session's num_body_bytes)
         self.pending = bytearray()      # response bytes waiting for window
         self.end_after = None           # trailers list (maybe empty) once the response is ended
         self.stalled_ns = 0             # when `pending` last made progress (or filled), monotonic ns
@@ -423,11 +428,11 @@ class H2Session:
         self._recv_window -= length
         if self._recv_window < 0:
             raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR, "DATA beyond the connection window")
+        self._recv_unacked += length                 # consumed at once, a held body too (Rule 3)
         if flags & PADDED:
             start, stop = _unpad(data, start, stop)
         st = self._open.get(sid)
         if st is None:
-            self._recv_unacked += length
             self._on_data_closed(sid)
             return
         st.recv_window -= length
@@ -435,12 +440,9 @@ class H2Session:
             raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR, f"DATA beyond the window of stream {sid}")
         transition(st, RECV_DATA)
         if stop > start and not st.too_large and st.end_after is None:
-            self._recv_unacked += length - (stop - start)       # padding: consumed now; the body when it is used
             self._add_body(st, data[start:stop], events)
-        else:
-            self._recv_unacked += length
-            if not length and not flags & END_STREAM:
-                self._spend(self._empty, "empty_frame_flood", "empty DATA frames")
+        elif not length and not flags & END_STREAM:
+            self._spend(self._empty, "empty_frame_flood", "empty DATA frames")
         if flags & END_STREAM:
             self._end_request(st, events)
         elif length:
@@ -457,11 +459,9 @@ class H2Session:
     def _add_body(self, st: _Stream, chunk: bytes, events: list) -> None:
         n = st.body_len + len(chunk)
         if n > self.limits.max_body_bytes:
-            self._recv_unacked += len(chunk)
             self._too_large(st, events)
             return
         if st.content_length is not None and n > st.content_length:
-            self._recv_unacked += len(chunk)
             raise StreamError(st.id, ErrorCodes.PROTOCOL_ERROR, "body longer than its content-length")
         st.held += len(chunk)
         self.num_body_bytes += len(chunk)
@@ -483,8 +483,7 @@ class H2Session:
         events.append(BodyTooLarge(st.id, st.method, st.target, st.headers, st.arrived_ns))
 
     def _release_body(self, st: _Stream) -> None:
-        """The held body is no longer ours to keep: its bytes count as consumed for the connection."""
-        self._recv_unacked += st.held
+        """The held body is no longer ours to keep (the request is complete, too large or gone)."""
         self.num_body_bytes -= st.held
         st.held = 0
 

@@ -63,17 +63,26 @@ def test_a_large_body_below_the_limit_arrives_whole_across_window_updates():
     assert updates(s.data_to_send())[:1] == [(1, 32 * 16384)]
 
 
-def test_held_bodies_count_against_the_connection_window_until_complete():
-    """Bodies one connection can make us hold are bounded by the connection window."""
+def test_interleaved_bodies_are_credited_as_they_arrive_and_counted_while_held():
+    """Bodies interleaved on one connection never wait for each other: their bytes go back to
+    the connection window as they arrive (one WINDOW_UPDATE per read), none complete (held
+    bodies once counted against the window until complete: this read spent 15 of its 16 MiB
+    and more than five such bodies stalled). What is held is `num_body_bytes` until each
+    request completes or its stream goes."""
     s, ref, enc = connected(Limits(max_body_bytes=1 << 22, max_concurrent_streams=100))
+    one = 192 * 16384                                    # 3 MiB
     raw = b""
-    for sid in range(1, 11, 2):                          # 5 bodies of 3 MiB, none complete: 15 MiB held
-        raw += frame(1, 4, sid, request_block(enc)) + b"".join(frame(0, 0, sid, bytes(16384)) for _ in range(192))
-    s.receive_data(raw)
-    assert [u for u in updates(s.data_to_send()) if u[0] == 0] == []
-    s.receive_data(b"".join(frame(0, 1, sid, b"") for sid in range(1, 11, 2)))    # all complete: consumed
-    assert [u for u in updates(s.data_to_send()) if u[0] == 0] == [(0, 5 * 192 * 16384)]
-    assert s._recv_window == CONNECTION_WINDOW
+    for sid in range(1, 11, 2):                          # 5 bodies of 3 MiB, a frame of each in turn
+        raw += frame(1, 4, sid, request_block(enc))
+    raw += b"".join(frame(0, 0, sid, bytes(16384)) for _ in range(192) for sid in range(1, 11, 2))
+    assert s.receive_data(raw) == []
+    assert [u for u in updates(s.data_to_send()) if u[0] == 0] == [(0, 5 * one)]
+    assert s._recv_window == CONNECTION_WINDOW and s.num_body_bytes == 5 * one
+    s.receive_data(frame(3, 0, 1, struct.pack(">I", ErrorCodes.CANCEL)))     # stream 1 reset: its body dropped
+    assert s.num_body_bytes == 4 * one
+    events = s.receive_data(b"".join(frame(0, 1, sid, b"") for sid in range(3, 11, 2)))
+    assert [(type(e), len(e.body)) for e in events] == [(Request, one)] * 4
+    assert s.num_body_bytes == 0 and [u for u in updates(s.data_to_send()) if u[0] == 0] == []
 
 
 # ----------------------------------------------------------------- floods
