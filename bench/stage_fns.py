@@ -11,6 +11,7 @@ import asyncio
 import socket
 import threading
 import time
+from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import h2.config
@@ -23,16 +24,19 @@ from ..core.detokenizer import Detokenizer
 from ..core.doorbell import Doorbell
 from ..core.executor import SeqStep
 from ..core.options import EngineOptions
-from ..core.outputs import RequestOutput, Timeline
+from ..core.outputs import RequestOutput, StepTokens, Timeline
 from ..core.sampling_params import SamplingParams
 from ..kernels.mock import CHAT_TEMPLATE
 from ..kernels.sampling import sample
 from ..net import encoders
 from ..net.chat_template import ChatTemplate
+from ..net.dispatch import Dispatcher, Exchange
 from ..net.events import Limits
-from ..net.http2 import H2Session
+from ..net.http2 import MAX_WINDOW, H2Session
+from ..net.metrics import Metrics
 from ..net.model_info import prompt_encoder
 from ..net.openai_api import parse_chat, parse_completions, parse_json
+from ..net.outbox import Outbox
 from ..runtime import build_engine
 
 
@@ -229,6 +233,64 @@ def _open_h2_session(num_streams: int):
     return session, stream_ids
 
 
+def dispatch_stages(s: Setup) -> list:
+    """`Dispatcher.write_step` for one engine step of later tokens, as the loop runs it: SSE
+    (the step's columns, spliced, one send_batch per connection) and NDJSON (rows: the
+    encoder and one send_data per token), the streams spread over up to 4 connections.
+    A connection's flush takes the session's bytes and drops them."""
+    out = []
+    for kind in ("SSE", "NDJSON"):
+        for batch in s.batch_sizes:
+            write_step, step = _dispatcher_step(kind, batch)
+            out.append(Stage(f"Dispatcher.write_step, {kind} ({batch} streams)", "wire", partial(write_step, step),
+                             num_tokens=batch, note="later tokens; frames to the session, no socket"))
+    return out
+
+
+class _Connection:
+    """The part of a ServerProtocol the step writer uses, without a socket."""
+    transport = None
+
+    def __init__(self, session: H2Session):
+        self.session = session
+        self.outbox = Outbox(self)
+
+    def flush(self) -> None:
+        session = self.session
+        session.data_to_send()
+        if session.send_window < MAX_WINDOW // 2:   # a bench writes gigabytes: windows stay open
+            session.send_window = MAX_WINDOW
+            for st in session.streams.values():
+                st.send_window = MAX_WINDOW
+
+
+def _dispatcher_step(kind: str, num_streams: int) -> tuple:
+    """A Dispatcher with `num_streams` streaming exchanges past their first token, and one step
+    of a token for each. -> (write_step, step)"""
+    d = Dispatcher(Metrics())
+    step = StepTokens([], 0)
+    num_conns = min(num_streams, 4)
+    for c in range(num_conns):
+        n = num_streams // num_conns + (c < num_streams % num_conns)
+        session, stream_ids = _open_h2_session(n)
+        conn = _Connection(session)
+        for sid in stream_ids:
+            rid = len(d.exchanges) + 1
+            enc = encoders.CompletionSse(f"cmpl-{rid}", 1700000000, "model", False, lambda i: " the") \
+                if kind == "SSE" else encoders.Ndjson()
+            ex = Exchange(rid, conn, sid, "completions", enc, True, Timeline(arrived_ns=0), f"cmpl-{rid}",
+                          1700000000, False)
+            ex.last_ns = 1                  # a later token, not the first
+            d.add(ex)
+            if kind == "SSE":
+                step.request_ids.append(rid)
+                step.token_ids.append(1234)
+                step.texts.append(" the")
+            else:
+                step.rows.append(RequestOutput(rid, (1234,), " the", None, None, 0, 0, 0))
+    return d.write_step, step
+
+
 def socket_stages(s: Setup) -> list:
     """send() of one chunk on a loopback TCP connection; a thread drains the other end."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -281,4 +343,4 @@ def handoff_stages(s: Setup) -> list:
 
 # in the order a token meets them: the engine thread detokenizes, then hands the step to the loop
 BUILDERS = (request_stages, scheduler_stages, engine_stages, sampling_stages, detokenize_stages, handoff_stages,
-            encode_stages, session_stages, socket_stages)
+            encode_stages, session_stages, dispatch_stages, socket_stages)

@@ -17,6 +17,7 @@ STAGE_PREFIXES = ["parse + validate /v1/completions", "parse + validate /v1/chat
                   "engine decode step [reference: ", "sampling greedy", "sampling T=0.8", "detokenize",
                   "engine -> loop hand-off", "encode SSE chunk (completions)", "encode SSE chunk (chat)",
                   "encode NDJSON line", "encode binary token", "HTTP/2 DATA frames via H2Session",
+                  "Dispatcher.write_step, SSE", "Dispatcher.write_step, NDJSON",
                   "loopback socket send", "grammar compile", "grammar mask + advance (batch 1)",
                   "grammar mask + advance (batch 4)"]
 
