@@ -9,9 +9,11 @@ they closed; 2,000 idle connections left 41 MiB behind.
 
 `GiveBack.maybe(budget, now)` runs from the server's periodic sweep. When connections let go
 of at least GIVE_BACK_BYTES of output or bodies, or GIVE_BACK_CONNECTIONS connections closed,
-since the last time, and at most once per GIVE_BACK_INTERVAL_S, it runs a full collection
-(the connections' cycles) and then `malloc_trim(0)`, which returns the free pages inside
-every arena (madvise), not only the heap's top. Measured on the mock server: back to
+since the last time (or, once they hold almost nothing after a give-back while they held
+much, QUIET_FREED_BYTES / QUIET_CONNECTIONS: the end of a burst), and at most once per
+GIVE_BACK_INTERVAL_S, it runs a full collection (the connections' cycles) and then
+`malloc_trim(0)`, which returns the free pages inside every arena (madvise), not only the
+heap's top. Measured on the mock server: back to
 86 MiB from 135 MiB (gc 5 ms + trim 8 ms), and after 2,000 idle connections to 94 MiB
 from 123 MiB (gc 130 ms: ~1 us per object left by the connections, the price of a full
 collection that would otherwise come later, at a moment of the collector's choosing).
@@ -30,6 +32,10 @@ log = logging.getLogger("tokenwire.net")
 
 GIVE_BACK_BYTES = 16 << 20          # output / body bytes let go of since the last time
 GIVE_BACK_CONNECTIONS = 256         # connections closed since the last time
+QUIET_BYTES = 1 << 20               # the burst is over: the connections hold less than this in all; then
+QUIET_FREED_BYTES = 1 << 20         # ... this much let go of
+QUIET_CONNECTIONS = 16              # ... or this many closed suffice (what the last give-back, during the
+                                    # burst, could not return yet)
 GIVE_BACK_INTERVAL_S = 10.0         # at most this often (a full collection costs ~1 us per tracked object)
 
 
@@ -63,17 +69,24 @@ class GiveBack:
         self.trim = _malloc_trim()
         self.last_s = -GIVE_BACK_INTERVAL_S      # monotonic s of the last time
         self.num_times = 0
+        self.in_burst = False                   # the last time was for a large free, while connections held much
 
     def due(self, budget, now: float) -> bool:
         """`budget`: the app's budgets.ServerBudget (what was let go of since the last time)."""
-        return ((budget.num_freed_bytes >= GIVE_BACK_BYTES or budget.num_closed >= GIVE_BACK_CONNECTIONS)
-                and now - self.last_s >= GIVE_BACK_INTERVAL_S)
+        if now - self.last_s < GIVE_BACK_INTERVAL_S:
+            return False
+        freed, closed = budget.num_freed_bytes, budget.num_closed
+        if freed >= GIVE_BACK_BYTES or closed >= GIVE_BACK_CONNECTIONS:
+            return True
+        quiet = budget.num_unsent_bytes + budget.num_body_bytes < QUIET_BYTES
+        return self.in_burst and quiet and (freed >= QUIET_FREED_BYTES or closed >= QUIET_CONNECTIONS)
 
     def maybe(self, budget, now: float) -> None:
         if self.due(budget, now):
             self.give_back(budget, now)
 
     def give_back(self, budget, now: float) -> None:
+        self.in_burst = budget.num_unsent_bytes + budget.num_body_bytes >= QUIET_BYTES
         freed, closed = budget.take_freed()
         self.last_s = now
         self.num_times += 1

@@ -49,6 +49,7 @@ from .outbox import Outbox
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 PRI = b"PRI "       # how the HTTP/2 preface starts: no HTTP/1.1 method is spelled so
 LINGER_S = 2.0      # after our FIN, how long to keep reading what the peer still sends
+HELD_CHUNK = 64 * 1024      # output held while the transport is paused is kept in chunks of this size
 REFUSAL_WAIT_S = 1.0        # a refused connection's first bytes, which name its protocol, are awaited this long
 REFUSAL = b"the server is at its connection limit; retry later"
 # over max_connections, HTTP/2: our (empty) SETTINGS, then GOAWAY(last stream 0, NO_ERROR, why)
@@ -76,7 +77,8 @@ class ServerProtocol(asyncio.Protocol):
         self.paused_at = 0.0            # monotonic s when the transport paused
         self.close_cause = None         # why we end it (flood.CLOSE_CAUSES); None: the peer did
         self.num_held_bytes = 0         # output held while the transport is paused
-        self._held: list[bytes] = []
+        self._held: list[bytearray] = []    # chunks of up to HELD_CHUNK, not an object per write (~50 bytes
+                                            # each beside its payload); one size, so freed ones are reused
         self._control_at_pause = 0      # session.num_control_frames when the transport paused
         self._shutdown_at = 0.0         # when the idle deadline began a graceful close
         self._sniffed = b""
@@ -162,7 +164,11 @@ class ServerProtocol(asyncio.Protocol):
         data = session.data_to_send()
         if self.paused:
             if data:
-                self._held.append(data)
+                held = self._held
+                if held and len(held[-1]) + len(data) <= HELD_CHUNK:
+                    held[-1] += data
+                else:
+                    held.append(bytearray(data))
                 self.num_held_bytes += len(data)
             self._check_backlog()
             return

@@ -71,8 +71,9 @@ def test_the_defaults_follow_the_machine(monkeypatch):
 class Freed:
     """What memory.GiveBack reads of a ServerBudget."""
 
-    def __init__(self, num_freed_bytes=0, num_closed=0):
+    def __init__(self, num_freed_bytes=0, num_closed=0, num_unsent_bytes=0):
         self.num_freed_bytes, self.num_closed = num_freed_bytes, num_closed
+        self.num_unsent_bytes, self.num_body_bytes = num_unsent_bytes, 0
 
     def take_freed(self):
         out = self.num_freed_bytes, self.num_closed
@@ -80,7 +81,7 @@ class Freed:
         return out
 
 
-def test_memory_is_given_back_after_large_frees_or_many_closes_at_most_once_per_interval():
+def test_memory_is_given_back_after_large_frees_many_closes_or_a_burst_at_most_once_per_interval():
     give_back = memory.GiveBack()
     trims = []
     give_back.trim = trims.append
@@ -92,6 +93,19 @@ def test_memory_is_given_back_after_large_frees_or_many_closes_at_most_once_per_
     assert trims == [0]
     give_back.maybe(Freed(0, memory.GIVE_BACK_CONNECTIONS), 100.0 + memory.GIVE_BACK_INTERVAL_S)
     assert trims == [0, 0] and give_back.num_times == 2
+    # a little let go of is enough once a burst (given back while much was held) is over
+    later = 100.0 + 2 * memory.GIVE_BACK_INTERVAL_S
+    give_back.maybe(Freed(memory.QUIET_FREED_BYTES), later)
+    assert trims == [0, 0]                  # no burst before
+    give_back.maybe(Freed(memory.GIVE_BACK_BYTES, num_unsent_bytes=memory.QUIET_BYTES), later)
+    assert trims == [0, 0, 0]               # large frees while much is held: a burst
+    later += memory.GIVE_BACK_INTERVAL_S
+    give_back.maybe(Freed(memory.QUIET_FREED_BYTES, num_unsent_bytes=memory.QUIET_BYTES), later)
+    assert trims == [0, 0, 0]               # not over yet
+    give_back.maybe(Freed(memory.QUIET_FREED_BYTES), later)
+    assert trims == [0, 0, 0, 0]            # over: given back once more
+    give_back.maybe(Freed(memory.QUIET_FREED_BYTES), later + memory.GIVE_BACK_INTERVAL_S)
+    assert trims == [0, 0, 0, 0]            # and no more
 
 
 # ------------------------------------------------------------ real servers
