@@ -128,6 +128,15 @@ def completion(sid: int, max_tokens: int, prompt: str = "hi") -> bytes:
     return frame(HEADERS, 4, sid, request_block("/v1/completions")) + frame(DATA, 1, sid, body)
 
 
+def wordy_chat(sid: int, max_tokens: int) -> bytes:
+    """A streamed chat request whose every token carries usage too: ~330 bytes of SSE a token
+    (a completion's: ~180)."""
+    body = (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": %d, "stream": true, '
+            b'"ignore_eos": true, "stream_options": {"include_usage": true, "continuous_usage_stats": true}}'
+            % max_tokens)
+    return frame(HEADERS, 4, sid, request_block("/v1/chat/completions")) + frame(DATA, 1, sid, body)
+
+
 # ------------------------------------------------------------------ floods
 
 def flood(port: int, one: bytes, n: int, setup: bytes = b"") -> Answer:
@@ -381,3 +390,62 @@ def invalid_preface(port: int) -> Answer:
     sock.close()
     code = goaway_of(frames)
     return Answer(f"GOAWAY {code}" if code else "no GOAWAY", f"goaway:{code}")
+
+
+# ------------------------------------------------------- server-wide budgets
+
+def never_reading_connections(port: int, num_conns: int, num_streams: int, num_tokens: int, stream_s: float,
+                              hold_s: float) -> Answer:
+    """`num_conns` connections with wide-open windows that never read, opening chat streams of
+    `num_tokens` tokens (`wordy_chat`) at a steady pace so that about `num_streams` are in flight in all
+    (one lasts about `stream_s`; the engine keeps sequence slots and KV blocks for others):
+    the server's output for them piles up until it ends them (a connection's
+    --max-unsent-bytes, --max-total-unsent-bytes, or the write timeout). Returns once every
+    one was ended, or after `hold_s` (then they are closed here)."""
+    hello = (PREFACE + frame(SETTINGS, 0, 0, struct.pack(">HI", 4, 2**31 - 1))
+             + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1 - 65535)))
+    socks = [connect(port, hello, rcvbuf=4096) for _ in range(num_conns)]
+    next_sid = dict.fromkeys(socks, 1)
+    t0, tick, due, turn = time.monotonic(), 0.1, float(num_streams), 0
+    ended = {}
+    while len(ended) < num_conns and time.monotonic() - t0 < hold_s:
+        alive = [sock for sock in socks if sock not in ended]
+        while due >= 1 and alive:           # the next streams, round robin over the live connections
+            sock = alive[turn % len(alive)]
+            turn, due = turn + 1, due - 1
+            if _send(sock, wordy_chat(next_sid[sock], num_tokens)):
+                next_sid[sock] += 2
+        for sock in alive:                  # probe without reading: an ended connection was reset (aborted)
+            if sock not in ended and not _send(sock, frame(PING, 0, 0, bytes(8))):
+                ended[sock] = time.monotonic() - t0
+        time.sleep(tick)
+        due += num_streams / stream_s * tick
+    for sock in socks:
+        sock.close()
+    if len(ended) < num_conns:
+        return Answer(f"{len(ended)}/{num_conns} ended by the server in {hold_s:g} s", "open")
+    return Answer(f"all {num_conns} ended by {max(ended.values()):.1f} s", "closed")
+
+
+def _send(sock: socket.socket, data: bytes) -> bool:
+    """-> False once the connection was reset (the server aborted it)."""
+    try:
+        sock.settimeout(0.2)
+        sock.sendall(data)
+    except socket.timeout:
+        pass                        # our send buffer is full too: still connected
+    except OSError:
+        return False
+    return True
+
+
+def idle_connections(port: int, num_conns: int, hold_s: float) -> Answer:
+    """`num_conns` HTTP/2 connections that each make one request (GET /health) and then stay
+    idle for `hold_s`, then close."""
+    hello = HELLO + frame(HEADERS, 5, 1, request_block("/health", "GET"))
+    socks = [connect(port, hello) for _ in range(num_conns)]
+    time.sleep(hold_s)
+    num_open = sum(_send(sock, frame(PING, 0, 0, bytes(8))) for sock in socks)
+    for sock in socks:
+        sock.close()
+    return Answer(f"{num_open}/{num_conns} still open after {hold_s:g} s", "open" if num_open == num_conns else "some")

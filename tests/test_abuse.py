@@ -11,6 +11,7 @@ closes are counted by cause in /metrics, and the server logged no error.
 
 import pytest
 
+from tokenwire.bench import abuse_budgets as ab
 from tokenwire.bench import abuses
 from tokenwire.bench.abuse import CI_SERVER_ARGS, MIB, Served, format_table, run_abuses
 
@@ -89,3 +90,25 @@ def test_the_engine_is_left_clean_and_the_log_has_no_error(results):
     metrics, log = results[2], results[3]
     assert metrics["tokenwire_kv_blocks_used"] == 0 and metrics["tokenwire_requests_running"] == 0
     assert not [line for line in log if "Traceback" in line or "ERROR" in line or "Fatal" in line], log
+
+
+def test_the_budget_rows_report_against_their_targets():
+    """bench/abuse_budgets.py's arithmetic on synthetic rounds: the worst round's growth, the
+    median of the rounds' worst TTFTs, RSS back within 20% of the row's first RSS."""
+    answer = abuses.Answer("all 4 ended by 1.0 s", "closed")
+    rounds = [ab.Round(answer, 100 * MIB, 150 * MIB, 110 * MIB, 3.0, 10.0, 20.0),
+              ab.Round(answer, 110 * MIB, 190 * MIB, 119 * MIB, 7.5, 30.0, 40.0),
+              ab.Round(answer, 105 * MIB, 120 * MIB, 100 * MIB, 0.5, 50.0, 60.0)]
+    # legit samples: (sent at, ttft s); worst per round 0.040, 0.250, 0.010 -> median 40 ms
+    samples = [(11.0, 0.002), (12.0, 0.040), (31.0, 0.250), (32.0, 0.003), (51.0, 0.010), (70.0, 0.900)]
+    row = ab.BudgetRow("4 non-reading conns x 10 streams", 100.0, "68 + 32", rounds)
+    s = ab.summarize(row, samples)
+    assert s["growth_mib"] == 80 and s["growth_ok"] and s["ttft_ms"] == 40 and s["ttft_ok"]
+    assert s["first_mib"] == 100 and s["after_mib"] == 119 and s["recovered_ok"] and s["recovered_s"] == 7.5
+    late = row._replace(rounds=rounds[:2] + [rounds[2]._replace(rss_after=130 * MIB, recovered_s=None)])
+    assert not ab.summarize(late, samples)["recovered_ok"]
+    metrics = {"tokenwire_unsent_bytes_limit": 68 * MIB, "tokenwire_connections_limit": 1000,
+               'tokenwire_connections_closed_total{reason="total_unsent_bytes"}': 3.0}
+    table = ab.format_budget_table([row, late], samples, metrics, (1.0, 1.0, 1.0))
+    assert "| 80 ok | 68 + 32 | 40.0 (40 / 250 / 10) ok |" in table and "not within 30 s) MISSED" in table
+    assert "total_unsent_bytes=3" in table

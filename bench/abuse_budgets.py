@@ -1,0 +1,193 @@
+"""The server-wide rows of `tokenwire bench abuse`: what many connections do together.
+
+Rows: N connections that never read ("non-reading", N = 20 and 100, wide-open windows, new
+streams opened at a pace that keeps 100 in flight in all, so the legitimate client is
+always admitted at once), and 2,000 idle HTTP/2 connections. Each row runs three rounds
+against one fresh `tokenwire serve --backend mock`, with --max-total-unsent-bytes 64 MiB
+(below what the attacks can hold, so that budget binds; the machine's default, 1/64 of
+memory, may not) and its other budgets at their defaults (net/budgets.py), the legitimate
+client of bench/abuse_harness.py beside it. Printed per row, beside its target:
+
+    RSS growth      the worst round's peak less the RSS before it, against the budget that
+                    bounds it (non-reading: --max-total-unsent-bytes, plus SLACK_PER_CONN_KIB a
+                    connection; idle: N x budgets.CONNECTION_BYTES) plus SLACK_MIB
+    worst TTFT      the legitimate client's worst time to first token during each round's
+                    attack, the median of the three rounds: < 100 ms
+    RSS after       once the attack ended, RSS sampled every 0.25 s for 30 s: the first
+                    sample within 20% of the RSS before the row's first round (memory given
+                    back, net/memory.py), else the sample at 30 s
+"""
+
+import os
+import threading
+import time
+from typing import Callable, NamedTuple
+
+from ..net.budgets import CONNECTION_BYTES
+from . import abuses
+from .abuse_harness import MIB, Legit, Served, ttft_between
+from .abuses import Answer
+
+ROUNDS = 3
+RECOVERY_S = 30.0           # how long after an attack RSS may take to come back
+RECOVERY_RATIO = 1.2        # ... to within 20% of what it was before the row
+TTFT_TARGET_MS = 100.0
+SLACK_MIB = 32              # over a budget: the allocator's slack, the requests in flight, the legit client
+SLACK_PER_CONN_KIB = 128    # and per connection: its transport's buffer (the 64 KiB high-water mark, plus
+                            # the write that crossed it) and its last held chunk's spare room
+NUM_TOKENS = 1500           # per non-reading stream; new ones keep coming (100 x 1500 tokens: a fraction of
+                            # the mock's 16384 KV blocks of 16, so the legitimate client is never queued)
+STEP_SLOWDOWN = 3.0         # a step under this load takes ~3x --mock-step-us (350 steps/s with 200 streams
+                            # on 2 cores): new streams are paced for that, so no more than 100 are in flight
+UNSENT_BUDGET = "64MiB"     # --max-total-unsent-bytes for these rows: below what the attacks can hold, so it binds
+SERVER_ARGS = ("--max-total-unsent-bytes", UNSENT_BUDGET)
+
+
+class BudgetScale(NamedTuple):
+    never_reading: tuple        # connection counts, one row each
+    num_streams: int            # non-reading streams in flight in all (under --max-num-seqs 256)
+    num_idle: int
+    hold_s: float               # a never-reading round ends once all were ended, or after this
+    idle_hold_s: float
+
+
+FULL = BudgetScale((20, 100), 100, 2000, 60.0, 5.0)
+CI = BudgetScale((4, 10), 20, 200, 10.0, 1.0)
+
+
+class Round(NamedTuple):
+    answer: Answer
+    rss_before: int
+    rss_peak: int
+    rss_after: int              # the first sample within RECOVERY_RATIO of the row's first RSS, else the last
+    recovered_s: float | None   # when that was, after the attack ended (None: not within RECOVERY_S)
+    t0: float                   # the attack, monotonic s
+    t1: float
+
+
+class BudgetRow(NamedTuple):
+    abuse: str
+    bound_mib: float            # RSS growth allowed
+    bound_text: str
+    rounds: list
+
+
+def run_budget_rows(scale: BudgetScale, server_args=(), mock_step_us: float = 1000.0,
+                    only: set | None = None) -> tuple:
+    """The rows whose name holds a word of `only` (all: None); -> (rows, the legitimate
+    client's TTFT samples, the server's /metrics at the end)."""
+    names = [(f"{n} non-reading conns, {scale.num_streams} streams in flight", n)
+             for n in scale.never_reading] + [(f"{scale.num_idle} idle HTTP/2 conns", None)]
+    names = [(name, n) for name, n in names if only is None or any(word in name for word in only)]
+    if not names:
+        return [], [], {}
+    served = Served((*SERVER_ARGS, *server_args), mock_step_us=mock_step_us)
+    try:
+        legit = Legit(served.port)
+        time.sleep(0.5)
+        stream_s = max(0.5, NUM_TOKENS * mock_step_us / 1e6 * STEP_SLOWDOWN)
+        rows = [_row(served, scale, name, n, stream_s) for name, n in names]
+        samples = legit.stop()
+        return rows, samples, served.metrics()
+    finally:
+        served.stop()
+
+
+def _row(served: Served, scale: BudgetScale, name: str, num_conns: int | None, stream_s: float) -> BudgetRow:
+    """Never reading (`num_conns`), or idle (None): three rounds, and the bound on RSS growth."""
+    port = served.port
+    if num_conns is None:
+        bound = scale.num_idle * CONNECTION_BYTES / MIB
+        text = f"{scale.num_idle} x {CONNECTION_BYTES // 1024} KiB + {SLACK_MIB}"
+        return BudgetRow(name, bound + SLACK_MIB, text, _rounds(
+            served, lambda: abuses.idle_connections(port, scale.num_idle, scale.idle_hold_s)))
+    bound = served.metrics()["tokenwire_unsent_bytes_limit"] / MIB
+    slack = SLACK_MIB + num_conns * SLACK_PER_CONN_KIB / 1024
+    text = f"{bound:.0f} + {SLACK_MIB} + {num_conns} x {SLACK_PER_CONN_KIB} KiB"
+    return BudgetRow(name, bound + slack, text, _rounds(served, lambda: abuses.never_reading_connections(
+        port, num_conns, scale.num_streams, NUM_TOKENS, stream_s, scale.hold_s)))
+
+
+def _rounds(served: Served, attack: Callable[[], Answer]) -> list:
+    first = served.rss_bytes()
+    return [_round(served, attack, first) for _ in range(ROUNDS)]
+
+
+def _round(served: Served, attack: Callable[[], Answer], first: int) -> Round:
+    before = served.rss_bytes()
+    peak, done = [before], threading.Event()
+    sampler = threading.Thread(target=_sample_peak, args=(served, peak, done), daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    answer = attack()
+    t1 = time.monotonic()
+    done.set()
+    sampler.join()
+    after, recovered_s = served.rss_bytes(), None
+    while time.monotonic() - t1 < RECOVERY_S:
+        if after <= first * RECOVERY_RATIO:
+            recovered_s = time.monotonic() - t1
+            break
+        time.sleep(0.25)
+        after = served.rss_bytes()
+    return Round(answer, before, max(peak[0], after), after, recovered_s, t0, t1)
+
+
+def _sample_peak(served: Served, peak: list, done: threading.Event) -> None:
+    while not done.wait(0.01):
+        peak[0] = max(peak[0], served.rss_bytes())
+
+
+def summarize(row: BudgetRow, samples: list) -> dict:
+    """A row's figures against its targets."""
+    growth = max(r.rss_peak - r.rss_before for r in row.rounds) / MIB
+    worsts = [w if w is not None else float("inf") for w in (ttft_between(samples, r.t0, r.t1)[1] for r in row.rounds)]
+    ttft = sorted(worsts)[len(worsts) // 2]
+    first = row.rounds[0].rss_before / MIB
+    last = max(row.rounds, key=lambda r: r.rss_after)
+    recovered = all(r.recovered_s is not None for r in row.rounds)
+    failed = sum(ttft_between(samples, r.t0, r.t1)[3] for r in row.rounds)
+    after = [ttft_between(samples, r.t1, r.t1 + (r.recovered_s or RECOVERY_S))[1] for r in row.rounds]
+    return {"growth_mib": growth, "growth_ok": growth <= row.bound_mib, "ttft_ms": ttft, "ttft_rounds_ms": worsts,
+            "ttft_after_ms": max((w for w in after if w is not None), default=None),
+            "ttft_ok": ttft < TTFT_TARGET_MS, "first_mib": first, "after_mib": last.rss_after / MIB,
+            "recovered_s": max((r.recovered_s for r in row.rounds if r.recovered_s is not None), default=None),
+            "recovered_ok": recovered, "num_legit_failed": failed}
+
+
+def format_budget_table(rows: list, samples: list, metrics: dict, load_before: tuple) -> str:
+    load_after = os.getloadavg()
+    limits = (f"--max-total-unsent-bytes {metrics['tokenwire_unsent_bytes_limit'] / MIB:.0f} MiB, "
+              f"--max-connections {metrics['tokenwire_connections_limit']:.0f}")
+    lines = [f"server-wide budgets: a fresh server with its defaults ({limits}), {ROUNDS} rounds a row; "
+             f"{os.cpu_count()} CPUs, load average {_load(load_before)} before, {_load(load_after)} after", "",
+             "| abuse | server answer (each round) | RSS growth, worst round (MiB) | bound (MiB) "
+             "| legit worst TTFT, median of 3 (rounds) (ms) | target | RSS before -> after (MiB), worst round | target "
+             "| legit worst TTFT while RSS came back (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        s = summarize(row, samples)
+        answers = "; ".join(r.answer.text for r in row.rounds)
+        back = (f"{s['first_mib']:.0f} -> {s['after_mib']:.0f} ({s['after_mib'] / s['first_mib'] - 1:+.0%}, "
+                + (f"by {s['recovered_s']:.1f} s)" if s["recovered_ok"] else f"not within {RECOVERY_S:g} s)"))
+        lines.append(f"| {row.abuse} | {answers} | {s['growth_mib']:.0f} {_ok(s['growth_ok'])} | {row.bound_text} "
+                     f"| {s['ttft_ms']:.1f} ({' / '.join(f'{w:.0f}' for w in s['ttft_rounds_ms'])}) "
+                     f"{_ok(s['ttft_ok'])} | < {TTFT_TARGET_MS:g} "
+                     f"| {back} {_ok(s['recovered_ok'])} | within {RECOVERY_RATIO - 1:.0%} in {RECOVERY_S:g} s "
+                     f"| {_ms(s['ttft_after_ms'])} |")
+    closed = {k[k.index('"') + 1:-2]: v for k, v in metrics.items()
+              if k.startswith("tokenwire_connections_closed_total") and v}
+    lines.append("\ntokenwire_connections_closed_total: " + ", ".join(f"{k}={v:g}" for k, v in sorted(closed.items())))
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _ok(ok: bool) -> str:
+    return "ok" if ok else "MISSED"
+
+
+def _load(load: tuple) -> str:
+    return " ".join(f"{x:.2f}" for x in load)
