@@ -11,6 +11,7 @@ waits for what the server said.
 
 import json
 import socket
+import ssl
 import struct
 import time
 
@@ -36,6 +37,7 @@ from tokenwire.net.budgets import MIB, ServerLimits, pick_victims
 from tokenwire.net.events import Limits
 
 from clients.rawh2 import RawH2
+from clients.tls import self_signed_cert
 
 HOST = "127.0.0.1"
 
@@ -115,10 +117,12 @@ def loop_kind(request):
     return request.param
 
 
-def serve(loop_kind, **server_limits):
-    limits = Limits(write_timeout_s=600, idle_timeout_s=600, handshake_timeout_s=600)   # no deadline fires here
+def serve(loop_kind, http2_only=False, tls=None, **server_limits):
+    limits = Limits(write_timeout_s=600, idle_timeout_s=600, handshake_timeout_s=600,   # no deadline fires here
+                    http2_only=http2_only)
     full = dict(max_connections=64, max_total_unsent_bytes=64 * MIB, max_total_body_bytes=64 * MIB) | server_limits
-    return tokenwire.Server(backend="mock", port=0, loop=loop_kind, limits=limits,
+    cert, key = tls or (None, None)
+    return tokenwire.Server(backend="mock", port=0, loop=loop_kind, limits=limits, tls_cert=cert, tls_key=key,
                             server_limits=ServerLimits(**full)).start()
 
 
@@ -273,5 +277,32 @@ def test_past_max_connections_new_ones_are_refused_in_their_protocol_and_counted
         assert counted(server.port, "max_connections", num_refused, open_[0]) == num_refused
         for s in open_[1:]:
             s.close()
+    finally:
+        server.stop()
+
+
+def test_where_tls_alpn_or_http2_only_names_the_protocol_the_refusal_comes_at_once(loop_kind, tmp_path):
+    cert, key = self_signed_cert(tmp_path)
+    server = serve(loop_kind, tls=(cert, key), max_connections=1)
+    try:
+        ctx = ssl.create_default_context(cafile=cert)
+        with socket.create_connection((HOST, server.port)) as held:
+            with ctx.wrap_socket(held, server_hostname="localhost") as held_tls:
+                assert get(held_tls, "/health").startswith(b"HTTP/1.1 200 ")       # the one connection
+                for alpn, expected in (["h2"], b"\x00\x00\x00\x04"), (["http/1.1"], b"HTTP/1.1 503 "):
+                    ctx.set_alpn_protocols(alpn)
+                    with ctx.wrap_socket(socket.create_connection((HOST, server.port)),
+                                         server_hostname="localhost") as s:
+                        assert read_to_eof(s).startswith(expected), alpn         # nothing sent first
+    finally:
+        server.stop()
+    server = serve(loop_kind, http2_only=True, max_connections=1)
+    try:
+        with socket.create_connection((HOST, server.port)) as held:
+            held.sendall(HELLO)
+            read_frames(held, 30, until=lambda fs: any(f.type == SETTINGS for f in fs))
+            with socket.create_connection((HOST, server.port)) as s:
+                frames, closed = read_frames(s, 30)
+            assert closed and [f.type for f in frames] == [SETTINGS, GOAWAY]
     finally:
         server.stop()
