@@ -28,6 +28,8 @@ with last stream 0, so nothing was processed and a client may retry; anything el
 HTTP/1.1 503 with Retry-After; at once where TLS ALPN or `http2_only` decides) and closed.
 One that sends nothing within REFUSAL_WAIT_S, or any while MAX_WAITING_REFUSALS already
 wait, is closed without an answer.
+A connection's first bytes may wait, reading paused, for a later iteration of the loop
+when many new connections arrive at once (budgets.py: `may_set_up`).
 It runs unchanged on uvloop and on asyncio.
 """
 
@@ -87,6 +89,7 @@ class ServerProtocol(asyncio.Protocol):
         self.holding = Holding(self)    # what this connection holds, as the budget counted it
         self.refused = False            # over max_connections: answered and closed, never served
         self._refusal_wait = None       # the timer of a refused connection waiting for its first bytes
+        self._waiting = None            # first bytes waiting for their turn to set up a session (budgets.py)
 
     # -------------------------------------------------------- transport side
 
@@ -112,6 +115,10 @@ class ServerProtocol(asyncio.Protocol):
         if self.session is None:
             if self.refused:
                 self._answer_refused(data)
+                return
+            if not self.budget.may_set_up(self):
+                self._waiting = data            # a burst of new connections: its turn comes in a later
+                self.transport.pause_reading()  # iteration of the loop (budgets.py); the kernel keeps the rest
                 return
             data = self._sniff(data)
             if self.session is None:
@@ -308,6 +315,13 @@ class ServerProtocol(asyncio.Protocol):
         http2 = self.limits.http2_only or buf[:len(PRI)] == PRI
         self.session = H2Session(self.limits) if http2 else H1Session(self.limits)
         return buf
+
+    def set_up_now(self) -> None:
+        """Its turn came (budgets.py): the first bytes that waited go in, and reading resumes."""
+        data, self._waiting = self._waiting, None
+        if not self.closing:
+            self.transport.resume_reading()
+            self.data_received(data)
 
     def _refuse(self) -> None:
         """Over max_connections: no session; answered in its protocol (see the module's

@@ -9,6 +9,7 @@ body budget; past max_connections, new connections are refused in their protocol
 waits for what the server said.
 """
 
+import asyncio
 import json
 import socket
 import ssl
@@ -33,11 +34,14 @@ from tokenwire.bench.abuses import (
     request_block,
 )
 from tokenwire.net import budgets, memory
-from tokenwire.net.budgets import MIB, ServerLimits, pick_victims
+from tokenwire.net.app import App
+from tokenwire.net.budgets import MIB, SET_UPS_PER_TICK, ServerLimits, pick_victims
 from tokenwire.net.events import Limits
+from tokenwire.net.protocol import ServerProtocol
 
 from clients.rawh2 import RawH2
 from clients.tls import self_signed_cert
+from test_net_protocol_limits import MemoryTransport
 
 HOST = "127.0.0.1"
 
@@ -108,6 +112,36 @@ def test_memory_is_given_back_after_large_frees_many_closes_or_a_burst_at_most_o
     assert trims == [0, 0, 0, 0]            # over: given back once more
     give_back.maybe(Freed(memory.QUIET_FREED_BYTES), later + memory.GIVE_BACK_INTERVAL_S)
     assert trims == [0, 0, 0, 0]            # and no more
+
+
+class ReadingTransport(MemoryTransport):
+    reading = True
+
+    def pause_reading(self):
+        self.reading = False
+
+    def resume_reading(self):
+        self.reading = True
+
+
+def test_a_burst_of_new_connections_is_set_up_a_share_per_iteration_of_the_loop():
+    """2,000 connections at once held the loop 100+ ms setting up their sessions: past
+    SET_UPS_PER_TICK in one iteration, a connection's first bytes wait (reading paused) for
+    the next, in arrival order."""
+    async def burst():
+        app = App()
+        conns = [ServerProtocol(app, Limits()) for _ in range(SET_UPS_PER_TICK + 8)]
+        for proto in conns:
+            proto.connection_made(ReadingTransport())
+            proto.data_received(HELLO)
+        set_up = [proto.session is not None for proto in conns]
+        paused = [not proto.transport.reading for proto in conns]
+        await asyncio.sleep(0)                  # the next iteration
+        return set_up, paused, [proto.session is not None and proto.transport.reading for proto in conns]
+    set_up, paused, later = asyncio.run(burst())
+    assert set_up == [True] * SET_UPS_PER_TICK + [False] * 8
+    assert paused == [False] * SET_UPS_PER_TICK + [True] * 8
+    assert all(later)
 
 
 # ------------------------------------------------------------ real servers
