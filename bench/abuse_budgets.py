@@ -15,7 +15,10 @@ client of bench/abuse_harness.py beside it. Printed per row, beside its target:
                     attack, the median of the three rounds: < 100 ms
     RSS after       once the attack ended, RSS sampled every 0.25 s for 30 s: the first
                     sample within 20% of the RSS before the row's first round (memory given
-                    back, net/memory.py), else the sample at 30 s
+                    back, net/memory.py), else the sample at 30 s. The next round starts once
+                    the server has given memory back (tokenwire_memory_given_back_total), so
+                    that collection (~130-200 ms after 2,000 connections) counts in the last
+                    column, the client's worst TTFT while RSS came back, not in the next attack
 """
 
 import os
@@ -63,6 +66,7 @@ class Round(NamedTuple):
     recovered_s: float | None   # when that was, after the attack ended (None: not within RECOVERY_S)
     t0: float                   # the attack, monotonic s
     t1: float
+    t2: float                   # the end of the wait after it (memory given back, or RECOVERY_S)
 
 
 class BudgetRow(NamedTuple):
@@ -123,14 +127,24 @@ def _round(served: Served, attack: Callable[[], Answer], first: int) -> Round:
     t1 = time.monotonic()
     done.set()
     sampler.join()
-    after, recovered_s = served.rss_bytes(), None
-    while time.monotonic() - t1 < RECOVERY_S:
-        if after <= first * RECOVERY_RATIO:
-            recovered_s = time.monotonic() - t1
-            break
+    return _recover(served, first, Round(answer, before, peak[0], 0, None, t0, t1, t1))
+
+
+def _recover(served: Served, first: int, rnd: Round) -> Round:
+    """RSS every 0.25 s after the attack: the first sample within RECOVERY_RATIO of `first`.
+    Sampling goes on until the server has given memory back since the attack (/metrics), so
+    the next round starts after that collection, or until RECOVERY_S."""
+    given = served.metrics()["tokenwire_memory_given_back_total"]
+    after, recovered_s, gave_back, checked_s = served.rss_bytes(), None, False, 0.0
+    while (elapsed := time.monotonic() - rnd.t1) < RECOVERY_S and (recovered_s is None or not gave_back):
+        if recovered_s is None and after <= first * RECOVERY_RATIO:
+            recovered_s = elapsed
+        if elapsed - checked_s >= 1.0:
+            gave_back, checked_s = served.metrics()["tokenwire_memory_given_back_total"] > given, elapsed
         time.sleep(0.25)
-        after = served.rss_bytes()
-    return Round(answer, before, max(peak[0], after), after, recovered_s, t0, t1)
+        after = after if recovered_s is not None else served.rss_bytes()
+    return rnd._replace(rss_peak=max(rnd.rss_peak, after), rss_after=after, recovered_s=recovered_s,
+                        t2=time.monotonic())
 
 
 def _sample_peak(served: Served, peak: list, done: threading.Event) -> None:
@@ -147,7 +161,7 @@ def summarize(row: BudgetRow, samples: list) -> dict:
     last = max(row.rounds, key=lambda r: r.rss_after)
     recovered = all(r.recovered_s is not None for r in row.rounds)
     failed = sum(ttft_between(samples, r.t0, r.t1)[3] for r in row.rounds)
-    after = [ttft_between(samples, r.t1, r.t1 + (r.recovered_s or RECOVERY_S))[1] for r in row.rounds]
+    after = [ttft_between(samples, r.t1, r.t2)[1] for r in row.rounds]
     return {"growth_mib": growth, "growth_ok": growth <= row.bound_mib, "ttft_ms": ttft, "ttft_rounds_ms": worsts,
             "ttft_after_ms": max((w for w in after if w is not None), default=None),
             "ttft_ok": ttft < TTFT_TARGET_MS, "first_mib": first, "after_mib": last.rss_after / MIB,

@@ -81,9 +81,12 @@ class GiveBack:
         quiet = budget.num_unsent_bytes + budget.num_body_bytes < QUIET_BYTES
         return self.in_burst and quiet and (freed >= QUIET_FREED_BYTES or closed >= QUIET_CONNECTIONS)
 
-    def maybe(self, budget, now: float) -> None:
-        if self.due(budget, now):
-            self.give_back(budget, now)
+    def maybe(self, budget, now: float) -> bool:
+        """-> whether memory was given back now."""
+        if not self.due(budget, now):
+            return False
+        self.give_back(budget, now)
+        return True
 
     def give_back(self, budget, now: float) -> None:
         self.in_burst = budget.num_unsent_bytes + budget.num_body_bytes >= QUIET_BYTES

@@ -94,9 +94,13 @@ class Metrics:
         self.requests = {outcome: 0 for outcome in OUTCOMES}
         self.connections_closed = {cause: 0 for cause in CLOSE_CAUSES}
         self.streamed_tokens = 0
+        self.num_given_back = 0             # memory.GiveBack runs
 
     def count_request(self, outcome: str) -> None:
         self.requests[outcome] += 1
+
+    def count_given_back(self) -> None:
+        self.num_given_back += 1
 
     def count_closed(self, cause: str) -> None:
         self.connections_closed[cause] += 1
@@ -113,6 +117,9 @@ class Metrics:
                 [(f'{{reason="{c}"}}', n) for c, n in self.connections_closed.items()])
         _family(lines, "tokenwire_streamed_tokens_total", "counter",
                 "Tokens written to clients.", [("", self.streamed_tokens)])
+        _family(lines, "tokenwire_memory_given_back_total", "counter",
+                "Times freed memory was given back to the OS after a burst (a full collection, malloc_trim).",
+                [("", self.num_given_back)])
         if budget is not None:
             _budget_gauges(lines, budget)
         s = stats or EngineStats(0, 0, 0, 0, 0, 0, 0, 0, False)

@@ -309,7 +309,8 @@ class Server:
     def _sweep(self) -> None:
         self.app.sweep()
         self.app.grpc.notify_watchers()
-        self.give_back.maybe(self.app.budget, time.monotonic())
+        if self.give_back.maybe(self.app.budget, time.monotonic()):
+            self.app.metrics.count_given_back()
         if not self._stop.is_set():
             self.loop.call_later(self._sweep_interval(), self._sweep)
 

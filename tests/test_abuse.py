@@ -94,17 +94,21 @@ def test_the_engine_is_left_clean_and_the_log_has_no_error(results):
 
 def test_the_budget_rows_report_against_their_targets():
     """bench/abuse_budgets.py's arithmetic on synthetic rounds: the worst round's growth, the
-    median of the rounds' worst TTFTs, RSS back within 20% of the row's first RSS."""
+    median of the rounds' worst TTFTs, RSS back within 20% of the row's first RSS, the worst
+    TTFT between an attack and the next."""
     answer = abuses.Answer("all 4 ended by 1.0 s", "closed")
-    rounds = [ab.Round(answer, 100 * MIB, 150 * MIB, 110 * MIB, 3.0, 10.0, 20.0),
-              ab.Round(answer, 110 * MIB, 190 * MIB, 119 * MIB, 7.5, 30.0, 40.0),
-              ab.Round(answer, 105 * MIB, 120 * MIB, 100 * MIB, 0.5, 50.0, 60.0)]
+    rounds = [ab.Round(answer, 100 * MIB, 150 * MIB, 110 * MIB, 3.0, 10.0, 20.0, 29.0),
+              ab.Round(answer, 110 * MIB, 190 * MIB, 119 * MIB, 7.5, 30.0, 40.0, 49.0),
+              ab.Round(answer, 105 * MIB, 120 * MIB, 100 * MIB, 0.5, 50.0, 60.0, 69.0)]
     # legit samples: (sent at, ttft s); worst per round 0.040, 0.250, 0.010 -> median 40 ms
-    samples = [(11.0, 0.002), (12.0, 0.040), (31.0, 0.250), (32.0, 0.003), (51.0, 0.010), (70.0, 0.900)]
+    # and after each attack, until the next: 0.130 (after round 1), none, none (70.0 is past round 3's wait)
+    samples = [(11.0, 0.002), (12.0, 0.040), (25.0, 0.130), (31.0, 0.250), (32.0, 0.003), (51.0, 0.010),
+               (70.0, 0.900)]
     row = ab.BudgetRow("4 non-reading conns x 10 streams", 100.0, "68 + 32", rounds)
     s = ab.summarize(row, samples)
     assert s["growth_mib"] == 80 and s["growth_ok"] and s["ttft_ms"] == 40 and s["ttft_ok"]
     assert s["first_mib"] == 100 and s["after_mib"] == 119 and s["recovered_ok"] and s["recovered_s"] == 7.5
+    assert s["ttft_after_ms"] == 130
     late = row._replace(rounds=rounds[:2] + [rounds[2]._replace(rss_after=130 * MIB, recovered_s=None)])
     assert not ab.summarize(late, samples)["recovered_ok"]
     metrics = {"tokenwire_unsent_bytes_limit": 68 * MIB, "tokenwire_connections_limit": 1000,
