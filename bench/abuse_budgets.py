@@ -1,8 +1,8 @@
 """The server-wide rows of `tokenwire bench abuse`: what many connections do together.
 
 Rows: N connections that never read ("non-reading", N = 20 and 100, wide-open windows, new
-streams opened at a pace that keeps 100 in flight in all, so the legitimate client is
-always admitted at once), and 2,000 idle HTTP/2 connections. Each row runs three rounds
+streams opened as the server's running count drops, so 100 are in flight in all and the
+legitimate client is always admitted at once), and 2,000 idle HTTP/2 connections. Each row runs three rounds
 against one fresh `tokenwire serve --backend mock`, with --max-total-unsent-bytes 64 MiB
 (below what the attacks can hold, so that budget binds; the machine's default, 1/64 of
 memory, may not) and its other budgets at their defaults (net/budgets.py), the legitimate
@@ -40,8 +40,6 @@ SLACK_PER_CONN_KIB = 128    # and per connection: its transport's buffer (the 64
                             # the write that crossed it) and its last held chunk's spare room
 NUM_TOKENS = 1500           # per non-reading stream; new ones keep coming (100 x 1500 tokens: a fraction of
                             # the mock's 16384 KV blocks of 16, so the legitimate client is never queued)
-STEP_SLOWDOWN = 3.0         # a step under this load takes ~3x --mock-step-us (350 steps/s with 200 streams
-                            # on 2 cores): new streams are paced for that, so no more than 100 are in flight
 UNSENT_BUDGET = "64MiB"     # --max-total-unsent-bytes for these rows: below what the attacks can hold, so it binds
 SERVER_ARGS = ("--max-total-unsent-bytes", UNSENT_BUDGET)
 
@@ -89,15 +87,14 @@ def run_budget_rows(scale: BudgetScale, server_args=(), mock_step_us: float = 10
     try:
         legit = Legit(served.port)
         time.sleep(0.5)
-        stream_s = max(0.5, NUM_TOKENS * mock_step_us / 1e6 * STEP_SLOWDOWN)
-        rows = [_row(served, scale, name, n, stream_s) for name, n in names]
+        rows = [_row(served, scale, name, n) for name, n in names]
         samples = legit.stop()
         return rows, samples, served.metrics()
     finally:
         served.stop()
 
 
-def _row(served: Served, scale: BudgetScale, name: str, num_conns: int | None, stream_s: float) -> BudgetRow:
+def _row(served: Served, scale: BudgetScale, name: str, num_conns: int | None) -> BudgetRow:
     """Never reading (`num_conns`), or idle (None): three rounds, and the bound on RSS growth."""
     port = served.port
     if num_conns is None:
@@ -109,7 +106,8 @@ def _row(served: Served, scale: BudgetScale, name: str, num_conns: int | None, s
     slack = SLACK_MIB + num_conns * SLACK_PER_CONN_KIB / 1024
     text = f"{bound:.0f} + {SLACK_MIB} + {num_conns} x {SLACK_PER_CONN_KIB} KiB"
     return BudgetRow(name, bound + slack, text, _rounds(served, lambda: abuses.never_reading_connections(
-        port, num_conns, scale.num_streams, NUM_TOKENS, stream_s, scale.hold_s)))
+        port, num_conns, scale.num_streams, NUM_TOKENS, lambda: served.metrics()["tokenwire_requests_running"],
+        scale.hold_s)))
 
 
 def _rounds(served: Served, attack: Callable[[], Answer]) -> list:

@@ -13,7 +13,7 @@ import selectors
 import socket
 import struct
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import h2.config
 import h2.connection
@@ -394,22 +394,26 @@ def invalid_preface(port: int) -> Answer:
 
 # ------------------------------------------------------- server-wide budgets
 
-def never_reading_connections(port: int, num_conns: int, num_streams: int, num_tokens: int, stream_s: float,
-                              hold_s: float) -> Answer:
+def never_reading_connections(port: int, num_conns: int, num_streams: int, num_tokens: int,
+                              in_flight: Callable[[], float], hold_s: float) -> Answer:
     """`num_conns` connections with wide-open windows that never read, opening chat streams of
-    `num_tokens` tokens (`wordy_chat`) at a steady pace so that about `num_streams` are in flight in all
-    (one lasts about `stream_s`; the engine keeps sequence slots and KV blocks for others):
-    the server's output for them piles up until it ends them (a connection's
-    --max-unsent-bytes, --max-total-unsent-bytes, or the write timeout). Returns once every
-    one was ended, or after `hold_s` (then they are closed here)."""
+    `num_tokens` tokens (`wordy_chat`) round robin so that `num_streams` are in flight in all:
+    each tick tops up to that count, read from the server (`in_flight`, its running requests),
+    since a client that never reads cannot see its streams end. Pacing by an assumed step time
+    instead let the streams pile up to --max-num-seqs when steps ran slower on a loaded machine,
+    and the legitimate client then waited seconds in the engine's queue, which measured the
+    scheduler, not the network. The server's output for them piles up until it ends them (a
+    connection's --max-unsent-bytes, --max-total-unsent-bytes, or the write timeout). Returns
+    once every one was ended, or after `hold_s` (then they are closed here)."""
     hello = (PREFACE + frame(SETTINGS, 0, 0, struct.pack(">HI", 4, 2**31 - 1))
              + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1 - 65535)))
     socks = [connect(port, hello, rcvbuf=4096) for _ in range(num_conns)]
     next_sid = dict.fromkeys(socks, 1)
-    t0, tick, due, turn = time.monotonic(), 0.1, float(num_streams), 0
+    t0, turn = time.monotonic(), 0
     ended = {}
     while len(ended) < num_conns and time.monotonic() - t0 < hold_s:
         alive = [sock for sock in socks if sock not in ended]
+        due = num_streams - int(in_flight())
         while due >= 1 and alive:           # the next streams, round robin over the live connections
             sock = alive[turn % len(alive)]
             turn, due = turn + 1, due - 1
@@ -418,8 +422,7 @@ def never_reading_connections(port: int, num_conns: int, num_streams: int, num_t
         for sock in alive:                  # probe without reading: an ended connection was reset (aborted)
             if sock not in ended and not _send(sock, frame(PING, 0, 0, bytes(8))):
                 ended[sock] = time.monotonic() - t0
-        time.sleep(tick)
-        due += num_streams / stream_s * tick
+        time.sleep(0.1)
     for sock in socks:
         sock.close()
     if len(ended) < num_conns:

@@ -39,7 +39,8 @@ CONNECTION_BYTES = 32 * 1024    # an idle HTTP/2 connection's memory, rounded up
 FD_RESERVE = 256                # descriptors kept for the model's files, eventfds, the listening
                                 # sockets and refused connections waiting for their answer
 MAX_WAITING_REFUSALS = 64       # refused connections waiting for their first bytes; more are closed at once
-REFUSAL_LOG_INTERVAL_S = 10.0   # at most one "refusing connections" line this often
+LOG_INTERVAL_S = 10.0           # at most one "refused connections" line, and one "ended connections" line per
+                                # budget, this often (an attack trips a budget several times a second)
 SET_UPS_PER_TICK = 32           # new connections whose first bytes are taken per iteration of the loop (~0.4 ms
                                 # each: a session, the preface, a request); 2,000 at once held it 100+ ms
 
@@ -142,7 +143,8 @@ class ServerBudget:
         self._waiting_set_up = deque()      # connections whose first bytes wait for a later iteration
         self._turn = None                   # the connection whose turn it is
         self._num_refused = 0               # refusals since the last log line
-        self._refusal_logged_at = -REFUSAL_LOG_INTERVAL_S
+        self._refusal_logged_at = -LOG_INTERVAL_S
+        self._cuts: dict = {}               # budget -> [connections ended since its last line, when that was, peak total]
 
     # ----------------------------------------------------------- accounting
 
@@ -202,7 +204,7 @@ class ServerBudget:
             return True
         self._num_refused += 1
         now = time.monotonic()
-        if now - self._refusal_logged_at >= REFUSAL_LOG_INTERVAL_S:
+        if now - self._refusal_logged_at >= LOG_INTERVAL_S:
             log.warning("at the connection limit (--max-connections %d): refused %d new connections",
                         self.limits.max_connections, self._num_refused)
             self._refusal_logged_at, self._num_refused = now, 0
@@ -271,5 +273,19 @@ class ServerBudget:
     def _cut(self, victims: list, cause: str, what: str, total: int, limit: int) -> None:
         for conn in victims:
             conn.end(cause, f"the server holds {total} {what}, over its limit of {limit}")
-        log.warning("%d %s held, over the server's limit of %d: ended %d connection(s) holding the most",
-                    total, what, limit, len(victims))
+        cuts = self._cuts.setdefault(cause, [0, -LOG_INTERVAL_S, 0])
+        cuts[0] += len(victims)
+        cuts[2] = max(cuts[2], total)
+        wait = cuts[1] + LOG_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            self._log_cuts(cause, what, limit)
+        elif cuts[0] == len(victims):       # the first cut since the last line: its line comes at the interval's end
+            asyncio.get_running_loop().call_later(wait, self._log_cuts, cause, what, limit)
+
+    def _log_cuts(self, cause: str, what: str, limit: int) -> None:
+        """One line for the connections a budget ended since its last line (at most one per LOG_INTERVAL_S)."""
+        cuts = self._cuts[cause]
+        if cuts[0]:
+            log.warning("up to %d %s held, over the server's limit of %d: ended %d connection(s) holding the most",
+                        cuts[2], what, limit, cuts[0])
+        cuts[:] = [0, time.monotonic(), 0]

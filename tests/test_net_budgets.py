@@ -58,6 +58,36 @@ def test_the_largest_holders_go_first_and_the_oldest_among_equals():
     assert pick_victims(holders, 0) == [] and pick_victims([], 10) == []
 
 
+class Endable:
+    def __init__(self):
+        self.ended = []
+
+    def end(self, cause: str, why: str) -> None:
+        self.ended.append(cause)
+
+
+def test_budget_cuts_log_one_line_per_interval_counting_every_connection_ended(monkeypatch, caplog):
+    """An attack trips a budget several times a second: the first cut is logged at once, the
+    rest of the interval's cuts in one line at its end, each connection still ended at once."""
+    monkeypatch.setattr(budgets, "LOG_INTERVAL_S", 0.2)
+
+    async def cuts():
+        budget = budgets.ServerBudget(ServerLimits(10, 1000, 1000), set())
+        conns = [Endable() for _ in range(6)]
+        for conn in conns:
+            budget._cut([conn], "total_unsent_bytes", "unsent response bytes", 1500, 1000)
+        await asyncio.sleep(0.4)
+        return conns
+
+    with caplog.at_level("WARNING", logger="tokenwire.net"):
+        conns = asyncio.run(cuts())
+    assert all(conn.ended == ["total_unsent_bytes"] for conn in conns)
+    lines = [r.getMessage() for r in caplog.records if "over the server's limit" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0].endswith("ended 1 connection(s) holding the most")
+    assert lines[1].endswith("ended 5 connection(s) holding the most")
+
+
 def test_the_defaults_follow_the_machine(monkeypatch):
     monkeypatch.setattr(budgets, "memory_bytes", lambda: 1 << 30)
     monkeypatch.setattr(budgets, "fd_limit", lambda: 1024)
