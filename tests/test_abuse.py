@@ -32,8 +32,9 @@ EXPECTED = {                      # abuse (a word of its name) -> the server's a
     "HEAD /metrics, HTTP/2": "200,200",
     "invalid preface": "goaway:PROTOCOL_ERROR",
 }
-# RSS growth allowed per abuse: the per-connection caps (--max-unsent-bytes 8 MiB; bodies held
-# within the 16 MiB connection window) plus the allocator's slack
+# RSS growth allowed per abuse: the per-connection caps (--max-unsent-bytes 8 MiB; a request body
+# is cut at --max-body-bytes 4 MiB, and these abuses send one oversized body at a time) plus the
+# allocator's slack
 MAX_RSS_GROWTH_MIB = 32
 WORST_TTFT_MS = 1000          # the quiet baseline is ~2 ms; a shared 2-core machine can stall a process for a while
 
