@@ -119,7 +119,7 @@ class App:
         self._response_ids = itertools.count(1)     # req-N: x-request-id of every response but a generation's
         self.shutting_down = False
         self.loop = None
-        self.tokenizing: Tokenizing | None = None   # the worker thread for large prompts, made by `attach`
+        self.tokenizing: Tokenizing | None = None   # the worker threads for large prompts, made by `attach`
         self._max_token_bytes: int | None = None    # prompt bytes one token covers at most (None: no bound)
         self._bos_ids: list = []                    # what `model.encode` puts before the text's ids
         self.routes = {

@@ -16,13 +16,16 @@ The loop must never do unbounded work for one request. Two rules:
    `max_token_bytes` is None.
 2. A prompt of `LARGE_PROMPT_CHARS` or more is tokenized on a worker thread through
    `tokenizers`' batch path (which releases the GIL), so it costs its own request's time,
-   not every client's.
+   not every client's. There are TOKENIZE_WORKERS of them (at least two): with one, a
+   prompt of a few MB (about a second of tokenizing) held every large prompt behind it.
 """
 
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 LARGE_PROMPT_CHARS = 16 * 1024          # from this length on a prompt is tokenized off the loop (~1 ms of work)
+TOKENIZE_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))     # the CPUs this process may use, 2 to 4
 
 
 def max_token_bytes(tokenizer) -> int | None:
@@ -58,11 +61,11 @@ def min_prompt_tokens(text: str, token_bytes: int) -> int:
 
 
 class Tokenizing:
-    """One worker thread that tokenizes large prompts (rule 2); `submit` -> a Future of the ids."""
+    """The worker threads that tokenize large prompts (rule 2); `submit` -> a Future of the ids."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, num_workers: int = TOKENIZE_WORKERS):
         self.tokenizer = tokenizer
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenwire-tokenize")
+        self._pool = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="tokenwire-tokenize")
 
     def submit(self, text: str, prefix: list):
         return self._pool.submit(self._encode, text, prefix)

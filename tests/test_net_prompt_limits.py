@@ -3,7 +3,9 @@ tokenizers, and large prompts tokenized off the loop by a real server (mock engi
 
 import json
 import random
+import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -11,7 +13,7 @@ from tokenizers import Tokenizer, models, normalizers
 
 import tokenwire
 from tokenwire.kernels.mock import build_mock_tokenizer
-from tokenwire.net.prompt_limits import LARGE_PROMPT_CHARS, max_token_bytes, min_prompt_tokens
+from tokenwire.net.prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens
 
 from clients.rawh2 import RawH2
 
@@ -73,6 +75,35 @@ def server():
     s = tokenwire.Server(backend="mock", port=0, max_model_len=65536).start()
     yield s
     s.stop()
+
+
+class HeldTokenizer:
+    """encode_batch blocks on the text "held" until released: a prompt that takes long."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def encode_batch(self, texts, add_special_tokens):
+        if texts[0] == "held":
+            assert self.release.wait(30)
+        return [SimpleNamespace(ids=[len(texts[0])])]
+
+
+def test_a_large_prompt_is_not_queued_behind_one_still_tokenizing():
+    """With one worker thread, a prompt of a few MB (about a second) held every large prompt
+    submitted after it; the workers are at least two. Deterministic: the first never ends until
+    the second has."""
+    tok = HeldTokenizer()
+    tokenizing = Tokenizing(tok)
+    try:
+        held = tokenizing.submit("held", [1])
+        assert tokenizing.submit("abc", [1]).result(timeout=30) == [1, 3]
+        assert not held.done()
+        tok.release.set()
+        assert held.result(timeout=30) == [1, 4]
+    finally:
+        tok.release.set()
+        tokenizing.close()
 
 
 def test_a_prompt_over_the_context_by_its_bytes_is_400_without_tokenizing(server):
