@@ -1,6 +1,7 @@
 """Routes: complete requests in, responses or engine submissions out.
 
-The Protocol shell hands `on_events` complete requests, resets and closes. A generation
+The Protocol shell hands `on_events` complete requests, resets and closes, and gRPC calls as
+they arrive (headers, each message, the half-close: net/grpc.py). A generation
 route parses and validates the body (openai_api.py), renders the chat template, tokenizes,
 stamps the request's Timeline and submits it to `EngineCore`; from then on the exchange
 belongs to the dispatcher (dispatch.py), which writes the engine's outputs as they come.
@@ -53,8 +54,17 @@ from .budgets import ServerBudget, ServerLimits
 from .choices import ChoiceGroup
 from .dispatch import JSON, Dispatcher, Exchange
 from .errors import ApiError, bad_param
-from .events import BodyTooLarge, ConnectionClosed, PriorityUpdate, Request, StreamReset
-from .grpc import RESOURCE_EXHAUSTED, STATUS_CODES, UNKNOWN, GenerateEncoder, GrpcRoutes
+from .events import (
+    BodyTooLarge,
+    ConnectionClosed,
+    MessageRequest,
+    PriorityUpdate,
+    Request,
+    RequestEnd,
+    RequestMessage,
+    StreamReset,
+)
+from .grpc import STATUS_CODES, UNKNOWN, GenerateEncoder, GrpcRoutes
 from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
@@ -169,10 +179,12 @@ class App:
     def connection_ended(self, proto) -> None:
         """The shell ended the connection for one of its limits: its requests are cancelled now."""
         self.dispatcher.cancel_all(proto)
+        self.grpc.forget(proto)
 
     def connection_lost(self, proto) -> None:
         self.connections.discard(proto)
         self.dispatcher.cancel_all(proto)
+        self.grpc.forget(proto)
         self.metrics.count_closed(proto.close_cause or "peer")
 
     def on_events(self, proto, events: list) -> None:
@@ -186,15 +198,21 @@ class App:
             for ev in events:       # the session has closed these streams already: no token may go to them
                 if type(ev) is StreamReset:
                     self.dispatcher.cancel(proto, ev.stream_id)
+                    self.grpc.forget(proto, ev.stream_id)
             if self.handoff is not None:
                 self.handoff.write_pending()
             for ev in events:
                 kind = type(ev)
                 if kind is Request:
                     self._handle(proto, ev)
+                elif kind is RequestMessage:        # a gRPC call's messages, as they come (http2.py rule 11)
+                    self.grpc.message(proto, ev)
+                elif kind is MessageRequest:
+                    self.grpc.open(proto, ev)
+                elif kind is RequestEnd:
+                    self.grpc.end(proto, ev)
                 elif kind is BodyTooLarge and ev.headers.get("content-type", "").startswith("application/grpc"):
-                    self.grpc.respond_status(proto, ev, RESOURCE_EXHAUSTED, "the request is larger than the "
-                                             f"limit of {proto.limits.max_body_bytes} bytes")
+                    self.grpc.too_large(proto, ev)
                 elif kind is BodyTooLarge:
                     self._respond_error(proto, ev, ApiError(
                         413, f"request body is larger than the limit of {proto.limits.max_body_bytes} bytes",
@@ -205,6 +223,7 @@ class App:
                         self.engine.set_priority(request_id, urgency(ev.value))
                 elif kind is ConnectionClosed:
                     self.dispatcher.cancel_all(proto)
+                    self.grpc.forget(proto)
         finally:
             if self.engine is not None:
                 self.engine.wake()
@@ -569,6 +588,7 @@ class App:
         for proto in protos[:SWEEP_BATCH]:
             for stream_id in proto.check_deadlines(now):
                 self.dispatcher.cancel(proto, stream_id)
+                self.grpc.forget(proto, stream_id)
         if len(protos) > SWEEP_BATCH and self.loop is not None:
             self.loop.call_soon(self._sweep_some, protos[SWEEP_BATCH:], now)
         elif len(protos) > SWEEP_BATCH:

@@ -3,7 +3,9 @@ they enforce.
 
 Both sessions speak the same small vocabulary, so the Protocol shell and the routes never
 branch on the HTTP version: a complete request, a body over the limit, a stream the client
-abandoned, an h2c upgrade offer (HTTP/1.1 only), and the end of the connection.
+abandoned, an h2c upgrade offer (HTTP/1.1 only), and the end of the connection. HTTP/2 also
+delivers a gRPC request as it arrives (`MessageRequest`, `RequestMessage`, `RequestEnd`):
+its body is a stream of messages that may stay open for as long as the call.
 """
 
 from dataclasses import dataclass
@@ -59,8 +61,33 @@ class Request(NamedTuple):
     arrived_ns: int             # time.monotonic_ns() when the bytes completing the header block were received
 
 
+class MessageRequest(NamedTuple):
+    """A request whose body is a stream of length-prefixed messages (gRPC, content-type
+    application/grpc*; HTTP/2 only), delivered at its headers: its messages follow as
+    `RequestMessage` events as each one is complete, then `RequestEnd`."""
+    stream_id: int
+    method: str
+    target: str
+    headers: dict
+    arrived_ns: int
+
+
+class RequestMessage(NamedTuple):
+    """One complete message of a `MessageRequest`'s body (gRPC's Length-Prefixed-Message)."""
+    stream_id: int
+    compressed: bool            # the message's compressed flag (gRPC: grpc-encoding says how)
+    message: bytes              # without its 5-byte prefix
+
+
+class RequestEnd(NamedTuple):
+    """The peer ended a `MessageRequest`'s body (END_STREAM): no more messages will come."""
+    stream_id: int
+    num_cut_bytes: int          # bytes of a message left incomplete at the end (0: it ended between messages)
+
+
 class BodyTooLarge(NamedTuple):
-    """The body passed `Limits.max_body_bytes`; the rest of it is discarded."""
+    """The body passed `Limits.max_body_bytes` (a `MessageRequest`: one message did); the rest
+    of it is discarded."""
     stream_id: int
     method: str
     target: str

@@ -1,9 +1,18 @@
 """gRPC on the HTTP/2 port: the same sessions, loop, engine and dispatcher as the HTTP routes.
 
-A request whose content-type is `application/grpc[+proto]` comes here from `App._handle`
+A request whose content-type is `application/grpc[+proto]` comes here from the app
 (net/app.py). gRPC is HTTP/2 with length-prefixed messages (1 byte compressed flag, 4 bytes
 big-endian length, the message) and its status in trailers; every rule below is from
 gRPC's "PROTOCOL-HTTP2" specification:
+
+- Delivery: the HTTP/2 session hands over a call as it arrives (http2.py rule 11): its
+  headers (`open`: method, encoding and deadline checked at once), each message as soon as
+  it is complete (`message`), the client's half-close (`end`). A method in `streaming`
+  (reflection's bidirectional ServerReflectionInfo) answers each message as it comes, on a
+  stream the client may hold open; the others (unary, server streaming) take their one
+  message at the half-close, as gRPC servers do, and a second message is UNIMPLEMENTED at
+  once. A message over --max-body-bytes is RESOURCE_EXHAUSTED; a client's RST_STREAM
+  forgets the call (`forget`). A complete request (an h2c upgrade's stream 1) goes to `handle`.
 
 - Services: `tokenwire.v1.Generator` (Generate: server streaming; ListModels: unary; the
   schema is net/proto/tokenwire.proto; Generate's `constraint` oneof goes through the HTTP
@@ -27,6 +36,7 @@ gRPC's "PROTOCOL-HTTP2" specification:
 """
 
 import gzip
+import logging
 import struct
 import zlib
 from urllib.parse import quote
@@ -34,7 +44,7 @@ from urllib.parse import quote
 from ..core.constraint import ConstraintSpec
 from ..core.sampling_params import InvalidParameter, SamplingParams
 from .errors import ApiError
-from .events import Request
+from .events import MessageRequest, Request, RequestEnd, RequestMessage
 from .http2 import H2Session
 from .openai_api import GenerationRequest
 from .structured import guided_constraint
@@ -58,6 +68,9 @@ _TIMING_FIELDS = frozenset(f.name for f in schema.GenerateResponse.DESCRIPTOR.fi
 GENERATOR = "tokenwire.v1.Generator"
 SERVICES = (GENERATOR, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
             "grpc.reflection.v1.ServerReflection")
+
+
+log = logging.getLogger("tokenwire.net")
 
 
 class GrpcError(Exception):
@@ -202,6 +215,20 @@ class GenerateEncoder:
 
 # ------------------------------------------------------------------ the routes
 
+class Call:
+    """A call whose request is still coming (http2.py rule 11), from `open` to its end."""
+    __slots__ = ("req", "method", "on_message", "encoding", "deadline_ns", "messages", "request_id")
+
+    def __init__(self, req, method, on_message, encoding: str | None, deadline_ns: int | None):
+        self.req = req                  # the MessageRequest (or Request): stream id, target, headers
+        self.method = method            # the whole-request method: (proto, req, messages, deadline_ns)
+        self.on_message = on_message    # a streaming method's (proto, call, message); None: `method` at the end
+        self.encoding = encoding        # grpc-encoding, for compressed messages
+        self.deadline_ns = deadline_ns  # monotonic; None: no grpc-timeout
+        self.messages = []              # a non-streaming method's message, kept until the half-close
+        self.request_id = None          # x-request-id once the response started
+
+
 class GrpcRoutes:
     """The gRPC methods, called by the app for `application/grpc` requests. Part of the app:
     it uses the app's guards (`_authorize`, `_require_model`, `_ready`) and its `_submit`,
@@ -210,6 +237,7 @@ class GrpcRoutes:
     def __init__(self, app):
         self.app = app
         self.watchers = []          # Health.Watch streams: [proto, stream_id, service, last status sent]
+        self.calls = {}             # proto -> {stream id -> Call}: calls whose request is still coming
         self.methods = {
             f"/{GENERATOR}/Generate": self._generate,
             f"/{GENERATOR}/ListModels": self._list_models,
@@ -218,28 +246,135 @@ class GrpcRoutes:
             "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": self._reflection,
             "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": self._reflection,
         }
+        # methods that answer each request message as it comes (bidirectional streams)
+        self.streaming = {
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": self._reflection_message,
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": self._reflection_message,
+        }
 
     def handle(self, proto, req: Request) -> None:
+        """A complete request: its method on all its messages."""
+        self._answering(proto, req, self._handle_whole, proto, req)
+
+    def _handle_whole(self, proto, req: Request) -> None:
+        call = self._new_call(proto, req)
+        call.method(proto, req, split_messages(req.body, call.encoding), call.deadline_ns)
+
+    def _new_call(self, proto, req) -> Call:
+        """The call `req`'s headers ask for. Raises GrpcError, ApiError (505: not HTTP/2)."""
+        if not isinstance(proto.session, H2Session):
+            raise ApiError(505, "gRPC needs HTTP/2", code="http2_required")
+        method = self.methods.get(req.target)
+        if req.method != "POST" or method is None:
+            raise GrpcError(UNIMPLEMENTED, f"no method {req.method} {req.target}")
+        encoding = req.headers.get("grpc-encoding")
+        if encoding is not None and encoding not in ACCEPTED_ENCODINGS:
+            raise GrpcError(UNIMPLEMENTED, f"grpc-encoding {encoding!r} is not supported; use identity or gzip")
+        timeout = req.headers.get("grpc-timeout")
+        deadline_ns = req.arrived_ns + parse_timeout(timeout) if timeout is not None else None
+        return Call(req, method, self.streaming.get(req.target), encoding, deadline_ns)
+
+    # ---------------------------------------------------------- a call as it arrives
+
+    def open(self, proto, req: MessageRequest) -> None:
+        """A call's headers: checked now (an error is the whole answer); its messages follow."""
+        call = self._answering(proto, req, self._new_call, proto, req)
+        if call is not None:
+            self.calls.setdefault(proto, {})[req.stream_id] = call
+
+    def message(self, proto, ev: RequestMessage) -> None:
+        """One request message: a streaming method answers it now; another keeps it (counted in
+        the session's body bytes) until the half-close."""
+        call = self.calls.get(proto, {}).get(ev.stream_id)
+        if call is not None:
+            self._answering(proto, call.req, self._on_message, proto, call, ev)
+
+    def _on_message(self, proto, call: Call, ev: RequestMessage) -> None:
+        message = _decompress(ev.message, call.encoding) if ev.compressed else ev.message
+        if call.on_message is not None:
+            call.on_message(proto, call, message)
+        elif call.messages:
+            raise GrpcError(UNIMPLEMENTED, "this method takes exactly one request message, got more")
+        else:
+            call.messages.append(message)
+            proto.session.keep_message(ev.stream_id, len(message))
+
+    def end(self, proto, ev: RequestEnd) -> None:
+        """The client half-closed: a streaming call ends OK, any other runs its method now."""
+        call = self.calls.get(proto, {}).get(ev.stream_id)
+        if call is not None:
+            self._answering(proto, call.req, self._on_end, proto, call, ev.num_cut_bytes)
+            self.forget(proto, ev.stream_id)
+
+    def _on_end(self, proto, call: Call, num_cut_bytes: int) -> None:
+        if num_cut_bytes:
+            raise GrpcError(INTERNAL, f"the request ends {num_cut_bytes} bytes into an incomplete message")
+        if call.on_message is None:
+            call.method(proto, call.req, call.messages, call.deadline_ns)
+        else:
+            self._close_call(proto, call, OK, "")
+
+    def too_large(self, proto, ev) -> None:
+        """A message (or a whole request) over --max-body-bytes: RESOURCE_EXHAUSTED, also on a
+        stream whose response has started."""
+        message = f"the request is larger than the limit of {proto.limits.max_body_bytes} bytes"
+        call = self.calls.get(proto, {}).get(ev.stream_id)
+        if call is None:
+            self.respond_status(proto, ev, RESOURCE_EXHAUSTED, message)
+        else:
+            self.forget(proto, ev.stream_id)
+            self._close_call(proto, call, RESOURCE_EXHAUSTED, message)
+
+    def forget(self, proto, stream_id: int | None = None) -> None:
+        """The call on `stream_id` is over, or gone with its stream; None: every call of the
+        connection (it closed)."""
+        calls = self.calls.get(proto)
+        if calls is not None:
+            if stream_id is not None:
+                calls.pop(stream_id, None)
+            if stream_id is None or not calls:
+                del self.calls[proto]
+
+    def _answering(self, proto, req, fn, *args):
+        """fn(*args); an error it raises is the call's status (-> None), and ends the call."""
         try:
-            if not isinstance(proto.session, H2Session):
-                raise ApiError(505, "gRPC needs HTTP/2", code="http2_required")
-            method = self.methods.get(req.target)
-            if req.method != "POST" or method is None:
-                raise GrpcError(UNIMPLEMENTED, f"no method {req.method} {req.target}")
-            encoding = req.headers.get("grpc-encoding")
-            if encoding is not None and encoding not in ACCEPTED_ENCODINGS:
-                raise GrpcError(UNIMPLEMENTED, f"grpc-encoding {encoding!r} is not supported; use identity or gzip")
-            timeout = req.headers.get("grpc-timeout")
-            deadline_ns = req.arrived_ns + parse_timeout(timeout) if timeout is not None else None
-            method(proto, req, split_messages(req.body, encoding), deadline_ns)
+            return fn(*args)
         except GrpcError as exc:
-            self.respond_status(proto, req, exc.code, exc.message)
+            self._fail(proto, req, exc.code, exc.message)
         except ApiError as exc:
             if exc.status == 505:
                 raise
-            self.respond_status(proto, req, STATUS_CODES.get(exc.status, UNKNOWN), exc.message)
+            self._fail(proto, req, STATUS_CODES.get(exc.status, UNKNOWN), exc.message)
         except InvalidParameter as exc:
-            self.respond_status(proto, req, INVALID_ARGUMENT, str(exc))
+            self._fail(proto, req, INVALID_ARGUMENT, str(exc))
+        return None
+
+    def _fail(self, proto, req, code: int, message: str) -> None:
+        call = self.calls.get(proto, {}).get(req.stream_id)
+        if call is None:
+            self.respond_status(proto, req, code, message)
+        else:
+            self.forget(proto, req.stream_id)
+            self._close_call(proto, call, code, message)
+
+    def _send(self, proto, call: Call, messages: bytes) -> None:
+        """Framed messages on a streaming call's response (its headers first, once)."""
+        session, sid = proto.session, call.req.stream_id
+        if call.request_id is None:
+            call.request_id = self.app.next_response_id()
+            session.start_response(sid, 200, RESPONSE_HEADERS, ((b"x-request-id", call.request_id.encode()),))
+        session.send_data(sid, messages)
+
+    def _close_call(self, proto, call: Call, code: int, message: str) -> None:
+        """A streaming call's status: its trailers (a whole response if nothing was sent)."""
+        req = call.req
+        if call.request_id is None:
+            self.respond_status(proto, req, code, message)
+            return
+        if req.stream_id in proto.session.streams:
+            proto.session.end_response(req.stream_id, status_trailers(code, message))
+        self.app.access_log.request(proto, req.method, req.target, 200, request_id=call.request_id,
+                                    grpc_status=code)
 
     def respond_status(self, proto, req: Request, code: int, message: str, messages: bytes = b"") -> None:
         """A whole response: headers (with its x-request-id), `messages` (framed), the status in
@@ -314,9 +449,15 @@ class GrpcRoutes:
     # ---------------------------------------------------------- reflection
 
     def _reflection(self, proto, req: Request, messages: list, deadline_ns) -> None:
-        replies = b"".join(frame(reflection_reply(schema.ReflectionRequest.FromString(m)).SerializeToString())
+        """A whole request's reflection messages, answered in one response."""
+        replies = b"".join(frame(reflection_reply(_parse(m, schema.ReflectionRequest)).SerializeToString())
                            for m in messages)
         self.respond_status(proto, req, OK, "", replies)
+
+    def _reflection_message(self, proto, call: Call, message: bytes) -> None:
+        """One reflection request on a stream that stays open: its reply goes out now."""
+        reply = reflection_reply(_parse(message, schema.ReflectionRequest))
+        self._send(proto, call, frame(reply.SerializeToString()))
 
 
 def reflection_reply(request):
@@ -382,8 +523,12 @@ def _one(messages: list, cls):
     if len(messages) != 1:
         raise GrpcError(INTERNAL if not messages else UNIMPLEMENTED,
                         f"this method takes exactly one request message, got {len(messages)}")
+    return _parse(messages[0], cls)
+
+
+def _parse(message: bytes, cls):
     try:
-        return cls.FromString(messages[0])
+        return cls.FromString(message)
     except Exception as exc:        # protobuf's DecodeError, or a wrong wire type
         raise GrpcError(INTERNAL, f"the request message does not parse as {cls.DESCRIPTOR.full_name}: {exc}") \
             from None

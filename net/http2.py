@@ -31,7 +31,9 @@ Rule 3: flow control is exact and ours in both directions. Out: every DATA frame
         we accept (a request body usually needs no stream WINDOW_UPDATE) and is handed back in
         batches of half a window as its bytes arrive, so the window is flow control, never the
         size limit: a body past `max_body_bytes` (or a content-length over it, before any body)
-        is `BodyTooLarge`, answered 413, then RST_STREAM(NO_ERROR) (RFC 9113 8.1).
+        is `BodyTooLarge`, answered 413, then RST_STREAM(NO_ERROR) (RFC 9113 8.1). A message
+        stream (rule 11) holds only its incomplete message, plus the delivered messages the app
+        keeps until the request ends (`keep_message`): both are in `num_body_bytes`.
 Rule 4: every header block is HPACK-decoded, in arrival order, also for streams we refuse or
         reset: the dynamic table must see them all. Repeated blocks replay from a memo that is
         valid only against the same table (request_headers.py).
@@ -54,6 +56,14 @@ Rule 9: a peer spends from per-connection budgets (flood.py, `Limits`): streams 
 Rule 10: of the extension frames, PRIORITY_UPDATE (RFC 9218 7.1) is read: on stream 0, for
         a request stream the app holds, it becomes a `PriorityUpdate` event; every other
         unknown frame type is ignored (RFC 9113 5.5).
+Rule 11: a request whose content-type is `application/grpc*` is a message stream: its body is
+        gRPC's length-prefixed messages (1-byte compressed flag, 4-byte length, the message),
+        and a call may keep it open for as long as it lasts (a bidirectional stream), so it is
+        delivered as it arrives: `MessageRequest` at its headers, a `RequestMessage` for each
+        message as soon as the message is complete, `RequestEnd` at END_STREAM. The limit is
+        per message: one longer than `max_body_bytes` is `BodyTooLarge`. Every other request
+        is delivered whole (`Request`), at END_STREAM. A response that ends while its request
+        still comes is followed by RST_STREAM(NO_ERROR) (RFC 9113 8.1).
 
 Errors (RFC 9113 5.4). A connection error writes GOAWAY (last stream id, code), reports
 `ConnectionClosed` and ignores all later input. A stream error writes RST_STREAM; if the app
@@ -92,7 +102,17 @@ import h2.settings
 import hpack
 from h2.errors import ErrorCodes
 
-from .events import BodyTooLarge, ConnectionClosed, Limits, PriorityUpdate, Request, StreamReset
+from .events import (
+    BodyTooLarge,
+    ConnectionClosed,
+    Limits,
+    MessageRequest,
+    PriorityUpdate,
+    Request,
+    RequestEnd,
+    RequestMessage,
+    StreamReset,
+)
 from .flood import RateBudget
 from .hpack_plain import encode_block
 from .request_headers import MalformedRequest, RequestDecoder
@@ -105,6 +125,8 @@ GOAWAY = struct.Struct(">BHBBIII")      # header + last stream id + error code
 RST_STREAM_FRAME = struct.Struct(">BHBBII")     # header + error code
 WINDOW_UPDATE_FRAME = struct.Struct(">BHBBII")  # header + increment
 U32 = struct.Struct(">I")
+MESSAGE_PREFIX = struct.Struct(">BI")   # a gRPC message's compressed flag and length (rule 11)
+MESSAGE_CONTENT_TYPE = "application/grpc"   # requests whose content-type starts so are message streams
 DRAIN_PING = b"tw-drain"                # PING payload that asks "have you read everything?"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -152,6 +174,8 @@ TRANSITIONS = {
     (HALF_CLOSED_LOCAL, SEND_RST_STREAM): CLOSED,
 }
 _RECV_INPUTS = frozenset({RECV_HEADERS, RECV_DATA, RECV_TRAILERS, RECV_END_STREAM, RECV_RST_STREAM})
+# the events that carry a request to the app (withdrawn when its stream is gone before the app saw them)
+_REQUEST_EVENTS = (Request, MessageRequest, RequestMessage, RequestEnd)
 
 
 class ConnectionError_(Exception):
@@ -177,7 +201,7 @@ class _Stream:
     """One request/response exchange as the session sees it."""
     __slots__ = ("id", "state", "method", "target", "headers", "body", "body_len", "content_length",
                  "arrived_ns", "too_large", "send_window", "recv_window", "recv_unacked", "held", "pending",
-                 "end_after", "stalled_ns", "started")
+                 "end_after", "stalled_ns", "started", "by_message")
 
     def __init__(self, stream_id, method, target, headers, content_length, arrived_ns, send_window, recv_window):
         self.id = stream_id
@@ -185,7 +209,8 @@ class _Stream:
         self.method = method
         self.target = target
         self.headers = headers
-        self.body = None                # bytes of the first DATA frame; a list of chunks from the second on
+        self.body = None                # bytes of the first DATA frame; a list of chunks from the second on;
+                                        # a message stream's: a bytearray, its incomplete message
         self.body_len = 0
         self.content_length = content_length    # the request's content-length, None if it gave none
         self.arrived_ns = arrived_ns
@@ -198,6 +223,7 @@ class _Stream:
         self.end_after = None           # trailers list (maybe empty) once the response is ended
         self.stalled_ns = 0             # when `pending` last made progress (or filled), monotonic ns
         self.started = False            # the response HEADERS went out
+        self.by_message = False         # a message stream (rule 11): delivered message by message
 
 
 def transition(st: _Stream, event: int) -> int:
@@ -407,6 +433,9 @@ class H2Session:
         self._open[sid] = self.streams[sid] = st
         if content_length is not None and content_length > self.limits.max_body_bytes:
             self._too_large(st, events)         # 413 before any of the body is read
+        elif headers.get("content-type", "").startswith(MESSAGE_CONTENT_TYPE):
+            st.by_message = True
+            events.append(MessageRequest(sid, method, target, headers, st.arrived_ns))
         if flags & END_STREAM:
             self._end_request(st, events)
 
@@ -440,7 +469,10 @@ class H2Session:
             raise ConnectionError_(ErrorCodes.FLOW_CONTROL_ERROR, f"DATA beyond the window of stream {sid}")
         transition(st, RECV_DATA)
         if stop > start and not st.too_large and st.end_after is None:
-            self._add_body(st, data[start:stop], events)
+            if st.by_message:
+                self._add_messages(st, data[start:stop], events)
+            else:
+                self._add_body(st, data[start:stop], events)
         elif not length and not flags & END_STREAM:
             self._spend(self._empty, "empty_frame_flood", "empty DATA frames")
         if flags & END_STREAM:
@@ -473,6 +505,43 @@ class H2Session:
         else:
             st.body = [body, chunk]
         st.body_len = n
+
+    def _add_messages(self, st: _Stream, chunk: bytes, events: list) -> None:
+        """A message stream's body bytes (rule 11): every message they complete is delivered;
+        what is left of an incomplete one is held."""
+        st.body_len += len(chunk)
+        if st.content_length is not None and st.body_len > st.content_length:
+            raise StreamError(st.id, ErrorCodes.PROTOCOL_ERROR, "body longer than its content-length")
+        buf = st.body
+        if buf is None:
+            buf = st.body = bytearray()
+        num_held = len(buf)
+        buf += chunk
+        pos, end, limit = 0, len(buf), self.limits.max_body_bytes
+        while end - pos >= 5:
+            compressed, length = MESSAGE_PREFIX.unpack_from(buf, pos)
+            if length > limit:
+                self._too_large(st, events)
+                return
+            stop = pos + 5 + length
+            if stop > end:
+                break
+            events.append(RequestMessage(st.id, bool(compressed), bytes(buf[pos + 5:stop])))
+            pos = stop
+        if pos:
+            del buf[:pos]
+        delta = len(buf) - num_held
+        st.held += delta
+        self.num_body_bytes += delta
+
+    def keep_message(self, stream_id: int, num_bytes: int) -> None:
+        """The app keeps a delivered message until the request ends (a unary gRPC call waits
+        for the half-close): its bytes count in `num_body_bytes`, and so in the server-wide
+        budget, until then."""
+        st = self._open.get(stream_id)
+        if st is not None and st.by_message and st.state == OPEN:
+            st.held += num_bytes
+            self.num_body_bytes += num_bytes
 
     def _too_large(self, st: _Stream, events: list) -> None:
         """The body is over the limit: what is held is dropped, the app answers 413 at once
@@ -514,6 +583,9 @@ class H2Session:
             raise StreamError(st.id, ErrorCodes.PROTOCOL_ERROR, "body shorter than its content-length")
         body = st.body
         st.body = None
+        if st.by_message:
+            events.append(RequestEnd(st.id, len(body) if body is not None else 0))
+            return
         if body is None:
             body = b""
         elif type(body) is list:
@@ -670,7 +742,7 @@ class H2Session:
     def _connection_error(self, code: ErrorCodes, message: str, events: list, cause: str = "protocol_error") -> None:
         self._send_goaway(self.highest_stream_id, code)
         self.closed = True
-        events[:] = [ev for ev in events if type(ev) is not Request]     # no response could reach the peer
+        events[:] = [ev for ev in events if type(ev) not in _REQUEST_EVENTS]     # no response could reach the peer
         events.append(ConnectionClosed(f"HTTP/2 protocol error ({_code_name(code)}): {message}", cause))
 
     def end_connection(self, cause: str, message: str, calm: bool = True) -> list:
@@ -704,15 +776,18 @@ class H2Session:
             self._report_reset(sid, events)
 
     def _report_reset(self, sid: int, events: list) -> None:
-        """A stream the app may hold is gone: StreamReset, or, when its Request is among this
-        read's events (the app has not seen it yet), the Request is withdrawn instead, so the
-        app never receives a request whose stream is already closed."""
+        """A stream the app may hold is gone: its request events among this read's are
+        withdrawn, so the app never receives a request, or a message, whose stream is already
+        closed; then StreamReset, unless the app had not seen the request at all."""
+        seen = True
         for i in range(len(events) - 1, -1, -1):
             ev = events[i]
-            if type(ev) is Request and ev.stream_id == sid:
+            kind = type(ev)
+            if kind in _REQUEST_EVENTS and ev.stream_id == sid:
                 del events[i]
-                break
-        else:
+                if kind is Request or kind is MessageRequest:
+                    seen = False
+        if seen:
             events.append(StreamReset(sid))
         self._maybe_goaway()
 
@@ -1011,7 +1086,7 @@ class H2Session:
             self._out.append(FRAME_HEADER.pack(0, 0, DATA, END_STREAM, st.id))
         if transition(st, SEND_END_STREAM) == CLOSED:
             self._close(st, CLOSED_BY_END)
-        elif st.too_large:          # answered 413 while the body still comes: stop it (RFC 9113 8.1)
+        else:       # answered while the request still comes (413, a gRPC status): stop it (RFC 9113 8.1)
             self._reset(st.id, ErrorCodes.NO_ERROR)
         self._maybe_goaway()
 

@@ -43,7 +43,7 @@ import h2.exceptions
 
 from .budgets import Holding
 from .errors import ApiError
-from .events import BodyTooLarge, ConnectionClosed, Limits, Request, UpgradeRequested
+from .events import BodyTooLarge, ConnectionClosed, Limits, MessageRequest, Request, UpgradeRequested
 from .http1 import H1Session
 from .http2 import H2Session
 from .outbox import Outbox
@@ -124,12 +124,13 @@ class ServerProtocol(asyncio.Protocol):
             if self.session is None:
                 return
         events = self.session.receive_data(data)
-        num_body_bytes = self.session.num_body_bytes
-        if num_body_bytes != self.holding.body:
-            self.budget.hold_body(self.holding, num_body_bytes)
         if events:
             self.last_active = time.monotonic()     # events, not bytes, are activity
             self._dispatch(events)
+        if not self.closing:            # (after the app: it may keep a gRPC message, http2.py `keep_message`)
+            num_body_bytes = self.session.num_body_bytes
+            if num_body_bytes != self.holding.body:
+                self.budget.hold_body(self.holding, num_body_bytes)
         self.flush()
 
     def eof_received(self):
@@ -368,7 +369,7 @@ class ServerProtocol(asyncio.Protocol):
         elif last is ConnectionClosed and self.close_cause is None:
             self.close_cause = events[-1].cause
         if not self.served_any:
-            self.served_any = any(type(ev) is Request or type(ev) is BodyTooLarge for ev in events)
+            self.served_any = any(type(ev) in (Request, MessageRequest, BodyTooLarge) for ev in events)
         self.app.on_events(self, events)
 
     def _upgrade(self, offer: UpgradeRequested) -> list:
