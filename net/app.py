@@ -17,7 +17,8 @@ Any other method is 405 with `Allow`. Authentication (optional Bearer key) cover
 open for load balancers and scrapers.
 A generation request's `priority` header (RFC 9218: `u=0` most urgent .. `u=7`, default 3)
 is its scheduler priority, and HTTP/2 PRIORITY_UPDATE frames change it while it waits or
-runs (net/priority.py). A generation request may carry `x-request-timeout-ms: N` (gRPC:
+runs (net/priority.py); one that came before the request is already in its `priority`
+header (http2.py rule 10). A generation request may carry `x-request-timeout-ms: N` (gRPC:
 grpc-timeout): N ms after it arrived it is cancelled and ends with finish_reason "deadline"
 (504 when nothing was sent).
 

@@ -53,9 +53,14 @@ Rule 9: a peer spends from per-connection budgets (flood.py, `Limits`): streams 
         `num_body_bytes`: the server-wide budgets read both) and a stream whose queue made
         no progress for the write timeout can be reset (`expire_stalled`); the shell enforces
         both (protocol.py).
-Rule 10: of the extension frames, PRIORITY_UPDATE (RFC 9218 7.1) is read: on stream 0, for
-        a request stream the app holds, it becomes a `PriorityUpdate` event; every other
-        unknown frame type is ignored (RFC 9113 5.5).
+Rule 10: of the extension frames, PRIORITY_UPDATE (RFC 9218 7.1) is read, on stream 0: for
+        a request the app holds, it becomes a `PriorityUpdate` event; for a stream whose request
+        is not complete yet, or not opened yet, its value replaces the request's `priority`
+        header when the request is delivered. Those for streams not opened yet are kept, at most
+        MAX_EARLY_PRIORITIES per connection (the oldest is dropped for a new one; a newer value
+        for the same stream replaces the older), until their HEADERS come, or a higher stream
+        opens, which closes the idle streams below it (RFC 9113 5.1.1). Every other unknown
+        frame type is ignored (RFC 9113 5.5).
 Rule 11: a request whose content-type is `application/grpc*` is a message stream: its body is
         gRPC's length-prefixed messages (1-byte compressed flag, 4-byte length, the message),
         and a call may keep it open for as long as it lasts (a bidirectional stream), so it is
@@ -145,6 +150,7 @@ MAX_WINDOW = 2**31 - 1
 CONNECTION_WINDOW = 2**24               # our connection receive window, raised to this at the start
 MAX_CONTINUATIONS = 64                  # CONTINUATION frames per header block (h2's limit)
 CLOSED_MEMORY = 1024                    # recently closed streams remembered (how they closed)
+MAX_EARLY_PRIORITIES = 16               # PRIORITY_UPDATEs kept for streams not opened yet (rule 10)
 
 # stream states (RFC 9113 5.1, as a server sees them; idle and closed streams are not in the table)
 IDLE, OPEN, HALF_CLOSED_REMOTE, HALF_CLOSED_LOCAL, CLOSED = range(5)
@@ -273,6 +279,8 @@ class H2Session:
         self.wants_poll = False                     # HTTP/1.1 pipelining flag; never set here
         self.peer_goaway = False                    # the peer sent GOAWAY(NO_ERROR): finish and close
         self._credit_due: dict[int, _Stream] = {}   # streams owed a WINDOW_UPDATE at the end of this read
+        self._early_priorities: dict[int, str] = {}  # stream id -> PRIORITY_UPDATE value, for streams not
+                                                    # opened yet (rule 10), oldest first
         self.num_pending_bytes = 0                  # response bytes queued in streams (waiting for windows)
         self.num_body_bytes = 0                     # body bytes held for requests not yet complete (all streams)
         self.num_control_frames = 0                 # control frames we wrote (ACKs, RST_STREAM, WINDOW_UPDATE)
@@ -414,6 +422,7 @@ class H2Session:
             raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, f"stream id {sid} is even or not above "
                                    f"{self.highest_stream_id}, the last one opened")
         self.highest_stream_id = sid
+        early = self._take_early_priority(sid) if self._early_priorities else None
         try:
             method, target, headers, content_length = self._decode_request(block)
         except MalformedRequest:         # RFC 9113 8.1.1: a stream error, not a connection error
@@ -431,6 +440,8 @@ class H2Session:
         st = _Stream(sid, method, target, headers, content_length, self._received_ns,
                      self.peer_initial_window, self.stream_recv_window)
         self._open[sid] = self.streams[sid] = st
+        if early is not None:
+            headers["priority"] = early         # (the dict is this request's own: request_headers.py)
         if content_length is not None and content_length > self.limits.max_body_bytes:
             self._too_large(st, events)         # 413 before any of the body is read
         elif headers.get("content-type", "").startswith(MESSAGE_CONTENT_TYPE):
@@ -648,8 +659,9 @@ class H2Session:
             self._priority_error(sid, ErrorCodes.PROTOCOL_ERROR, f"stream {sid} depends on itself")
 
     def _on_priority_update(self, sid, data, start, stop, events):
-        """PRIORITY_UPDATE (RFC 9218 7.1): on stream 0, naming a request stream; reported for
-        an open stream the app holds, ignored for any other (closed, or not opened yet)."""
+        """PRIORITY_UPDATE (RFC 9218 7.1): on stream 0, naming a request stream; reported for a
+        request the app holds, put in the request's headers for one not complete yet, kept for a
+        stream not opened yet (rule 10), ignored for a closed one."""
         if sid != 0:
             raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "PRIORITY_UPDATE on a stream other than 0")
         if stop - start < 4:
@@ -657,8 +669,28 @@ class H2Session:
         target = int.from_bytes(data[start:start + 4], "big") & 0x7FFFFFFF
         if target == 0:
             raise ConnectionError_(ErrorCodes.PROTOCOL_ERROR, "PRIORITY_UPDATE for stream 0")
-        if target in self.streams:
-            events.append(PriorityUpdate(target, data[start + 4:stop].decode("latin-1")))
+        value = data[start + 4:stop].decode("latin-1")
+        st = self._open.get(target)
+        if st is not None:
+            if st.state == OPEN:                # its request still comes: it is delivered with this value
+                st.headers["priority"] = value  # (a message stream's too: a unary gRPC call starts at the end)
+            if target in self.streams and (st.by_message or st.state != OPEN):     # the app holds the request
+                events.append(PriorityUpdate(target, value))
+        elif target > self.highest_stream_id and target & 1:              # not opened yet (we never push)
+            early = self._early_priorities
+            early.pop(target, None)             # a newer value replaces the older one, and is the newest
+            if len(early) >= MAX_EARLY_PRIORITIES:
+                del early[next(iter(early))]    # the oldest goes
+            early[target] = value
+
+    def _take_early_priority(self, sid: int) -> str | None:
+        """The kept PRIORITY_UPDATE value for the stream `sid` opens, if any; those for the
+        streams below it are dropped: opening `sid` closed them (RFC 9113 5.1.1)."""
+        early = self._early_priorities
+        value = early.pop(sid, None)
+        for stale in [k for k in early if k < sid]:
+            del early[stale]
+        return value
 
     def _priority_error(self, sid: int, code: ErrorCodes, message: str) -> None:
         """A stream error, but RST_STREAM may not name an idle stream (RFC 9113 6.4): then the connection's."""

@@ -1,6 +1,7 @@
-"""The HTTP/2 session's message streams (http2.py rule 11), over an in-memory pair: h2's
-client on one side, our session on the other, asserting exact events, the body bytes the
-session counts, and the frames it writes."""
+"""The HTTP/2 session's message streams (http2.py rule 11) and PRIORITY_UPDATE frames that
+come before their request (rule 10), over an in-memory pair: h2's client on one side, our
+session on the other, asserting exact events, the body bytes the session counts, and the
+frames it writes."""
 
 import struct
 
@@ -15,7 +16,7 @@ from tokenwire.net.events import (
     RequestMessage,
     StreamReset,
 )
-from tokenwire.net.http2 import RST_STREAM, H2Session
+from tokenwire.net.http2 import MAX_EARLY_PRIORITIES, PRIORITY_UPDATE, RST_STREAM, H2Session
 
 from test_net_session import REQUEST_HEADERS, client, frames, pump
 
@@ -32,6 +33,11 @@ def connected(limits: Limits | None = None):
     s.receive_data(c.data_to_send())
     pump(c, s)
     return c, s
+
+
+def priority_update(stream_id: int, value: bytes) -> bytes:
+    payload = stream_id.to_bytes(4, "big") + value
+    return len(payload).to_bytes(3, "big") + bytes([PRIORITY_UPDATE, 0]) + (0).to_bytes(4, "big") + payload
 
 
 # ------------------------------------------------------------------ message streams
@@ -132,3 +138,45 @@ def test_a_long_lived_message_stream_gets_its_window_back():
         delivered += len(s.receive_data(c.data_to_send()))
         pump(c, s)
     assert delivered == 20 and s.num_body_bytes == 0 and 1 in s.streams
+
+
+# ------------------------------------------------------------------ PRIORITY_UPDATE before its request
+
+def open_request(c, s, sid: int, headers=REQUEST_HEADERS) -> Request:
+    c.send_headers(sid, headers, end_stream=True)
+    [req] = s.receive_data(c.data_to_send())
+    return req
+
+
+def test_a_priority_update_before_its_headers_is_applied_when_the_stream_opens():
+    c, s = connected()
+    assert s.receive_data(priority_update(3, b"u=0")) == []
+    req = open_request(c, s, 1)
+    assert "priority" not in req.headers
+    req = open_request(c, s, 3, REQUEST_HEADERS + [("priority", "u=5")])
+    assert req.headers["priority"] == "u=0"                # the frame overrides the header
+    s.receive_data(priority_update(5, b"u=1") + priority_update(5, b"u=6"))
+    assert open_request(c, s, 5).headers["priority"] == "u=6"      # the newest value for a stream
+    assert "priority" not in open_request(c, s, 7).headers          # used once
+
+
+def test_early_priority_updates_are_bounded_the_oldest_dropped_and_stale_ones_forgotten():
+    c, s = connected()
+    streams = [3 + 2 * i for i in range(MAX_EARLY_PRIORITIES + 1)]
+    s.receive_data(b"".join(priority_update(sid, b"u=%d" % (i % 8)) for i, sid in enumerate(streams)))
+    assert "priority" not in open_request(c, s, 3).headers          # the oldest, dropped for the newest
+    assert open_request(c, s, 5).headers["priority"] == "u=1"
+    assert open_request(c, s, streams[-1]).headers["priority"] == "u=0"    # 16 % 8
+    s.receive_data(priority_update(101, b"u=2"))
+    open_request(c, s, 103)                                          # 101 can never open now
+    assert s._early_priorities == {}
+
+
+def test_a_priority_update_while_the_body_still_comes_is_in_the_delivered_request():
+    c, s = connected()
+    c.send_headers(1, REQUEST_HEADERS)
+    c.send_data(1, b"{")
+    assert s.receive_data(c.data_to_send() + priority_update(1, b"u=7")) == []
+    c.send_data(1, b"}", end_stream=True)
+    [req] = s.receive_data(c.data_to_send())
+    assert req.headers["priority"] == "u=7" and req.body == b"{}"

@@ -90,6 +90,46 @@ def test_priority_update_frame_moves_a_waiting_request_ahead(serial):
     assert order == [1, 9, 3, 5, 7], order
 
 
+def test_priority_update_before_its_request_is_kept_and_applied(serial):
+    """RFC 9218 7.1: a PRIORITY_UPDATE may come before its stream's HEADERS. Stream 9's
+    (u=0) is sent before any of 3..9 opens, stream 7's (u=1) while its body still comes;
+    both are applied when the requests arrive, so 9 then 7 are admitted before 3 and 5 (one
+    request runs at a time; 1 is running, 100 steps, while the others queue)."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    body = json.dumps({"prompt": "x", "max_tokens": 5}).encode()
+
+    def priority_update(sid: int, value: bytes) -> bytes:
+        payload = sid.to_bytes(4, "big") + value
+        return len(payload).to_bytes(3, "big") + bytes([PRIORITY_UPDATE, 0]) + (0).to_bytes(4, "big") + payload
+
+    with socket.create_connection(("127.0.0.1", serial.port)) as sock:     # 1 runs while the rest arrive
+        h2_request(conn, 1, "/generate", json.dumps({"prompt": "x", "max_tokens": 100}).encode())
+        sock.sendall(conn.data_to_send() + priority_update(9, b"u=0"))
+        while not any(isinstance(ev, h2.events.DataReceived) for ev in conn.receive_data(sock.recv(65536))):
+            pass                                            # 1 runs: its first token came
+        for sid in (3, 5):
+            h2_request(conn, sid, "/generate", body)
+        conn.send_headers(7, [(":method", "POST"), (":scheme", "http"), (":authority", "x"), (":path", "/generate"),
+                              ("content-type", "application/json")])
+        conn.send_data(7, body[:5])
+        h2_request(conn, 9, "/generate", body)
+        sock.sendall(conn.data_to_send() + priority_update(7, b"u=1"))
+        conn.send_data(7, body[5:], end_stream=True)
+        sock.sendall(conn.data_to_send())
+        order = []
+        while len(order) < 5:
+            data = sock.recv(65536)
+            assert data
+            for ev in conn.receive_data(data):
+                if isinstance(ev, h2.events.StreamEnded):
+                    order.append(ev.stream_id)
+                elif isinstance(ev, h2.events.DataReceived):
+                    conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            sock.sendall(conn.data_to_send())
+    assert order == [1, 9, 7, 3, 5], order
+
+
 def test_priority_update_for_stream_zero_is_a_protocol_error(serial):
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
