@@ -573,6 +573,7 @@ class App:
         """GOAWAY / Connection: close on every connection; in-flight streams run to their end."""
         self.shutting_down = True
         self.grpc.notify_watchers(end=True)        # health watchers hear NOT_SERVING, their streams end
+        self.grpc.end_streams()                    # and open bidirectional calls end UNAVAILABLE
         for proto in list(self.connections):
             proto.close_cause = proto.close_cause or "shutdown"
             proto.begin_shutdown()

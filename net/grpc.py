@@ -12,7 +12,8 @@ gRPC's "PROTOCOL-HTTP2" specification:
   stream the client may hold open; the others (unary, server streaming) take their one
   message at the half-close, as gRPC servers do, and a second message is UNIMPLEMENTED at
   once. A message over --max-body-bytes is RESOURCE_EXHAUSTED; a client's RST_STREAM
-  forgets the call (`forget`). A complete request (an h2c upgrade's stream 1) goes to `handle`.
+  forgets the call (`forget`); at shutdown a streaming call ends UNAVAILABLE. A complete
+  request (an h2c upgrade's stream 1) goes to `handle`.
 
 - Services: `tokenwire.v1.Generator` (Generate: server streaming; ListModels: unary; the
   schema is net/proto/tokenwire.proto; Generate's `constraint` oneof goes through the HTTP
@@ -334,6 +335,15 @@ class GrpcRoutes:
                 calls.pop(stream_id, None)
             if stream_id is None or not calls:
                 del self.calls[proto]
+
+    def end_streams(self) -> None:
+        """Shutdown: every streaming call ends UNAVAILABLE (retry elsewhere), so a client that
+        holds one open does not hold the drain; the others finish at their half-close."""
+        for proto, calls in list(self.calls.items()):
+            for call in [c for c in calls.values() if c.on_message is not None]:
+                self.forget(proto, call.req.stream_id)
+                self._close_call(proto, call, UNAVAILABLE, "the server is shutting down")
+            proto.flush()
 
     def _answering(self, proto, req, fn, *args):
         """fn(*args); an error it raises is the call's status (-> None), and ends the call."""

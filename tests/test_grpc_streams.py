@@ -10,6 +10,7 @@ the server said."""
 import asyncio
 import queue
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -189,6 +190,23 @@ def test_a_message_over_the_limit_mid_stream_is_resource_exhausted(server):
         health = channel.unary_unary("/grpc.health.v1.Health/Check")     # the channel is fine
         assert health(b"", timeout=CALL_TIMEOUT_S) == grpc_schema.HealthCheckResponse(status=1).SerializeToString()
     wait_for(lambda: not server.app.grpc.calls)
+
+
+def test_a_stream_held_open_at_shutdown_ends_unavailable(loop_kind):
+    s = tokenwire.Server(backend="mock", port=0, loop=loop_kind).start()
+    with channel_to(s) as channel:
+        requests = Requests()
+        replies = reflection_call(channel, V1ALPHA)(requests, timeout=CALL_TIMEOUT_S)
+        requests.send(list_services())
+        assert next(replies).list_services_response.service
+        stopper = threading.Thread(target=s.stop)
+        stopper.start()
+        with pytest.raises(grpc.RpcError) as err:
+            next(replies)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+        requests.half_close()
+        stopper.join(CALL_TIMEOUT_S)
+        assert not stopper.is_alive() and not s.app.connections     # drained, not given up on
 
 
 # ------------------------------------------------------------------ unary calls, by a raw HTTP/2 client
