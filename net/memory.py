@@ -2,8 +2,9 @@
 
 What connections held is freed, but not returned: glibc's malloc keeps freed chunks in its
 arenas (it trims only the top of the heap, past M_TRIM_THRESHOLD, and freed output buffers
-sit everywhere in it), and a connection's own objects are cyclic garbage (h2's
-H2Connection refers to itself through bound methods), freed only by a full collection.
+sit everywhere in it). A connection's own objects were cyclic garbage (h2's H2Connection
+refers to itself through bound methods), freed only by a full collection; protocol.py now
+breaks those cycles when a connection is lost, and the collection here finds what is left.
 20 connections that never read took RSS from 82 to 141 MiB, and it stayed at 135 MiB after
 they closed; 2,000 idle connections left 41 MiB behind.
 
@@ -15,8 +16,8 @@ GIVE_BACK_INTERVAL_S, it runs a full collection (the connections' cycles) and th
 `malloc_trim(0)`, which returns the free pages inside every arena (madvise), not only the
 heap's top. Measured on the mock server: back to
 86 MiB from 135 MiB (gc 5 ms + trim 8 ms), and after 2,000 idle connections to 94 MiB
-from 123 MiB (gc 130 ms: ~1 us per object left by the connections, the price of a full
-collection that would otherwise come later, at a moment of the collector's choosing).
+from 123 MiB (gc 130 ms while the connections' cycles were left for it, ~1 us per object;
+freed as each connection closes now).
 Tried and not kept: M_ARENA_MAX=2 (the same RSS after a trim) and a fixed
 M_MMAP_THRESHOLD of 256 KiB (the peak rose by 19 MiB).
 """

@@ -146,6 +146,21 @@ class ServerProtocol(asyncio.Protocol):
             self._end_refusal_wait()
         self.budget.closed(self.holding)
         self.app.connection_lost(self)
+        self._break_cycles()
+
+    def _break_cycles(self) -> None:
+        """Once nothing can reach this connection any more (the app dropped its streams), undo
+        the reference cycles it is made of, so that reference counting frees it now, a little
+        at each close, instead of the collector all at once: after 2,000 connections closed,
+        the full collection that found them held the loop 130-325 ms (about 70 objects each).
+        The cycles: the outbox's and the budget's holding's back-references to this protocol,
+        and h2's H2Connection, which refers to itself through the bound methods of its frame
+        dispatch table (its attributes are dropped: nothing calls it after its connection is
+        lost, every later path checks `closing` first)."""
+        self.outbox.proto = self.holding.conn = None
+        conn = getattr(self.session, "conn", None)
+        if conn is not None:
+            vars(conn).clear()
 
     def pause_writing(self) -> None:
         self.paused = True

@@ -16,6 +16,7 @@ import ssl
 import struct
 import time
 
+import h2.connection
 import h2.settings
 import pytest
 from h2.errors import ErrorCodes
@@ -368,5 +369,51 @@ def test_where_tls_alpn_or_http2_only_names_the_protocol_the_refusal_comes_at_on
             with socket.create_connection((HOST, server.port)) as s:
                 frames, closed = read_frames(s, 30)
             assert closed and [f.type for f in frames] == [SETTINGS, GOAWAY]
+    finally:
+        server.stop()
+
+
+def test_a_closed_connection_leaves_no_cycles_for_the_collector(loop_kind):
+    """A lost connection undoes its reference cycles (protocol.py `_break_cycles`), so reference
+    counting frees it as it closes: after 2,000 connections closed, the full collection that
+    found them held the loop 130-325 ms. Idle HTTP/2, HTTP/2 with a stream in flight, HTTP/1.1."""
+    import gc
+
+    from tokenwire.net.http2 import H2Session
+    server = serve(loop_kind)
+    try:
+        gc.collect()
+        socks = []
+        for i in range(12):
+            sock = socket.create_connection((HOST, server.port))
+            if i % 3 == 0:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            elif i % 3 == 1:
+                sock.sendall(HELLO + frame(HEADERS, 5, 1, request_block("/health", "GET")))
+            else:
+                body = json.dumps(completion(100000)).encode()
+                sock.sendall(HELLO + frame(HEADERS, 4, 1, request_block("/v1/completions", "POST"))
+                             + frame(DATA, 1, 1, body))
+            socks.append(sock)
+        for sock in socks:              # every connection answered: its session exists
+            assert sock.recv(1)
+        metrics = socket.create_connection((HOST, server.port))
+        assert gauge(metrics, "tokenwire_connections_open") == 13
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + 30
+        while gauge(metrics, "tokenwire_connections_open") > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gauge(metrics, "tokenwire_connections_open") == 1
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            gc.collect()
+            kinds = {type(o).__name__ for o in gc.garbage
+                     if isinstance(o, (ServerProtocol, H2Session, h2.connection.H2Connection))}
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert not kinds, f"left for the collector: {kinds}"
+        metrics.close()
     finally:
         server.stop()
