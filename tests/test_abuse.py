@@ -95,8 +95,8 @@ def test_the_engine_is_left_clean_and_the_log_has_no_error(results):
 
 def test_the_budget_rows_report_against_their_targets():
     """bench/abuse_budgets.py's arithmetic on synthetic rounds: the worst round's growth, the
-    median of the rounds' worst TTFTs, RSS back within 20% of the row's first RSS, the worst
-    TTFT between an attack and the next."""
+    median of the rounds' worst TTFTs, RSS back within 20% of the RSS before each attack (the
+    worst round shown), the row's drift, the worst TTFT between an attack and the next."""
     answer = abuses.Answer("all 4 ended by 1.0 s", "closed")
     rounds = [ab.Round(answer, 100 * MIB, 150 * MIB, 110 * MIB, 3.0, 10.0, 20.0, 29.0),
               ab.Round(answer, 110 * MIB, 190 * MIB, 119 * MIB, 7.5, 30.0, 40.0, 49.0),
@@ -108,7 +108,9 @@ def test_the_budget_rows_report_against_their_targets():
     row = ab.BudgetRow("4 non-reading conns x 10 streams", 100.0, "68 + 32", rounds)
     s = ab.summarize(row, samples)
     assert s["growth_mib"] == 80 and s["growth_ok"] and s["ttft_ms"] == 40 and s["ttft_ok"]
-    assert s["first_mib"] == 100 and s["after_mib"] == 119 and s["recovered_ok"] and s["recovered_s"] == 7.5
+    # worst round by after / before: 110 / 100 (round 1) over 119 / 110 and 100 / 105
+    assert s["before_mib"] == 100 and s["after_mib"] == 110 and s["recovered_ok"] and s["recovered_s"] == 7.5
+    assert s["first_mib"] == 100 and s["last_mib"] == 100
     assert s["ttft_after_ms"] == 130
     late = row._replace(rounds=rounds[:2] + [rounds[2]._replace(rss_after=130 * MIB, recovered_s=None)])
     assert not ab.summarize(late, samples)["recovered_ok"]
@@ -116,4 +118,6 @@ def test_the_budget_rows_report_against_their_targets():
                'tokenwire_connections_closed_total{reason="total_unsent_bytes"}': 3.0}
     table = ab.format_budget_table([row, late], samples, metrics, (1.0, 1.0, 1.0))
     assert "| 80 ok | 68 + 32 | 40.0 (40 / 250 / 10) ok |" in table and "not within 30 s) MISSED" in table
+    assert "| 100 -> 110 (+10%, by 7.5 s) ok |" in table and "| 105 -> 130 (+24%, not within 30 s) MISSED |" in table
+    assert table.splitlines()[4].endswith("| 130.0 | 100 -> 100 |")
     assert "total_unsent_bytes=3" in table
