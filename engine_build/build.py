@@ -27,6 +27,8 @@ from .report import evaluate_model
 from .source import SourceModel, file_stamp, sha256_files
 
 CALIBRATION_WINDOW = 512        # tokens per calibration sequence (fewer when the model has fewer positions)
+SOURCE_RULES = 2                # what options_for_source decides for a source; bumped when that changes, so a
+                                # cached engine built under the old rules is rebuilt (2: quantized embeddings -> int8)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class BuildOptions:
     def cache_key(self) -> dict:
         """What changes the engine's bytes (for resolve.py's cache)."""
         d = asdict(self)
+        d["source_rules"] = SOURCE_RULES
         d["quant"] = self.quant.manifest()
         if d["calibration"]:
             d["calibration_sha256"] = sha256_files([d["calibration"]])
@@ -102,21 +105,28 @@ def build_engine(source: SourceModel, out_dir, options: BuildOptions = BuildOpti
 
 
 def options_for_source(options: BuildOptions, source: SourceModel, log=lambda line: None) -> BuildOptions:
-    """A pre-quantized source decides the group size, keeps its embedding / classifier as INT4 when
-    they arrived that way (unless asked otherwise), and rounds what is left with rtn, not awq (whose
-    fold would rescale weights that are taken as they are)."""
+    """A pre-quantized source decides the group size, keeps its embedding / classifier in their
+    precision class (unless asked otherwise): INT4 when they arrived as codes the engine takes,
+    int8 when they arrived quantized in another way (a GGUF's Q8_0, Q5_*, Q6_K: the fp16 default
+    would double the bytes a decode step reads for the classifier), and rounds what is left
+    with rtn, not awq (whose fold would rescale weights that are taken as they are)."""
     imported, quant = source.imported, options.quant
-    if imported is None or not imported.loaders or quant.method != "int4":
+    if imported is None or quant.method != "int4":
         return options
-    changes = {"group_size": imported.group_size}
-    if quant.algorithm in ("awq", "awq_gptq"):
-        changes["algorithm"] = "rtn"
+    changes = {}
     for part, name in (("embedding", "embed"), ("lm_head", "lm_head")):
         if getattr(quant, part) is None and name in imported.loaders:
             changes[part] = "int4"
-    if quant.group_size != imported.group_size:
-        log(f"group size {imported.group_size}: the source's own (not {quant.group_size})")
-    return replace(options, quant=replace(quant, **changes))
+        elif getattr(quant, part) is None and name in imported.quantized:
+            changes[part] = "int8"
+            log(f"{part} int8: the source holds it quantized ({imported.notes.get(name, '?')}), not as float")
+    if imported.loaders:
+        changes["group_size"] = imported.group_size
+        if quant.algorithm in ("awq", "awq_gptq"):
+            changes["algorithm"] = "rtn"
+        if quant.group_size != imported.group_size:
+            log(f"group size {imported.group_size}: the source's own (not {quant.group_size})")
+    return replace(options, quant=replace(quant, **changes)) if changes else options
 
 
 def _needs_calibration(options: BuildOptions) -> bool:

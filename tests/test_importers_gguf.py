@@ -247,6 +247,39 @@ def test_other_types_are_requantized_with_their_error(tmp_path, types):
         assert engine.manifest["quantization"]["group_size"] == 32
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_q8_0_embedding_and_classifier_stay_int8(tmp_path, tied):
+    """A Q8_0 embedding / classifier is built as int8 (per-row scale), not grown to fp16: the
+    classifier is the largest matrix a decode step reads. The stated error of the int8 path:
+    every weight within half its row's scale of what the file dequantizes to, so each logit
+    within s_n / 2 * sum |h| of h . w_n, h the final hidden state (read from the reference
+    model with an identity classifier); the C backend's logits are checked against that."""
+    if not cpu.AVAILABLE:
+        pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
+    types = {"token_embd": "Q8_0", "output": "Q8_0", "*": "Q4_0"}
+    weights = write_gguf(tmp_path / "m.gguf", "llama", types, tied=tied)
+    engine = load_engine(build_engine(open_source(tmp_path / "m.gguf"), tmp_path / "e", BuildOptions(evaluate=False)))
+    config, tensors = engine.config, engine.tensors
+    parts = {"embed": "token_embd.weight"} | ({} if tied else {"lm_head": "output.weight"})
+    assert engine.manifest["quantization"]["embedding"] == "int8"
+    for name, gguf_name in parts.items():
+        assert engine.manifest["tensors"][name]["kind"] == "int8", name
+        q, scales = tensors[f"{name}.qweight"], tensors[f"{name}.scales"].astype(np.float32)
+        assert q.dtype == np.int8 and q.nbytes + scales.nbytes * 2 < weights[gguf_name].size * 2   # below fp16's bytes
+        err = np.abs(q * scales[:, None] - weights[gguf_name])
+        assert np.all(err <= scales[:, None] / 2), name
+    head = weights[parts.get("lm_head", "token_embd.weight")]
+    head_scales = tensors[f"{'embed' if tied else 'lm_head'}.scales"].astype(np.float32)
+    prompt = engine.encode_prompt("the cat in the hat sat")
+    reference = ReferenceModel(config, tensors, block_size=4, num_blocks=32)
+    reference.lm_head = np.eye(config.vocab_size, config.hidden_size, dtype=np.float32)   # logits[:, :D] = h
+    h = sequence_logits(reference, prompt)[:, :config.hidden_size]
+    got = sequence_logits(cpu.create_model(config, tensors, block_size=4, num_blocks=32), prompt)
+    bound = head_scales[None, :] / 2 * np.abs(h).sum(axis=1, keepdims=True)
+    np.testing.assert_array_less(np.abs(got - h @ head.T), bound + 1e-4)
+    assert np.abs(got - h @ head.T).max() > 0       # the int8 classifier is what computed them
+
+
 def test_spm_without_the_dummy_prefix(tmp_path):
     write_gguf(tmp_path / "m.gguf", "llama", "Q4_0", meta_overrides=dict(add_space_prefix=False))
     tok = open_source(tmp_path / "m.gguf").tokenizer
