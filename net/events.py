@@ -28,6 +28,9 @@ class Limits:
     write_timeout_s: float = 30.0               # unsent output that makes no progress this long: stream reset /
                                                 # connection closed, requests cancelled
     max_unsent_bytes: int = 8 * 1024 * 1024     # output waiting for the peer (windows + socket), per connection
+    socket_send_buffer: int = 128 * 1024        # SO_SNDBUF of each TCP connection (Linux doubles it); 0: the OS's
+                                                # autotuning, up to net.ipv4.tcp_wmem's 4 MiB, in kernel memory
+                                                # no budget counts, and a peer that stops reading is seen later
     max_resets_per_s: float = 200.0             # streams the client resets before their response started, or
                                                 # we reset for its errors: the rapid-reset budget
     max_settings_per_s: float = 100.0           # SETTINGS frames received
@@ -42,6 +45,8 @@ class Limits:
                      "max_queued_control_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.socket_send_buffer < 0:
+            raise ValueError(f"socket_send_buffer must be >= 0, got {self.socket_send_buffer}")
         for name in ("idle_timeout_s", "handshake_timeout_s", "write_timeout_s", "max_resets_per_s",
                      "max_settings_per_s", "max_pings_per_s", "max_window_updates_per_s", "max_empty_frames_per_s"):
             if not getattr(self, name) > 0:

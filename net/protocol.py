@@ -101,6 +101,8 @@ class ServerProtocol(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.limits.socket_send_buffer:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.limits.socket_send_buffer)
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is not None:      # ALPN decides; a client that offered none is sniffed like plaintext
             alpn = ssl_object.selected_alpn_protocol()

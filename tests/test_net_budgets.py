@@ -417,3 +417,37 @@ def test_a_closed_connection_leaves_no_cycles_for_the_collector(loop_kind):
         metrics.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("send_buffer", [64 * 1024, 0])
+def test_each_connection_gets_the_socket_send_buffer(send_buffer):
+    """--socket-send-buffer: SO_SNDBUF on every accepted TCP socket (Linux reports double what
+    was set), so a client that stops reading pauses our writes early and holds little kernel
+    memory; 0 leaves the OS's autotuning."""
+    limits = Limits(socket_send_buffer=send_buffer)
+    server = tokenwire.Server(backend="mock", port=0, limits=limits).start()
+    try:
+        with socket.create_connection((HOST, server.port)) as sock:
+            assert b"200" in get(sock, "/health").split(b"\r\n", 1)[0]
+            (proto,) = [p for p in list(server.app.connections) if p.transport is not None]
+            got = proto.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            with socket.socket() as fresh:
+                default = fresh.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        if send_buffer:
+            assert got in (send_buffer, 2 * send_buffer)
+        else:
+            assert got >= default and got not in (64 * 1024, 128 * 1024 * 2)
+    finally:
+        server.stop()
+
+
+def test_the_socket_send_buffer_flag():
+    from tokenwire.cli import build_parser
+
+    def parse(*argv):
+        return build_parser(["serve", *argv]).parse_args(["serve", *argv])
+    assert parse("--socket-send-buffer", "0").socket_send_buffer == 0
+    assert parse("--socket-send-buffer", "256KiB").socket_send_buffer == 256 * 1024
+    assert parse().socket_send_buffer == Limits().socket_send_buffer == 128 * 1024
+    with pytest.raises(ValueError):
+        Limits(socket_send_buffer=-1)

@@ -79,6 +79,13 @@ _non_negative_float.__name__ = "non-negative number"
 byte_size.__name__ = "size (bytes, or with a unit: 512MiB, 2GB, 1g)"
 
 
+def _size_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else byte_size(text)
+
+
+_size_or_zero.__name__ = "size (bytes, or with a unit: 128KiB), or 0"
+
+
 def add_arguments(parser) -> None:
     d = Limits()
     parser.add_argument("--model", default=DEFAULTS.model, metavar="PATH|org/name",
@@ -157,6 +164,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-unsent-bytes", type=_positive_int, default=d.max_unsent_bytes,
                         help="response bytes a connection may leave unread (windows + socket) before it "
                              "is closed, GOAWAY ENHANCE_YOUR_CALM (default: %(default)s)")
+    parser.add_argument("--socket-send-buffer", type=_size_or_zero, default=d.socket_send_buffer, metavar="SIZE",
+                        help="each connection's kernel send buffer (SO_SNDBUF); 0: the OS's autotuning "
+                             "(default: %(default)s)")
     parser.add_argument("--max-resets-per-s", type=_positive_float, default=d.max_resets_per_s, metavar="N",
                         help="HTTP/2 streams a client may reset before their response starts (or make us "
                              "reset), per second: the rapid-reset budget (default: %(default)s)")
@@ -213,7 +223,8 @@ def run(args) -> int:
                         max_body_bytes=args.max_body_bytes, max_concurrent_streams=args.max_concurrent_streams,
                         max_header_list_size=args.max_header_list_size, idle_timeout_s=args.idle_timeout,
                         handshake_timeout_s=args.handshake_timeout, write_timeout_s=args.write_timeout,
-                        max_unsent_bytes=args.max_unsent_bytes, max_resets_per_s=args.max_resets_per_s,
+                        max_unsent_bytes=args.max_unsent_bytes, socket_send_buffer=args.socket_send_buffer,
+                        max_resets_per_s=args.max_resets_per_s,
                         max_settings_per_s=args.max_settings_per_s, max_pings_per_s=args.max_pings_per_s,
                         max_window_updates_per_s=args.max_window_updates_per_s,
                         max_empty_frames_per_s=args.max_empty_frames_per_s,
