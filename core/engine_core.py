@@ -39,6 +39,9 @@ Contract (net/ builds on it):
   their end through `step()` on the calling thread, then forgets them: block accounting,
   prefix cache, scheduler, response cache and counters as built (tokenwire/runtime.py
   decides what a server runs before /health turns 200).
+- Speculative decoding: with a `speculator` (core/speculative.py), the scheduler verifies
+  proposed tokens inside the same step; a step may give one request several outputs, one
+  per token, in order.
 - Failures: an executor exception fails the running requests (finish_reason "error", with
   the message) and the thread goes on serving new ones; a cancelled request gets one final
   output with finish_reason "cancelled"; `shutdown()` fails whatever is left.
@@ -81,7 +84,7 @@ class EngineCore:
                  max_queued_requests: int = DEFAULTS.max_queued_requests, on_step: Optional[OnStep] = None,
                  enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching, model_identity: Optional[str] = None,
                  response_cache_size: int = DEFAULTS.response_cache_size,
-                 inline_step_ns: int = int(DEFAULTS.inline_step_us * 1000)):
+                 inline_step_ns: int = int(DEFAULTS.inline_step_us * 1000), speculator=None):
         config = executor.config
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -100,6 +103,7 @@ class EngineCore:
         self._max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self._max_num_batched_tokens = max_num_batched_tokens
         self._response_cache_size = response_cache_size
+        self.speculator = speculator        # core/speculative.Speculator (its proposers), or None
         self._new_books()                   # block_manager, scheduler, response_cache, counters
         self.on_step = on_step
         self.step_columns = False           # step() -> StepTokens instead of list[RequestOutput]
@@ -131,7 +135,7 @@ class EngineCore:
                                           prefix_cache_identity=self._prefix_cache_identity)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self._max_num_seqs,
                                    max_num_batched_tokens=self._max_num_batched_tokens,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, speculator=self.speculator)
         # exact-match answers replayed without the model (core/response_cache.py); 0: off
         self.response_cache = ResponseCache(self._response_cache_size) if self._response_cache_size else None
         self._arrival_seq = itertools.count()
@@ -264,7 +268,13 @@ class EngineCore:
                            bm.num_used_blocks, bm.num_blocks, self.scheduler.num_preemptions,
                            self.num_cancellations, self.num_tokens_generated, self.num_steps, self.is_alive(),
                            self.scheduler.num_prefix_queries, self.scheduler.num_prefix_hits, bm.num_cached_blocks,
-                           self.response_cache.num_hits if self.response_cache is not None else 0)
+                           self.response_cache.num_hits if self.response_cache is not None else 0,
+                           *self._spec_counts())
+
+    def _spec_counts(self) -> tuple:
+        """(proposed, accepted, verifying request-steps) since start (EngineStats)."""
+        spec = self.speculator
+        return (spec.num_proposed, spec.num_accepted, spec.num_steps) if spec is not None else (0, 0, 0)
 
     # ------------------------------------------------------------------ engine side
 

@@ -31,6 +31,11 @@ class SeqStep(NamedTuple):
     prompt_token_ids: Sequence[int]     # repetition penalty context
     output_token_ids: Sequence[int]     # generated so far; len() is the RNG counter for the next draw
     constraint: Optional[TokenConstraint] = None    # the request's grammar: the sampler masks this row
+    # speculative decoding (core/speculative.py): the last `num_spec` of `token_ids` are proposed
+    # tokens to verify. The executor returns logits, and samples, for the last 1 + num_spec rows;
+    # row j samples as if output_token_ids ended with those proposals' first j (RNG counter
+    # len(output_token_ids) + j, penalties over them too): core/speculative.sampling_rows
+    num_spec: int = 0
 
 
 class DecodeStep:
@@ -48,7 +53,7 @@ class DecodeStep:
 
     def __init__(self, seq_id: int, token_ids: Sequence[int], start_pos: int, block_table: Sequence[int],
                  sample: bool, sampling: SamplingParams, seed: int, prompt_token_ids: Sequence[int],
-                 output_token_ids: Sequence[int], constraint: Optional[TokenConstraint] = None):
+                 output_token_ids: Sequence[int], constraint: Optional[TokenConstraint] = None, num_spec: int = 0):
         self.seq_id = seq_id
         self.token_ids = token_ids
         self.start_pos = start_pos
@@ -59,6 +64,7 @@ class DecodeStep:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids = output_token_ids
         self.constraint = constraint
+        self.num_spec = num_spec
 
     def __repr__(self) -> str:
         return (f"DecodeStep(seq_id={self.seq_id}, token_ids={self.token_ids}, start_pos={self.start_pos}, "
@@ -73,7 +79,8 @@ class TopLogprobs(NamedTuple):
 
 
 class StepOutput(NamedTuple):
-    """What one engine step produced, in the order of the `SeqStep`s with `sample=True`."""
+    """What one engine step produced, in the order of the `SeqStep`s with `sample=True`: one
+    token per such step, 1 + num_spec for a speculating one (its rows in order)."""
     token_ids: Sequence[int]
     logprobs: Optional[Sequence[Optional[TopLogprobs]]] = None  # None when no sequence asked
 
@@ -84,7 +91,8 @@ class Executor(Protocol):
     num_blocks: int                     # KV blocks the executor allocated
 
     def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
-        """Run one engine step (hot path: once per step). Called from the engine thread only."""
+        """Run one engine step (hot path: once per step). Called from the engine thread only.
+        Only executors whose kernels.BACKENDS row has `speculates` get steps with num_spec > 0."""
         ...
 
     def close(self) -> None:

@@ -23,3 +23,4 @@ class ModelCard(NamedTuple):
     supports_logprobs: bool = True          # False for the mock engine, which samples nothing
     grammars: object = None                 # kernels/grammar.GrammarCompiler (compile / cached a ConstraintSpec);
                                             # None: the backend does no constrained decoding
+    speculative_methods: tuple = ()         # what a request's `speculative` may name ("off" always)

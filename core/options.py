@@ -11,6 +11,8 @@ the number. Network limits are net/'s own (`net/events.Limits`).
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from .sampling_params import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+
 ACTIVATIONS = ("int8", "fp32")          # the cpu backend's INT4-product activations (kernels/cpu/README.md)
 
 
@@ -42,6 +44,13 @@ class EngineOptions:
     # serves (tokenwire/runtime.py: warm_up), so /health turns 200 only once a first request is as
     # fast as the fifth (the KV cache's first-touch page faults alone cost 0.3-0.6 s on the default model)
     warm_up: bool = True
+    # speculative decoding (core/speculative.py): "ngram" (prompt lookup), "draft" (a second model,
+    # `speculative_model`) or "off"; a request may ask for another method (its `speculative` field).
+    # Off by default: it pays where the output repeats its context (code edits, RAG, quotes), and
+    # costs up to ~3% where it never does (adaptive k: README, "Speculative decoding")
+    speculative: str = "off"
+    num_speculative_tokens: int = 4         # k: tokens proposed and verified per step, at most
+    speculative_model: Optional[str] = None     # the draft model (same tokenizer); a model spec as `model`
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "block_size"):
@@ -55,6 +64,13 @@ class EngineOptions:
             raise ValueError(f"response_cache_size must be >= 0, got {self.response_cache_size}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"activations must be one of {ACTIVATIONS}, got {self.activations!r}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.speculative == "draft" and not self.speculative_model:
+            raise ValueError("speculative 'draft' needs a draft model (--speculative-model PATH)")
         for name in ("mock_step_us", "inline_step_us"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

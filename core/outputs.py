@@ -32,12 +32,15 @@ class Timeline:
     response_cached: bool = False       # answered from the exact-match response cache (core/response_cache.py)
     grammar_compile_ns: int = 0         # compiling the request's grammar (0: none, or cached)
     mask_ns: int = 0                    # filling its token masks, over all its steps (constrained only)
+    spec_proposed: int = 0              # tokens proposed for it by speculative decoding (core/speculative.py)
+    spec_accepted: int = 0              # of which verified and kept
 
 
 class RequestOutput(NamedTuple):
     """What one step produced for one request."""
     request_id: int
-    token_ids: Sequence[int]            # new token ids this step (0 or 1 today)
+    token_ids: Sequence[int]            # new token ids of this output (0 or 1; a step that verified
+                                        # speculated tokens gives one output per token, in order)
     text: str                           # new text: stop strings cut, incomplete UTF-8 held back
     logprobs: Optional[Sequence[TopLogprobs]]  # one per new token when requested, else None
     finish_reason: Optional[str]        # None while the request runs
@@ -83,3 +86,6 @@ class EngineStats(NamedTuple):
     num_prefix_cache_hits: int = 0      # of which found cached
     num_prefix_cached_blocks: int = 0   # KV blocks whose content the prefix cache can hand out
     num_response_cache_hits: int = 0    # requests answered from the exact-match response cache
+    num_spec_proposed: int = 0          # speculative decoding: tokens proposed and verified
+    num_spec_accepted: int = 0          # of which kept
+    num_spec_steps: int = 0             # request-steps that verified proposals

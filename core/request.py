@@ -66,7 +66,7 @@ class Request:
                  "max_total_tokens", "max_output_tokens", "stop_token_ids", "text_stream", "state",
                  "num_computed_tokens", "num_scheduled_tokens", "block_table", "decode_step",
                  "finish_reason", "error", "num_preemptions", "block_hashes", "num_hashed_blocks",
-                 "num_cached_tokens", "num_passed_over", "prefix_match", "leader", "followers", "constraint")
+                 "num_cached_tokens", "num_passed_over", "prefix_match", "leader", "followers", "constraint", "spec")
 
     def __init__(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline, *,
                  seed: int, priority: int, arrival_seq: int, max_model_len: int,
@@ -110,6 +110,7 @@ class Request:
         # wait outside the queue until its prompt is computed, then find it in the prefix cache
         self.leader: Optional["Request"] = None
         self.followers = []                         # list[Request] parked on this one
+        self.spec = None                            # core/speculative.SpecState, made at its first decode
 
     def transition(self, new_state: RequestState) -> None:
         if new_state not in TRANSITIONS[self.state]:

@@ -17,6 +17,8 @@ class InvalidParameter(ValueError):
 
 
 MAX_TOP_LOGPROBS = 20
+SPECULATIVE_METHODS = ("ngram", "draft", "off")     # core/speculative.py; "draft" needs --speculative-model
+MAX_SPECULATIVE_TOKENS = 16             # proposed tokens verified per step, at most
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None       # None: off; N >= 0: chosen token's logprob plus top N
     skip_special_tokens: bool = True
+    speculative: Optional[str] = None    # a SPECULATIVE_METHODS name; None: the server's --speculative
+    num_speculative_tokens: Optional[int] = None    # k, tokens proposed per step; None: the server's
 
     def __post_init__(self):
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -55,6 +59,11 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                "logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(self.speculative is None or self.speculative in SPECULATIVE_METHODS, "speculative",
+               f"must be one of {', '.join(SPECULATIVE_METHODS)}")
+        _check(self.num_speculative_tokens is None or (isinstance(self.num_speculative_tokens, int)
+                                                       and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS),
+               "num_speculative_tokens", f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
 
     @property
     def greedy(self) -> bool:

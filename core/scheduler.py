@@ -22,6 +22,10 @@ stop strings via the request's TextStream, max_tokens, context length; none of E
 and stop strings before the request's `min_tokens`) and frees finished
 requests' blocks at once. Cancelled and failed requests free theirs when the engine
 thread processes them, at the start of the next step.
+Speculative decoding (core/speculative.py, with a `speculator`): once the decodes are
+scheduled, decoding requests that speculate get proposals as extra query rows of their
+DecodeStep (the budget pays them), and `update()` keeps the verified prefix of each, one
+output per token, and frees the blocks past it.
 Prefix cache: a block is registered under its content hash once every token in it is
 computed: after a prefill chunk, when a decode steps into the next block, and when a
 request releases its blocks (finish, cancel, preemption: a preempted request usually finds
@@ -53,7 +57,7 @@ GRAMMAR_BROKEN = "the sampled token breaks the request's grammar (the executor m
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, watermark: float = 0.01):
+                 max_model_len: int, watermark: float = 0.01, speculator=None):
         capacity = block_manager.num_blocks * block_manager.block_size
         if max_model_len > capacity:
             raise ValueError(f"max_model_len {max_model_len} does not fit the KV cache "
@@ -72,6 +76,8 @@ class Scheduler:
         self.prefix_cache = PrefixCache(block_manager) if block_manager.enable_prefix_caching else None
         self.num_samples = 0                # SeqSteps with sample=True in the last schedule()
         self.num_decodes = 0                # of which the first ones, one token each
+        self.speculator = speculator        # core/speculative.Speculator, or None: no speculation
+        self.num_spec_rows = 0              # proposals the last schedule() added (rows beyond one per decode)
         self.finished_ids = []              # request ids that ended since the owner last cleared this
         self.finished_now = []              # requests finished by the current update()
 
@@ -117,6 +123,12 @@ class Scheduler:
         scheduled, seqs = [], []
         budget, num_preempted, prefilling = self._schedule_decodes(scheduled, seqs)
         self.num_decodes = self.num_samples = len(seqs)
+        self.num_spec_rows = 0
+        if self.speculator is not None and seqs:
+            num_rows = self.speculator.plan(scheduled, budget, self.block_manager)
+            budget -= num_rows
+            self.num_samples += num_rows
+            self.num_spec_rows = num_rows
         if prefilling and budget:
             budget, more = self._schedule_prefills(prefilling, budget, scheduled, seqs)
             num_preempted += more
@@ -261,6 +273,8 @@ class Scheduler:
             req.block_table.clear()
         req.num_hashed_blocks = 0
         req.num_scheduled_tokens = 0
+        if req.spec is not None:
+            self.speculator.release(req)
 
     # ------------------------------------------------------------------ update
 
@@ -274,10 +288,17 @@ class Scheduler:
         if logprobs is not None:
             columns = None
         num_decodes = self.num_decodes
-        if num_decodes:
-            decodes = scheduled if len(scheduled) == num_decodes else scheduled[:num_decodes]
-            self._append_tokens(decodes, sampled_ids, now_ns, outputs, columns)
-        k = num_decodes
+        decode_logprobs = None
+        if self.num_spec_rows:
+            k, decode_logprobs = self._append_speculated(scheduled[:num_decodes], sampled_ids, logprobs, now_ns,
+                                                         outputs, columns)
+        else:
+            if num_decodes:
+                decodes = scheduled if len(scheduled) == num_decodes else scheduled[:num_decodes]
+                self._append_tokens(decodes, sampled_ids, now_ns, outputs, columns)
+            k = num_decodes
+        if decode_logprobs is not None:
+            logprobs = decode_logprobs + list(logprobs[k:])
         for req in scheduled[num_decodes:]:
             computed = req.num_computed_tokens + req.num_scheduled_tokens
             req.num_scheduled_tokens = 0
@@ -299,6 +320,47 @@ class Scheduler:
                 self.running.remove(req)
             self.finished_now.clear()
         return outputs
+
+    def _append_speculated(self, decodes: list, sampled_ids, logprobs, now_ns: int, outputs: list,
+                           columns: StepTokens | None) -> tuple:
+        """The decodes of a step that verified proposals (core/speculative.py rules 3-4): a
+        speculating request's 1 + m rows give it its accepted proposals and one more token,
+        appended one at a time (a stop ends it there), each its own RequestOutput (never in
+        `columns`, so its tokens stay in order); then its blocks past the verified end are
+        freed. -> (index of the first prefill row in `sampled_ids`, the logprobs of the
+        outputs made, in order, or None)"""
+        kept = [] if logprobs is not None else None
+        i = 0
+        for req in decodes:
+            step = req.decode_step
+            num = step.num_spec
+            if not num:
+                self._append_tokens((req,), sampled_ids[i:i + 1], now_ns, outputs, columns)
+                if kept is not None:
+                    kept.append(logprobs[i])
+                i += 1
+                continue
+            step.num_spec = 0
+            rows = sampled_ids[i:i + 1 + num]
+            num_new = self.speculator.accept(req, step.token_ids[1:], rows) + 1
+            for j in range(num_new):
+                self._append_tokens((req,), rows[j:j + 1], now_ns, outputs, None)
+                if kept is not None:
+                    kept.append(logprobs[i + j])
+                if req.is_finished:
+                    break
+            else:
+                self._free_unverified(req)
+            i += 1 + num
+        return i, kept
+
+    def _free_unverified(self, req: Request) -> None:
+        """Free the blocks past a request's next position (its rejected proposals' slots)."""
+        bm = self.block_manager
+        keep = bm.num_blocks_for(req.num_computed_tokens + 1)
+        if len(req.block_table) > keep:
+            bm.free(req.block_table[keep:])
+            del req.block_table[keep:]
 
     def _append_tokens(self, reqs, sampled_ids, now_ns: int, outputs: list, columns: StepTokens | None) -> None:
         """Append one token to each request (its last fed token is now cached), stop or go on,

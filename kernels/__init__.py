@@ -24,16 +24,19 @@ class Backend(NamedTuple):
     builtin_model: Optional[Callable] = None    # EngineOptions -> the model it brings; None: an engine directory
     samples_logprobs: bool = True           # the executor returns logprobs when a request asks
     samples_constrained: bool = True        # the executor masks rows with a SeqStep.constraint
+    speculates: bool = True                 # the executor verifies SeqStep.num_spec proposed rows
 
 
 BACKENDS = {
     "cpu": Backend(cpu.create_executor, "C kernels (AVX-512 / AVX2 / scalar; numpy when not built)"),
     "reference": Backend(model_runner.create_executor, "the numpy reference forward"),
     "mock": Backend(mock.create_executor, "a fixed story at --mock-step-us per step (benchmarks)",
-                    builtin_model=mock.load_model, samples_logprobs=False, samples_constrained=False),
-    "cuda": Backend(cuda.create_executor, "NVIDIA GPU through cuda-python", samples_constrained=False),
+                    builtin_model=mock.load_model, samples_logprobs=False, samples_constrained=False,
+                    speculates=False),
+    "cuda": Backend(cuda.create_executor, "NVIDIA GPU through cuda-python", samples_constrained=False,
+                    speculates=False),
     "trt": Backend(trt.create_executor, "TensorRT engines built from the model's ONNX export (NVIDIA GPU)",
-                   samples_constrained=False),
+                   samples_constrained=False, speculates=False),
 }
 
 

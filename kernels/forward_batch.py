@@ -31,6 +31,7 @@ class ForwardBatch(NamedTuple):
     block_tables: np.ndarray    # int32 [S, max_blocks] physical KV block ids; unused tail is 0
     slot_mapping: np.ndarray    # int32 [T]     cache slot (block * block_size + offset) of each new token
     logits_indices: np.ndarray  # int32 [S_sample] rows of T whose logits are wanted, in SeqStep order
+                                #   (1 + num_spec rows for a sequence verifying proposals)
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +70,19 @@ def build_forward_batch(seqs: Sequence[SeqStep], block_size: int, tables: Option
     slot_mapping = block_tables[owner, positions // block_size] * block_size + positions % block_size
     samples = np.fromiter([s.sample for s in seqs], dtype=bool, count=num_seqs)
     logits_indices = seq_starts[1:][samples] - 1
+    if any([s.num_spec for s in seqs]):
+        logits_indices = _speculative_rows(seqs, seq_starts)
     return ForwardBatch(token_ids, positions, seq_starts, context_lens, block_tables, slot_mapping, logits_indices)
+
+
+def _speculative_rows(seqs: Sequence[SeqStep], seq_starts: np.ndarray) -> np.ndarray:
+    """logits_indices when some sequences verify proposals: the last 1 + num_spec rows of each
+    (core/speculative.py), the last row of other sampling ones; ascending. -> int32 [S_sample]"""
+    counts = np.fromiter([(1 + s.num_spec) if s.sample else 0 for s in seqs], dtype=np.int32, count=len(seqs))
+    ends = seq_starts[1:]                                                       # [S]
+    firsts = np.repeat(ends - counts, counts)                                   # [R] each row's sequence's first row
+    offsets = np.arange(len(firsts), dtype=np.int32) - np.repeat(np.cumsum(counts) - counts, counts)
+    return (firsts + offsets).astype(np.int32)
 
 
 def _small_decode(seqs: Sequence[SeqStep], block_size: int, block_tables: np.ndarray) -> ForwardBatch:
@@ -154,7 +167,7 @@ def build_forward_batch_reference(seqs: Sequence[SeqStep], block_size: int) -> F
             slots.append(s.block_table[pos // block_size] * block_size + pos % block_size)
         seq_starts.append(len(token_ids))
         if s.sample:
-            logits_indices.append(len(token_ids) - 1)
+            logits_indices += range(len(token_ids) - 1 - s.num_spec, len(token_ids))
     context_lens = [s.start_pos + len(s.token_ids) for s in seqs]
     return ForwardBatch(*(np.array(a, dtype=np.int32) for a in (token_ids, positions, seq_starts, context_lens)),
                         block_tables, np.array(slots, dtype=np.int32), np.array(logits_indices, dtype=np.int32))

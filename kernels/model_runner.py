@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 from ..core.config import ModelConfig
 from ..core.executor import SeqStep, StepOutput
 from ..core.options import EngineOptions
+from ..core.speculative import sampling_rows
 from .forward_batch import BlockTables, build_forward_batch
 from .model import ReferenceModel
 from .sampling import sample
@@ -43,7 +44,7 @@ class ModelRunner:
 
     def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
         batch = build_forward_batch(seqs, self.block_size, self.block_tables)
-        sampling_seqs = [s for s in seqs if s.sample]
+        sampling_seqs = sampling_rows(seqs)                     # one per sampled row, speculated ones included
         if self._forward_argmax is not None and any(s.sampling.greedy for s in sampling_seqs):
             logits, argmax = self._forward_argmax(batch)        # greedy rows: argmax fused into lm_head
             return sample(logits, sampling_seqs, argmax)

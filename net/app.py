@@ -358,6 +358,11 @@ class App:
         if g.best_of > g.n and not model.supports_logprobs:
             raise ApiError(400, f"best_of > n ranks choices by log-probability; the {model.name!r} engine "
                            "does not compute them", param="best_of", code="unsupported_parameter")
+        method = g.params.speculative
+        if method is not None and method != "off" and method not in model.speculative_methods:
+            offered = ", ".join(model.speculative_methods + ("off",))
+            raise ApiError(400, f"speculative {method!r} is not available on this server (it offers: {offered})",
+                           param="speculative", code="unsupported_parameter")
         if g.constraint is not None:
             self._check_constraint(g)
         if g.tools is not None:

@@ -304,6 +304,9 @@ class Dispatcher:
             log.warning("request %s failed in the engine: %s", ex.response_id, error)
         if ex.timeline.mask_ns or ex.timeline.grammar_compile_ns:
             timings.update(encoders.grammar_timings_us(ex.timeline, out.num_output_tokens))
+        if ex.timeline.spec_proposed:       # speculative decoding: proposed and accepted tokens
+            timings.update(encoders.spec_counts(ex.timeline))
+            trailers += encoders.spec_trailers(ex.timeline)
         opened = ex.last_ns or (ex.group is not None and ex.group.opened)
         if ex.tools is not None and error is None:
             self._respond_tools(ex, reason, use, timings, trailers)

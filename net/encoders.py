@@ -72,6 +72,16 @@ def grammar_timings_us(t: Timeline, num_output: int) -> dict:
             "mask_us_per_token": round(t.mask_ns / 1000 / max(1, num_output), 2)}
 
 
+def spec_counts(t: Timeline) -> dict:
+    """A request that speculated: tokens proposed for it, and of those accepted (core/speculative.py)."""
+    return {"spec_proposed": t.spec_proposed, "spec_accepted": t.spec_accepted}
+
+
+def spec_trailers(t: Timeline) -> list:
+    return [(b"tokenwire-spec-proposed", b"%d" % t.spec_proposed),
+            (b"tokenwire-spec-accepted", b"%d" % t.spec_accepted)]
+
+
 def server_timing(timings: dict) -> bytes:
     """`Server-Timing` value (durations in milliseconds, as the header's spec wants)."""
     return _SERVER_TIMING % tuple([us / 1000 for us in timings.values()])

@@ -141,6 +141,12 @@ class Metrics:
              "KV blocks holding cached prefix content (in use or evictable).", s.num_prefix_cached_blocks),
             ("tokenwire_response_cache_hits_total", "counter",
              "Requests answered from the exact-match response cache.", s.num_response_cache_hits),
+            ("tokenwire_spec_proposed_tokens_total", "counter",
+             "Tokens proposed by speculative decoding and verified by the model.", s.num_spec_proposed),
+            ("tokenwire_spec_accepted_tokens_total", "counter",
+             "Proposed tokens the model accepted (each one a step saved).", s.num_spec_accepted),
+            ("tokenwire_spec_verify_steps_total", "counter",
+             "Request-steps that verified proposed tokens.", s.num_spec_steps),
         ):
             _family(lines, name, kind, help_text, [("", value)])
         lines.append("")

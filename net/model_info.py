@@ -31,6 +31,7 @@ class ModelInfo(NamedTuple):
     grammars: object = None                 # the card's grammar compiler; None: no constrained decoding
     backend: str = ""
     tool_family: str = "hermes"             # the tool-call markup `tool_choice=auto` parses (structured.py)
+    speculative_methods: tuple = ()         # a request's `speculative` may name these, or "off"
 
 
 def model_info(card: ModelCard) -> ModelInfo:
@@ -38,7 +39,7 @@ def model_info(card: ModelCard) -> ModelInfo:
     return ModelInfo(name=card.name, tokenizer=card.tokenizer, encode=prompt_encoder(card), chat_template=template,
                      max_model_len=card.max_model_len, created=int(time.time()), description=card.description,
                      supports_logprobs=card.supports_logprobs, grammars=card.grammars, backend=card.backend,
-                     tool_family=tool_family(card.chat_template))
+                     tool_family=tool_family(card.chat_template), speculative_methods=card.speculative_methods)
 
 
 def prompt_encoder(card: ModelCard) -> Callable[[str], list]:

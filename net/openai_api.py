@@ -81,16 +81,17 @@ def parse_json(body: bytes) -> dict:
 # ----------------------------------------------------------------- routes
 
 _IGNORED = {"user", "nvext"}            # accepted and without effect
+SPECULATIVE_KEYS = ("speculative", "num_speculative_tokens")   # tokenwire's own: core/speculative.py
 _COMMON = _IGNORED | {"model", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
            "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-           "skip_special_tokens", "stream", "stream_options", "n", "logit_bias",
+           "skip_special_tokens", "stream", "stream_options", "n", "logit_bias", *SPECULATIVE_KEYS,
            "response_format", "structured_outputs", *GUIDED_KEYS, *REFUSED_GUIDED_KEYS}
 _COMPLETIONS_KEYS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT_KEYS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                         "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _GENERATE_KEYS = _IGNORED | {"prompt", "prompt_token_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                   "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop",
-                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "model",
+                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "model", *SPECULATIVE_KEYS,
                   "response_format", "structured_outputs", *GUIDED_KEYS, *REFUSED_GUIDED_KEYS}
 
 
@@ -258,7 +259,7 @@ def _sampling_params(fields: tuple) -> SamplingParams:
 # body key -> JSON type, for the SamplingParams fields taken from the body as they are
 _SAMPLING_FIELDS = {"min_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
                     "frequency_penalty": float, "presence_penalty": float, "seed": int, "ignore_eos": bool,
-                    "skip_special_tokens": bool}
+                    "skip_special_tokens": bool, "speculative": str, "num_speculative_tokens": int}
 
 
 def _stream(body: dict) -> tuple[bool, bool, bool]:

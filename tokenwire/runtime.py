@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from .core.constraint import ConstraintSpec
+from .core.draft import DraftProposer
 from .core.engine_core import EngineCore
 from .core.model_card import ModelCard
 from .core.options import DEFAULTS, EngineOptions
 from .core.outputs import FINISH_ERROR
 from .core.sampling_params import SamplingParams
+from .core.speculative import Speculator
 from .engine_build.resolve import resolve_model
 from .kernels import backend
 from .kernels.engine_format import load_engine
@@ -53,11 +55,12 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
         model = row.builtin_model(options) if row.builtin_model is not None else load_model(options.model)
     max_model_len = context_length(options.max_model_len, model.config.max_position_embeddings)
     executor = row.create_executor(model, options, max_model_len)
+    speculator = build_speculator(options, row, model, max_model_len)
     core = EngineCore(executor, model.tokenizer, eos_token_ids=model.eos_token_ids, max_model_len=max_model_len,
                       max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
                       max_queued_requests=options.max_queued_requests,
                       enable_prefix_caching=options.enable_prefix_caching, response_cache_size=options.response_cache_size,
-                      inline_step_ns=int(options.inline_step_us * 1000),
+                      inline_step_ns=int(options.inline_step_us * 1000), speculator=speculator,
                       model_identity=f"{options.backend}:{model.name}:{getattr(model, 'path', '')}")
     card = ModelCard(name=options.served_model_name or model.name, description=model.description,
                      backend=options.backend, tokenizer=model.tokenizer, encode_prompt=model.encode_prompt,
@@ -65,8 +68,37 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
                      chat_template=template or model.chat_template, special_tokens=model.special_tokens,
                      max_model_len=max_model_len, supports_logprobs=row.samples_logprobs,
                      grammars=GrammarCompiler(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
-                     if row.samples_constrained else None)
+                     if row.samples_constrained else None,
+                     speculative_methods=tuple(speculator.proposers) if speculator is not None else ())
     return BuiltEngine(core, card)
+
+
+def build_speculator(options: EngineOptions, row, model, max_model_len: int) -> Optional[Speculator]:
+    """Speculative decoding for backends that verify proposed rows (core/speculative.py): always
+    there on them (a request may ask for it while the server's default is off), with the draft
+    model when one is named. None on the others, which refuse --speculative."""
+    if not row.speculates:
+        if options.speculative != "off" or options.speculative_model:
+            raise ValueError(f"--speculative {options.speculative}: the {options.backend} backend does not verify "
+                             f"speculated tokens (the cpu and reference backends do)")
+        return None
+    draft = None
+    if options.speculative_model:
+        draft_model = load_model(options.speculative_model)
+        check_same_tokenizer(model, draft_model)
+        draft_len = min(max_model_len, draft_model.config.max_position_embeddings)
+        draft_options = replace(options, num_kv_blocks=None)
+        draft = DraftProposer(row.create_executor(draft_model, draft_options, draft_len), draft_len)
+        log.info("speculative decoding: draft model %s", draft_model.name)
+    return Speculator(options.speculative, options.num_speculative_tokens, draft)
+
+
+def check_same_tokenizer(model, draft_model) -> None:
+    """A draft proposes token ids: they must mean what they mean to the target."""
+    if (model.config.vocab_size != draft_model.config.vocab_size
+            or model.tokenizer.get_vocab() != draft_model.tokenizer.get_vocab()):
+        raise ValueError(f"the draft model {draft_model.name!r} does not share the tokenizer of {model.name!r} "
+                         f"(vocabularies of {draft_model.config.vocab_size} and {model.config.vocab_size} ids)")
 
 
 WARM_UP_PROMPT = "Once upon a time"                # any short text: every tokenizer encodes it

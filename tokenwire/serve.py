@@ -14,6 +14,7 @@ import re
 import sys
 
 from .core.options import ACTIVATIONS, DEFAULTS
+from .core.sampling_params import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 from .kernels import BACKENDS
 from .net.budgets import ServerLimits, raise_fd_limit
 from .net.events import BUSY_POLL_US, Limits
@@ -123,6 +124,19 @@ def add_arguments(parser) -> None:
                         help="cpu backend: INT4 products on int8-quantized activations (llama.cpp's trade-off; "
                              "perplexity +0.01-0.02%%) or exact fp32 ones, which match the numpy reference "
                              "(default: %(default)s)")
+    parser.add_argument("--speculative", default=DEFAULTS.speculative, choices=SPECULATIVE_METHODS,
+                        help="speculative decoding (cpu and reference backends): 'ngram' proposes what followed "
+                             "the last few tokens where they occurred before (prompt lookup), 'draft' what "
+                             "--speculative-model predicts; one step verifies the proposals, and greedy and "
+                             "sampled outputs are the model's own. A request may choose with its "
+                             "'speculative' field (default: %(default)s)")
+    parser.add_argument("--num-speculative-tokens", type=_positive_int, default=DEFAULTS.num_speculative_tokens,
+                        metavar="K", help=f"tokens proposed per step, at most (1-{MAX_SPECULATIVE_TOKENS}; it "
+                                          "shrinks, and pauses, for a request whose proposals are rejected) "
+                                          "(default: %(default)s)")
+    parser.add_argument("--speculative-model", default=DEFAULTS.speculative_model, metavar="PATH",
+                        help="the draft model for --speculative draft: a smaller model with the same tokenizer "
+                             "(an engine directory, a checkpoint or a GGUF, as --model), with its own KV blocks")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false", default=DEFAULTS.warm_up,
                         help="answer /health 200 as soon as the model is loaded, without first running a "
                              "prefill, a decode and constrained sampling through the engine (the first "
@@ -238,7 +252,9 @@ def run(args) -> int:
                         access_log=args.access_log,
                         enable_prefix_caching=args.enable_prefix_caching,
                         response_cache_size=args.response_cache_size, inline_step_us=args.inline_step_us,
-                        activations=args.activations, warm_up=args.warm_up,
+                        activations=args.activations, warm_up=args.warm_up, speculative=args.speculative,
+                        num_speculative_tokens=args.num_speculative_tokens,
+                        speculative_model=args.speculative_model,
                         host=args.host, port=args.port, loop=args.loop, tls_cert=args.tls_cert, tls_key=args.tls_key,
                         api_key=args.api_key, limits=limits, trace=args.trace, freeze_gc=True,
                         busy_poll_us=args.busy_poll_us, server_limits=server_limits)
