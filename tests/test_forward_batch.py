@@ -20,7 +20,7 @@ def assert_same(got, want):
         assert a.dtype == np.int32 and a.shape == b.shape and np.array_equal(a, b), name
 
 
-def random_step(rng, num_seqs, decode_only=False):
+def random_step(rng, num_seqs, decode_only=False, speculative=False):
     seqs, next_block = [], 0
     for i in range(num_seqs):
         start = int(rng.integers(0, 60))
@@ -31,6 +31,8 @@ def random_step(rng, num_seqs, decode_only=False):
         ids = rng.integers(0, 1000, n).tolist()
         if n == 1 and rng.random() < 0.5:
             seqs.append(DecodeStep(i, tuple(ids), start, table, bool(rng.random() < 0.9), P, 0, [1], []))
+        elif speculative and rng.random() < 0.6:    # a decode verifying n - 1 proposals: its last n rows
+            seqs.append(SeqStep(i, ids, start, table, True, P, 0, [1], [], None, n - 1))
         else:
             seqs.append(SeqStep(i, ids, start, table, bool(rng.random() < 0.7), P, 0, [1], []))
     return seqs
@@ -43,6 +45,17 @@ def test_fast_builder_equals_the_reference(num_seqs, decode_only):
     for _ in range(20):
         seqs = random_step(rng, num_seqs, decode_only)
         want = build_forward_batch_reference(seqs, BS)
+        assert_same(build_forward_batch(seqs, BS), want)
+        assert_same(build_forward_batch(seqs, BS, BlockTables()), want)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 5, 40])
+def test_speculative_rows_equal_the_reference(num_seqs):
+    rng = np.random.default_rng(100 + num_seqs)
+    for _ in range(30):
+        seqs = random_step(rng, num_seqs, speculative=True)
+        want = build_forward_batch_reference(seqs, BS)
+        assert len(want.logits_indices) == sum((1 + s.num_spec) * s.sample for s in seqs)
         assert_same(build_forward_batch(seqs, BS), want)
         assert_same(build_forward_batch(seqs, BS, BlockTables()), want)
 

@@ -283,3 +283,57 @@ def test_seeded_sampling_with_speculation_repeats_and_is_sampling_itself(stories
     assert generate(build(engine, speculative="ngram"), reqs) == first
     # the coupling of core/speculative.py rule 3: the same draws as sampling one token a step
     assert generate(build(engine), [(i, p, spec_params(q, "off")) for i, p, q in reqs]) == first
+
+
+# ------------------------------------------------------------------ the parts
+
+
+def request(prompt, output=()):
+    from tokenwire.core.request import Request
+    from tokenwire.core.speculative import SpecState
+    req = Request(1, list(prompt), SamplingParams(), Timeline(), seed=0, priority=0, arrival_seq=0,
+                  max_model_len=1000, stop_token_ids=frozenset(), text_stream=None)
+    req.output_token_ids.extend(output)
+    req.spec = SpecState(None, 4)
+    return req
+
+
+def test_ngram_proposes_what_followed_the_longest_latest_match():
+    from tokenwire.core.speculative import NgramProposer
+    ngram = NgramProposer(min_n=2, max_n=4)
+    assert ngram.propose(request([1, 2, 3, 4, 9, 1, 2, 3]), 4) == [4, 9, 1, 2]       # 3 tokens matched
+    assert ngram.propose(request([5, 6, 7, 5, 6, 8, 5, 6]), 3) == [8, 5, 6]          # the latest of two
+    assert ngram.propose(request([7, 1, 2, 7, 3, 1, 2]), 4) == [7, 3, 1, 2]          # (1, 2), not (7,)
+    assert ngram.propose(request([1, 2, 1, 2]), 5) == [1, 2, 1, 2, 1]                # copied on past the end
+    assert ngram.propose(request([1, 2, 3, 4]), 4) == []
+    req = request([4, 5, 6, 7], [8])                                                  # grows with the output
+    assert ngram.propose(req, 2) == []
+    req.output_token_ids += [4, 5]
+    assert ngram.propose(req, 3) == [6, 7, 8]
+    req.output_token_ids += [9, 4, 5]
+    assert ngram.propose(req, 2) == [9, 4]
+
+
+def test_adaptive_k_shrinks_grows_and_pauses():
+    from tokenwire.core.speculative import FIRST_PAUSE, SpecState
+    spec = SpecState(object(), 8)
+    spec.record(8, 8)
+    assert spec.k == 8 and not spec.num_paused
+    spec.record(8, 2)
+    assert spec.k == 3
+    spec.record(3, 3)
+    assert spec.k == 6
+    for _ in range(10):
+        spec.record(spec.k, 0)
+        if spec.num_paused:
+            break
+    assert spec.num_paused == FIRST_PAUSE and spec.k == 1
+    spec.num_paused = 0                             # (the scheduler counts the pause down)
+    for num_failed in range(1, 10):
+        spec.record(1, 0)
+        if spec.num_paused:
+            break
+    assert num_failed <= 5 and spec.pause == spec.num_paused == 2 * FIRST_PAUSE      # the next pause is longer
+    spec.record(1, 1)
+    assert spec.pause == FIRST_PAUSE                # and one that accepts halves it
+    assert spec.num_accepted == 8 + 2 + 3 + 1
