@@ -78,6 +78,7 @@ class Scheduler:
         self.num_decodes = 0                # of which the first ones, one token each
         self.speculator = speculator        # core/speculative.Speculator, or None: no speculation
         self.num_spec_rows = 0              # proposals the last schedule() added (rows beyond one per decode)
+        self.scheduled_ns = 0               # when the last schedule() began (its step's start)
         self.finished_ids = []              # request ids that ended since the owner last cleared this
         self.finished_now = []              # requests finished by the current update()
 
@@ -124,6 +125,7 @@ class Scheduler:
         budget, num_preempted, prefilling = self._schedule_decodes(scheduled, seqs)
         self.num_decodes = self.num_samples = len(seqs)
         self.num_spec_rows = 0
+        self.scheduled_ns = now_ns
         if self.speculator is not None and seqs:
             num_rows = self.speculator.plan(scheduled, budget, self.block_manager)
             budget -= num_rows
@@ -289,6 +291,8 @@ class Scheduler:
             columns = None
         num_decodes = self.num_decodes
         decode_logprobs = None
+        if self.speculator is not None and num_decodes and len(scheduled) == num_decodes:
+            self.speculator.observe(num_decodes, self.num_spec_rows, now_ns - self.scheduled_ns)
         if self.num_spec_rows:
             k, decode_logprobs = self._append_speculated(scheduled[:num_decodes], sampled_ids, logprobs, now_ns,
                                                          outputs, columns)

@@ -28,12 +28,15 @@ Rules:
    verified positions, so a rejected proposal's KV slot is simply written again later; blocks
    past the verified end are freed; the prefix cache registers full blocks of computed
    tokens only, so never an unverified one.
-5. Adaptive k (`SpecState.record`): a request's k doubles (up to its maximum) after a step
-   whose proposals were all accepted, and becomes accepted + 1 after one that rejected some;
-   when the moving average of its acceptance rate (accepted / proposed) falls below
-   MIN_RATE, it stops speculating for a pause that doubles each time (up to MAX_PAUSE decode
-   steps) and halves after a step that accepted something. A model whose output never
-   repeats pays a verifying step of a row or two now and then.
+5. Adaptive k (`SpecState.next_k`): each step, a request proposes the k (up to its maximum)
+   that maximizes the expected tokens per unit of step time, (1 + r + ... + r^k) / (1 + k c):
+   r is its moving acceptance (proposals kept / proposals decided), c what a verified row
+   costs against a decode step, learned from the steps themselves (`StepCosts`: on a GPU,
+   or a small model's CPU step bound by weights, c is small and k stays high; where rows
+   cost nearly a step, only a high acceptance pays). When no k promises MIN_GAIN, the
+   request stops speculating for a pause that doubles each time (up to MAX_PAUSE decode
+   steps; halved by a step that accepted something), then proposes one token to measure
+   again. A model whose output never repeats pays a one-row probe now and then.
 
 No tensor library here: ints, lists, dicts.
 """
@@ -44,42 +47,89 @@ from .executor import SeqStep
 
 NGRAM_MIN = 2                   # shortest suffix matched (one token matched proposed half as well on stories260K)
 NGRAM_MAX = 4                   # longest suffix matched (tried first)
-MIN_RATE = 0.3                  # accepted / proposed (moving average) below which a request pauses
-EWMA_WEIGHT = 0.25              # of the latest step in that average
-FIRST_PAUSE = 4                 # decode steps without proposals after the first low-acceptance spell
+EWMA_WEIGHT = 0.25              # of the latest observation in the moving averages below
+MIN_GAIN = 1.05                 # expected tokens per unit of step time a k must promise over decoding alone
+FIRST_PAUSE = 4                 # decode steps without proposals the first time no k pays
 MAX_PAUSE = 256
 
 
 class SpecState:
-    """One request's speculation: its proposer, its k, its pause, its counts."""
-    __slots__ = ("proposer", "max_k", "k", "mean_rate", "pause", "num_paused", "history", "index",
+    """One request's speculation: its proposer, its acceptance, its pause, its counts."""
+    __slots__ = ("proposer", "max_k", "num_kept", "num_tried", "pause", "num_paused", "probe", "history", "index",
                  "num_proposed", "num_accepted")
 
     def __init__(self, proposer, max_k: int):
         self.proposer = proposer            # None: this request does not speculate
         self.max_k = max_k
-        self.k = max_k                      # tokens to propose next
-        self.mean_rate = 1.0                # moving average of accepted / proposed per verifying step
+        # moving averages per verifying step: proposals kept, and proposals decided (the kept
+        # ones and the one rejected, if any); kept / decided estimates the chance that each
+        # next proposal is kept (optimistic at first)
+        self.num_kept = 1.0
+        self.num_tried = 1.0
         self.pause = 0                      # length of the next pause, in decode steps (0: none yet)
         self.num_paused = 0                 # decode steps left in the current pause
+        self.probe = False                  # the pause is over: propose one token to measure again
         self.history = None                 # NgramProposer: prompt + output as indexed so far
         self.index = None                   # NgramProposer: one dict per n: n-gram -> position after it
         self.num_proposed = 0
         self.num_accepted = 0
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        """Adapt k to one verifying step (rule 5)."""
-        self.num_proposed += num_proposed
-        self.num_accepted += num_accepted
-        self.k = min(self.max_k, 2 * self.k) if num_accepted == num_proposed else num_accepted + 1
-        self.mean_rate += EWMA_WEIGHT * (num_accepted / num_proposed - self.mean_rate)
-        if num_accepted and self.pause:
-            self.pause //= 2
-        if self.mean_rate < MIN_RATE:
+    def next_k(self, row_cost: float) -> int:
+        """How many tokens to propose now (rule 5): the k in 0 .. max_k that maximizes the
+        expected tokens per unit of step time, (1 + r + r^2 + ... + r^k) / (1 + k x row_cost),
+        with r = kept / decided and row_cost a verified row's time over a decode step's. 0 (no k
+        promises MIN_GAIN): a pause, then a probe of one token."""
+        if self.probe:
+            self.probe = False
+            return 1
+        rate, gain, term = self.num_kept / self.num_tried, 1.0, 1.0
+        best, best_value = 0, MIN_GAIN
+        for k in range(1, self.max_k + 1):
+            term *= rate
+            gain += term
+            value = gain / (1.0 + k * row_cost)
+            if value > best_value:
+                best, best_value = k, value
+        if not best:
             self.pause = min(MAX_PAUSE, 2 * self.pause) if self.pause else FIRST_PAUSE
             self.num_paused = self.pause
-            self.mean_rate = 1.0            # after the pause: a few rejections pause it again
-            self.k = 1
+            self.probe = True
+        return best
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        """One verifying step's outcome (rule 5)."""
+        self.num_proposed += num_proposed
+        self.num_accepted += num_accepted
+        self.num_kept += EWMA_WEIGHT * (num_accepted - self.num_kept)
+        self.num_tried += EWMA_WEIGHT * (num_accepted + (num_accepted < num_proposed) - self.num_tried)
+        if num_accepted and self.pause:
+            self.pause //= 2
+
+
+class StepCosts:
+    """What a verified row costs against a decode step, learned from the steps themselves:
+    moving averages of pure decode steps' times and of the time each proposed row adds, by
+    batch size (in powers of two). Steps with prefill chunks are not counted."""
+
+    def __init__(self):
+        self.decode_ns = {}                 # batch bucket -> moving average of steps without proposals
+        self.row_ns = {}                    # batch bucket -> moving average of the time per proposed row
+
+    def observe(self, num_decodes: int, num_rows: int, step_ns: int) -> None:
+        bucket = num_decodes.bit_length()
+        decode_ns = self.decode_ns.get(bucket)
+        if not num_rows:
+            self.decode_ns[bucket] = step_ns if decode_ns is None else decode_ns + EWMA_WEIGHT * (step_ns - decode_ns)
+        elif decode_ns is not None:
+            row_ns = max(0.0, (step_ns - decode_ns) / num_rows)
+            old = self.row_ns.get(bucket)
+            self.row_ns[bucket] = row_ns if old is None else old + EWMA_WEIGHT * (row_ns - old)
+
+    def row_cost(self, num_decodes: int) -> float:
+        """A proposed row's time over a decode step's (0 until both were seen)."""
+        bucket = num_decodes.bit_length()
+        decode_ns, row_ns = self.decode_ns.get(bucket), self.row_ns.get(bucket)
+        return row_ns / decode_ns if decode_ns and row_ns is not None else 0.0
 
 
 class NgramProposer:
@@ -142,6 +192,7 @@ class Speculator:
         self.num_proposed = 0               # counters since start (EngineStats)
         self.num_accepted = 0
         self.num_steps = 0                  # request-steps that verified proposals
+        self.costs = StepCosts()
 
     def state(self, req) -> SpecState:
         """A request's SpecState, made at its first decode from its params and the server's."""
@@ -155,6 +206,7 @@ class Speculator:
     def plan(self, decodes: list, budget: int, block_manager) -> int:
         """Give decoding requests their proposals (rule 2; once per step). -> query rows added"""
         wanted, ks = {}, {}
+        row_cost = self.costs.row_cost(len(decodes))
         for req in decodes:
             spec = req.spec or self.state(req)
             if spec.proposer is None or budget <= 0:
@@ -162,7 +214,7 @@ class Speculator:
             if spec.num_paused:
                 spec.num_paused -= 1
                 continue
-            k = min(spec.k, budget, req.max_total_tokens - req.num_tokens - 1)
+            k = min(spec.next_k(row_cost), budget, req.max_total_tokens - req.num_tokens - 1)
             if k > 0:
                 wanted.setdefault(spec.proposer, []).append(req)
                 ks[req.request_id] = k
@@ -203,6 +255,10 @@ class Speculator:
         self.num_accepted += num
         self.num_steps += 1
         return num
+
+    def observe(self, num_decodes: int, num_rows: int, step_ns: int) -> None:
+        """A pure decode step's time (the scheduler, once per step), with `num_rows` proposed rows."""
+        self.costs.observe(num_decodes, num_rows, step_ns)
 
     def release(self, req) -> None:
         """`req` gave up its KV blocks (finish, cancel, failure, preemption): so does its proposer."""

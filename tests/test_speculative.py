@@ -314,26 +314,27 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     assert ngram.propose(req, 2) == [9, 4]
 
 
-def test_adaptive_k_shrinks_grows_and_pauses():
-    from tokenwire.core.speculative import FIRST_PAUSE, SpecState
+def test_adaptive_k_weighs_acceptance_against_what_a_row_costs():
+    from tokenwire.core.speculative import FIRST_PAUSE, SpecState, StepCosts
     spec = SpecState(object(), 8)
-    spec.record(8, 8)
-    assert spec.k == 8 and not spec.num_paused
-    spec.record(8, 2)
-    assert spec.k == 3
-    spec.record(3, 3)
-    assert spec.k == 6
-    for _ in range(10):
-        spec.record(spec.k, 0)
-        if spec.num_paused:
-            break
-    assert spec.num_paused == FIRST_PAUSE and spec.k == 1
-    spec.num_paused = 0                             # (the scheduler counts the pause down)
-    for num_failed in range(1, 10):
+    assert spec.next_k(0.0) == 8 and spec.next_k(0.2) == 8          # nothing rejected yet
+    for _ in range(8):
+        spec.record(4, 2)                                           # kept 2 of 3 decided: r ~ 2/3
+    ks = [spec.next_k(cost) for cost in (0.0, 0.05, 0.15, 0.3)]
+    assert ks[0] == 8 and ks == sorted(ks, reverse=True) and 0 < ks[-1] < 8
+    for _ in range(12):
         spec.record(1, 0)
-        if spec.num_paused:
-            break
-    assert num_failed <= 5 and spec.pause == spec.num_paused == 2 * FIRST_PAUSE      # the next pause is longer
+    assert spec.next_k(0.3) == 0 and spec.num_paused == FIRST_PAUSE  # nothing pays: a pause
+    assert spec.next_k(0.3) == 1                                    # then a probe of one token
+    spec.record(1, 0)
+    assert spec.next_k(0.3) == 0 and spec.num_paused == 2 * FIRST_PAUSE     # the next pause is longer
     spec.record(1, 1)
-    assert spec.pause == FIRST_PAUSE                # and one that accepts halves it
-    assert spec.num_accepted == 8 + 2 + 3 + 1
+    assert spec.pause == FIRST_PAUSE                                # a kept proposal halves it
+    assert (spec.num_proposed, spec.num_accepted) == (8 * 4 + 12 + 2, 8 * 2 + 1)
+    costs = StepCosts()
+    assert costs.row_cost(1) == 0.0
+    for _ in range(20):
+        costs.observe(1, 0, 1000)
+        costs.observe(1, 4, 3000)
+        costs.observe(16, 0, 4000)
+    assert costs.row_cost(1) == pytest.approx(0.5) and costs.row_cost(16) == 0.0

@@ -28,6 +28,7 @@ BENCHES = {
     "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),
     "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
     "prefix": ("tokenwire.bench.prefix", "prefix cache on against off: shared system prompt TTFT, multi-turn prefill"),
+    "spec": ("tokenwire.bench.spec", "speculative decoding (n-gram, a draft model) against none: tok/s, ITL, acceptance"),
     "response-cache": ("tokenwire.bench.response_cache", "TTFT of a response-cache answer against the mock engine's"),
     "cold-start": ("tokenwire.bench.cold_start", "the first request after /health 200 against the fifth, over fresh starts"),
     "deploy": ("tokenwire.bench.deploy", "the binary against the pip install; HAProxy against one replica"),
