@@ -93,3 +93,13 @@ def test_bad_speculative_fields_are_400s_that_name_them(server, body, param):
         r = httpx.post(server.url + path, json={"prompt": "Once", "max_tokens": 2, **body})
         assert r.status_code == 400, (path, body, r.text)
         assert r.json()["error"]["param"] == param
+
+
+def test_every_route_parses_the_speculative_fields():
+    from tokenwire.net.openai_api import parse_chat, parse_completions, parse_generate
+    fields = {"speculative": "draft", "num_speculative_tokens": 7}
+    for parse, body in ((parse_completions, {"prompt": "x"}), (parse_generate, {"prompt": "x"}),
+                        (parse_chat, {"messages": [{"role": "user", "content": "x"}]})):
+        params = parse({**body, **fields}, on_unknown=lambda name: pytest.fail(name)).params
+        assert (params.speculative, params.num_speculative_tokens) == ("draft", 7)
+        assert parse(body).params.speculative is None
