@@ -90,6 +90,9 @@ class DraftProposer:
                     break
                 num += 1
             seq.num_computed = min(seq.num_computed, seq.fed_start + num)
+        # the last token is fed again even when the draft computed it (its proposal was kept as
+        # the target's own next token): its logits give the first proposal
+        seq.num_computed = min(seq.num_computed, req.num_tokens - 1)
         end = req.num_tokens + k - 1                # positions the draft writes this time
         bm = self.block_manager
         if end > self.max_model_len or not bm.can_append_slot(seq.block_table, end):

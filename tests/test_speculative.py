@@ -120,19 +120,25 @@ def test_greedy_with_speculation_reproduces_run_c(stories, stories260k_dir, meth
             assert 0 < stats.num_spec_accepted < stats.num_spec_proposed
 
 
-def test_16_greedy_requests_chunked_preempted_and_cancelled_match_without_speculation(stories, build):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_16_greedy_requests_chunked_preempted_and_cancelled_match_without_speculation(stories, build, method):
     engine = stories["int4"]
     ps = prompts(engine, 16)
     params = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     plain = generate(build(engine, max_num_seqs=16), [(i, p, params) for i, p in enumerate(ps)])
     # 16 requests of up to ~100 tokens need ~100 blocks of 16; a budget of 48 tokens chunks the
-    # prompts beside the decodes (and the proposals)
-    core = build(engine, max_num_seqs=16, max_num_batched_tokens=48, kv_cache_bytes=48 * 16 * 1280,
-                 speculative="ngram")
+    # prompts beside the decodes (and the proposals); the draft is the unquantized model, so
+    # some of its proposals are rejected
+    options = {"speculative_model": str(stories["fp32"].path)} if method == "draft" else {}
+    core = build(engine, max_num_seqs=16, max_num_batched_tokens=48, kv_cache_bytes=40 * 16 * 1280,
+                 speculative=method, **options)
     cancel_at = {3: 5, 11: 30}
     spec = generate(core, [(i, p, params) for i, p in enumerate(ps)], cancel_at, prefix_cache_check)
     stats = core.stats()
     assert stats.num_preemptions > 0 and stats.num_spec_accepted > 0 and stats.num_spec_proposed > stats.num_spec_accepted
+    if method == "draft":
+        draft = core.speculator.proposers["draft"]
+        assert draft.num_steps > 0 and not draft.seqs and draft.block_manager.num_used_blocks == 0
     for i in range(16):
         if i in cancel_at:
             assert spec[i][2] == FINISH_CANCELLED and plain[i][0][:len(spec[i][0])] == spec[i][0]
@@ -164,6 +170,8 @@ class ScriptedProposer:
 @pytest.mark.parametrize("family", sorted(tiny_configs()))
 def test_random_engines_of_every_family_greedy_identical(family, tmp_path):
     engine = random_engine(tiny_configs()[family], tmp_path)
+    (tmp_path / "draft").mkdir()
+    draft = random_engine(tiny_configs()[family], tmp_path / "draft", seed=1, quant="none")   # other weights
     rng = np.random.default_rng(1)
     ps = [[int(t) for t in rng.integers(3, engine.config.vocab_size, size=int(n))] for n in rng.integers(3, 40, 16)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -175,6 +183,10 @@ def test_random_engines_of_every_family_greedy_identical(family, tmp_path):
             ngram = build(engine, max_num_seqs=16, max_num_batched_tokens=32, speculative="ngram")
             assert generate(ngram, reqs, check=prefix_cache_check) == plain, (name, batch)
             assert ngram.stats().num_spec_proposed > 0
+            drafted = build(engine, max_num_seqs=16, max_num_batched_tokens=32, speculative="draft",
+                            speculative_model=str(draft.path), num_speculative_tokens=3)
+            assert generate(drafted, reqs, check=prefix_cache_check) == plain, (name, batch, "draft")
+            assert drafted.stats().num_spec_proposed > 0
             scripted = build(engine, max_num_seqs=16, max_num_batched_tokens=40, kv_cache_bytes=None,
                              speculative="ngram", num_speculative_tokens=5)
             scripted.speculator.proposers["ngram"] = ScriptedProposer({i: plain[i][0] for i in plain}, 0.25,
