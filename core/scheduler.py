@@ -127,7 +127,7 @@ class Scheduler:
         self.num_spec_rows = 0
         self.scheduled_ns = now_ns
         if self.speculator is not None and seqs:
-            num_rows = self.speculator.plan(scheduled, budget, self.block_manager)
+            num_rows = self.speculator.plan(scheduled, budget, self.block_manager, len(self.running))
             budget -= num_rows
             self.num_samples += num_rows
             self.num_spec_rows = num_rows

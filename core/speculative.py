@@ -41,7 +41,7 @@ Rules:
 No tensor library here: ints, lists, dicts.
 """
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from .executor import SeqStep
 
@@ -183,8 +183,10 @@ class NgramProposer:
 class Speculator:
     """The engine's speculative decoding: its default method and k, the proposers, the counts."""
 
-    def __init__(self, method: str, num_tokens: int, draft=None):
+    def __init__(self, method: str, num_tokens: int, draft=None, max_rows: Optional[int] = None):
         self.method = method                # the server's: "ngram", "draft" or "off"
+        # sampled rows a step may have, at most (the executor's `max_sample_rows`; None: any)
+        self.max_rows = max_rows
         self.num_tokens = num_tokens        # the server's k
         self.proposers = {"ngram": NgramProposer()}
         if draft is not None:
@@ -203,8 +205,12 @@ class Speculator:
         req.spec = SpecState(proposer, k)
         return req.spec
 
-    def plan(self, decodes: list, budget: int, block_manager) -> int:
-        """Give decoding requests their proposals (rule 2; once per step). -> query rows added"""
+    def plan(self, decodes: list, budget: int, block_manager, num_running: int) -> int:
+        """Give decoding requests their proposals (rule 2; once per step): within the token
+        `budget` and, when the executor bounds a step's sampled rows, beside one row for each
+        of the `num_running` requests. -> query rows added"""
+        if self.max_rows is not None:
+            budget = min(budget, self.max_rows - num_running)
         wanted, ks = {}, {}
         row_cost = self.costs.row_cost(len(decodes))
         for req in decodes:

@@ -33,8 +33,7 @@ BACKENDS = {
     "mock": Backend(mock.create_executor, "a fixed story at --mock-step-us per step (benchmarks)",
                     builtin_model=mock.load_model, samples_logprobs=False, samples_constrained=False,
                     speculates=False),
-    "cuda": Backend(cuda.create_executor, "NVIDIA GPU through cuda-python", samples_constrained=False,
-                    speculates=False),
+    "cuda": Backend(cuda.create_executor, "NVIDIA GPU through cuda-python", samples_constrained=False),
     "trt": Backend(trt.create_executor, "TensorRT engines built from the model's ONNX export (NVIDIA GPU)",
                    samples_constrained=False, speculates=False),
 }

@@ -350,3 +350,42 @@ def test_adaptive_k_weighs_acceptance_against_what_a_row_costs():
         costs.observe(1, 4, 3000)
         costs.observe(16, 0, 4000)
     assert costs.row_cost(1) == pytest.approx(0.5) and costs.row_cost(16) == 0.0
+
+
+# ------------------------------------------------------------------ the CUDA executor (fake driver)
+
+
+def test_cuda_executor_verifies_speculated_rows_through_its_prefill_path():
+    """The CUDA executor's eager (prefill) path takes a speculating sequence's 1 + k rows and
+    samples each on the device (kernels/cuda/fake.py runs its numpy twins here)."""
+    from tokenizers import Tokenizer
+    from test_cuda_executor_fake import make, tiny_config as cuda_config, tiny_engine
+    from tokenwire.core.engine_core import EngineCore
+    from tokenwire.core.speculative import Speculator
+    from spec_engines import word_tokenizer
+    c = cuda_config()
+    tensors = tiny_engine(c)
+    tokenizer = Tokenizer.from_str(word_tokenizer(c.vocab_size).files["tokenizer.json"].decode())
+
+    def core(speculate: bool, scripted=None):
+        executor = make(c, tensors, max_num_seqs=8, max_num_batched_tokens=64)
+        spec = Speculator("ngram", 4, max_rows=executor.max_sample_rows) if speculate else None
+        engine = EngineCore(executor, tokenizer, eos_token_ids=[2], max_model_len=128, max_num_seqs=4,
+                            max_num_batched_tokens=64, speculator=spec)
+        if scripted is not None:
+            spec.proposers["ngram"] = scripted
+        return engine
+
+    rng = np.random.default_rng(5)
+    ps = [[int(t) for t in rng.integers(3, c.vocab_size, 6)] * 3 for _ in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2, logprobs=2),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=1.1, top_k=8, seed=4, max_tokens=30, ignore_eos=True)]
+    reqs = [(i, p, q) for i, (p, q) in enumerate(zip(ps, params))]
+    plain = generate(core(False), reqs)
+    ngram = core(True)
+    assert generate(ngram, reqs) == plain
+    scripted = core(True, ScriptedProposer({i: plain[i][0] for i in plain}, 0.3, c.vocab_size))
+    assert generate(scripted, reqs) == plain
+    assert 0 < scripted.stats().num_spec_accepted < scripted.stats().num_spec_proposed

@@ -55,7 +55,7 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
         model = row.builtin_model(options) if row.builtin_model is not None else load_model(options.model)
     max_model_len = context_length(options.max_model_len, model.config.max_position_embeddings)
     executor = row.create_executor(model, options, max_model_len)
-    speculator = build_speculator(options, row, model, max_model_len)
+    speculator = build_speculator(options, row, model, max_model_len, getattr(executor, "max_sample_rows", None))
     core = EngineCore(executor, model.tokenizer, eos_token_ids=model.eos_token_ids, max_model_len=max_model_len,
                       max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
                       max_queued_requests=options.max_queued_requests,
@@ -73,14 +73,15 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
     return BuiltEngine(core, card)
 
 
-def build_speculator(options: EngineOptions, row, model, max_model_len: int) -> Optional[Speculator]:
+def build_speculator(options: EngineOptions, row, model, max_model_len: int,
+                     max_rows: Optional[int] = None) -> Optional[Speculator]:
     """Speculative decoding for backends that verify proposed rows (core/speculative.py): always
     there on them (a request may ask for it while the server's default is off), with the draft
     model when one is named. None on the others, which refuse --speculative."""
     if not row.speculates:
         if options.speculative != "off" or options.speculative_model:
             raise ValueError(f"--speculative {options.speculative}: the {options.backend} backend does not verify "
-                             f"speculated tokens (the cpu and reference backends do)")
+                             f"speculated tokens (the cpu, reference and cuda backends do)")
         return None
     draft = None
     if options.speculative_model:
@@ -90,7 +91,7 @@ def build_speculator(options: EngineOptions, row, model, max_model_len: int) -> 
         draft_options = replace(options, num_kv_blocks=None)
         draft = DraftProposer(row.create_executor(draft_model, draft_options, draft_len), draft_len)
         log.info("speculative decoding: draft model %s", draft_model.name)
-    return Speculator(options.speculative, options.num_speculative_tokens, draft)
+    return Speculator(options.speculative, options.num_speculative_tokens, draft, max_rows)
 
 
 def check_same_tokenizer(model, draft_model) -> None:

@@ -125,7 +125,7 @@ def add_arguments(parser) -> None:
                              "perplexity +0.01-0.02%%) or exact fp32 ones, which match the numpy reference "
                              "(default: %(default)s)")
     parser.add_argument("--speculative", default=DEFAULTS.speculative, choices=SPECULATIVE_METHODS,
-                        help="speculative decoding (cpu and reference backends): 'ngram' proposes what followed "
+                        help="speculative decoding (cpu, reference and cuda backends): 'ngram' proposes what followed "
                              "the last few tokens where they occurred before (prompt lookup), 'draft' what "
                              "--speculative-model predicts; one step verifies the proposals, and greedy and "
                              "sampled outputs are the model's own. A request may choose with its "

@@ -32,6 +32,7 @@ import numpy as np
 from ...core.config import ModelConfig
 from ...core.options import DEFAULTS
 from ...core.executor import SeqStep, StepOutput
+from ...core.speculative import sampling_rows
 from .build import kernel_image
 from .device import Device
 from .driver import CudaDriver, capture_graph
@@ -109,6 +110,9 @@ class CudaExecutor:
         self.max_model_len = o.max_model_len or min(c.max_position_embeddings, 8192)
         self.max_blocks = -(-self.max_model_len // o.block_size)         # block table width
         self.max_tokens = max(o.max_num_batched_tokens, o.max_num_seqs)
+        # sampled rows a step may have (the sampler's buffers): speculation's verifying rows fit
+        # beside the running sequences' one each (core/speculative.Speculator.max_rows)
+        self.max_sample_rows = o.max_num_seqs
         self.qpi = queries_per_item(c)
         self.buckets = self._buckets()
         # attention splits of each decode graph, and of eager steps (max_model_len / split_size)
@@ -223,7 +227,10 @@ class CudaExecutor:
         if self._last_handle is not None and self.num_waited < self.num_launched:
             # the previous step's ids may still be on their way to the host: keep acts.tokens
             self.drv.stream_wait_event(self.dev.compute_stream, self.ring[self._last_handle.slot].ready)
-        rows = [s for s in seqs if s.sample]
+        rows = sampling_rows(seqs)          # 1 + num_spec per speculating sequence (core/speculative.py)
+        if len(rows) > self.max_sample_rows:
+            raise ValueError(f"a step of {len(rows)} sampled rows exceeds the CUDA executor's "
+                             f"max_num_seqs {self.max_sample_rows}")
         bucket = self._decode_bucket(seqs)
         logprobs = None
         if any(s.sampling.logprobs is not None for s in rows):

@@ -139,8 +139,8 @@ def fill_eager(v: dict, seqs: Sequence[SeqStep], ld_bt: int, block_size: int, qu
         v["slot_mapping"][t:t + n] = bt[p // block_size] * block_size + p % block_size
         for q0 in range(0, n, queries_per_item):
             items.append((i, t + q0, min(queries_per_item, n - q0)))
-        if s.sample:
-            rows.append(t + n - 1)
+        if s.sample:                        # a speculating sequence: its last 1 + num_spec rows
+            rows.extend(range(t + n - 1 - s.num_spec, t + n))
         t += n
     v["items"][:] = np.asarray(items, dtype=np.int32).reshape(-1)
     v["logits_rows"][:] = rows
