@@ -38,6 +38,8 @@ class DraftSeq:
 
 
 class DraftProposer:
+    looks_up = False                # proposing runs the draft: Speculator.plan weighs k first, then asks
+
     def __init__(self, executor: Executor, max_model_len: int):
         self.executor = executor
         self.max_model_len = max_model_len      # the draft's context

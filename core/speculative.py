@@ -29,14 +29,15 @@ Rules:
    past the verified end are freed; the prefix cache registers full blocks of computed
    tokens only, so never an unverified one.
 5. Adaptive k (`SpecState.next_k`): each step, a request proposes the k (up to its maximum)
-   that maximizes the expected tokens per unit of step time, (1 + r + ... + r^k) / (1 + k c):
-   r is its moving acceptance (proposals kept / proposals decided), c what a verified row
-   costs against a decode step, learned from the steps themselves (`StepCosts`: on a GPU,
-   or a small model's CPU step bound by weights, c is small and k stays high; where rows
-   cost nearly a step, only a high acceptance pays). When no k promises MIN_GAIN, the
-   request stops speculating for a pause that doubles each time (up to MAX_PAUSE decode
-   steps; halved by a step that accepted something), then proposes one token to measure
-   again. A model whose output never repeats pays a one-row probe now and then.
+   that maximizes the expected tokens per unit of step time, (1 + r + ... + r^k) / (1 + f +
+   k c): r is its moving acceptance (proposals kept / proposals decided), f + k c what
+   verifying k rows adds to a decode step, learned from the steps themselves (`StepCosts`:
+   on a GPU, or wherever a step is bound by reading the weights once, it is small and k stays
+   high; where rows cost nearly a step, as for stories260K on the CPU, only a high acceptance
+   pays). When no k promises MIN_GAIN, the request stops speculating for a pause that doubles
+   each time (up to MAX_PAUSE decode steps; halved by a step that accepted something), then
+   proposes one token to measure again. A model whose output never repeats pays a one-row
+   probe now and then.
 
 No tensor library here: ints, lists, dicts.
 """
@@ -63,9 +64,9 @@ class SpecState:
         self.max_k = max_k
         # moving averages per verifying step: proposals kept, and proposals decided (the kept
         # ones and the one rejected, if any); kept / decided estimates the chance that each
-        # next proposal is kept (optimistic at first)
-        self.num_kept = 1.0
-        self.num_tried = 1.0
+        # next proposal is kept (1 before the first verification, which then sets them)
+        self.num_kept = 0.0
+        self.num_tried = 0.0
         self.pause = 0                      # length of the next pause, in decode steps (0: none yet)
         self.num_paused = 0                 # decode steps left in the current pause
         self.probe = False                  # the pause is over: propose one token to measure again
@@ -74,20 +75,22 @@ class SpecState:
         self.num_proposed = 0
         self.num_accepted = 0
 
-    def next_k(self, row_cost: float) -> int:
+    def next_k(self, costs: tuple) -> int:
         """How many tokens to propose now (rule 5): the k in 0 .. max_k that maximizes the
-        expected tokens per unit of step time, (1 + r + r^2 + ... + r^k) / (1 + k x row_cost),
-        with r = kept / decided and row_cost a verified row's time over a decode step's. 0 (no k
-        promises MIN_GAIN): a pause, then a probe of one token."""
+        expected tokens per unit of step time, (1 + r + r^2 + ... + r^k) / (1 + fixed + k x
+        per_row), with r = kept / decided and `costs` = (fixed, per_row), what verifying adds to
+        a step over a decode step's time. 0 (no k promises MIN_GAIN): a pause, then a probe of
+        one token."""
+        fixed, per_row = costs
         if self.probe:
             self.probe = False
             return 1
-        rate, gain, term = self.num_kept / self.num_tried, 1.0, 1.0
+        rate, gain, term = self.num_kept / self.num_tried if self.num_tried else 1.0, 1.0, 1.0
         best, best_value = 0, MIN_GAIN
         for k in range(1, self.max_k + 1):
             term *= rate
             gain += term
-            value = gain / (1.0 + k * row_cost)
+            value = gain / (1.0 + fixed + k * per_row)
             if value > best_value:
                 best, best_value = k, value
         if not best:
@@ -100,20 +103,25 @@ class SpecState:
         """One verifying step's outcome (rule 5)."""
         self.num_proposed += num_proposed
         self.num_accepted += num_accepted
-        self.num_kept += EWMA_WEIGHT * (num_accepted - self.num_kept)
-        self.num_tried += EWMA_WEIGHT * (num_accepted + (num_accepted < num_proposed) - self.num_tried)
+        weight = EWMA_WEIGHT if self.num_tried else 1.0
+        self.num_kept += weight * (num_accepted - self.num_kept)
+        self.num_tried += weight * (num_accepted + (num_accepted < num_proposed) - self.num_tried)
         if num_accepted and self.pause:
             self.pause //= 2
 
 
 class StepCosts:
-    """What a verified row costs against a decode step, learned from the steps themselves:
-    moving averages of pure decode steps' times and of the time each proposed row adds, by
-    batch size (in powers of two). Steps with prefill chunks are not counted."""
+    """What verifying k proposals adds to a decode step, learned from the steps themselves, by
+    batch size (in powers of two; steps with prefill chunks are not counted): moving averages
+    of pure decode steps' times, and of the time added by each number of proposed rows; the
+    added time is then fit by a line, fixed + k x per_row, since a verifying step pays a fixed
+    part too (on stories260K on the CPU the first row added ~115 us to a ~130 us step, each
+    further one ~45 us)."""
 
     def __init__(self):
         self.decode_ns = {}                 # batch bucket -> moving average of steps without proposals
-        self.row_ns = {}                    # batch bucket -> moving average of the time per proposed row
+        self.added_ns = {}                  # batch bucket -> {rows: moving average of the time they add}
+        self.fits = {}                      # batch bucket -> (fixed ns, ns per row), refit when added_ns changes
 
     def observe(self, num_decodes: int, num_rows: int, step_ns: int) -> None:
         bucket = num_decodes.bit_length()
@@ -121,15 +129,32 @@ class StepCosts:
         if not num_rows:
             self.decode_ns[bucket] = step_ns if decode_ns is None else decode_ns + EWMA_WEIGHT * (step_ns - decode_ns)
         elif decode_ns is not None:
-            row_ns = max(0.0, (step_ns - decode_ns) / num_rows)
-            old = self.row_ns.get(bucket)
-            self.row_ns[bucket] = row_ns if old is None else old + EWMA_WEIGHT * (row_ns - old)
+            added = self.added_ns.setdefault(bucket, {})
+            old = added.get(num_rows)
+            value = max(0.0, step_ns - decode_ns)
+            added[num_rows] = value if old is None else old + EWMA_WEIGHT * (value - old)
+            self.fits[bucket] = self._fit(added)
 
-    def row_cost(self, num_decodes: int) -> float:
-        """A proposed row's time over a decode step's (0 until both were seen)."""
+    def row_costs(self, num_decodes: int) -> tuple:
+        """(fixed, per row) time that k proposed rows add to a step, over a decode step's time
+        ((0, 0) until a decode step and a verifying one were seen; hot path: once per step)."""
         bucket = num_decodes.bit_length()
-        decode_ns, row_ns = self.decode_ns.get(bucket), self.row_ns.get(bucket)
-        return row_ns / decode_ns if decode_ns and row_ns is not None else 0.0
+        decode_ns, fit = self.decode_ns.get(bucket), self.fits.get(bucket)
+        if not decode_ns or fit is None:
+            return 0.0, 0.0
+        return fit[0] / decode_ns, fit[1] / decode_ns
+
+    @staticmethod
+    def _fit(added: dict) -> tuple:
+        """A line through (rows, added ns): proportional while one row count was seen."""
+        if len(added) == 1:
+            (rows, ns), = added.items()
+            return 0.0, ns / rows
+        n = len(added)
+        mean_k, mean_ns = sum(added) / n, sum(added.values()) / n
+        var = sum((k - mean_k) ** 2 for k in added)
+        slope = max(0.0, sum((k - mean_k) * (ns - mean_ns) for k, ns in added.items()) / var)
+        return max(0.0, mean_ns - slope * mean_k), slope
 
 
 class NgramProposer:
@@ -138,6 +163,8 @@ class NgramProposer:
     n (n-gram -> the position after its latest occurrence) grows by a few dict entries per
     token, so a lookup never scans the sequence. What follows is copied on past the end of
     the sequence into the proposal itself, so a loop of period p proposes k tokens, not p."""
+
+    looks_up = True                 # proposing is a lookup: Speculator.plan asks before it weighs k
 
     def __init__(self, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX):
         self.ns = range(max_n, min_n - 1, -1)
@@ -212,7 +239,8 @@ class Speculator:
         if self.max_rows is not None:
             budget = min(budget, self.max_rows - num_running)
         wanted, ks = {}, {}
-        row_cost = self.costs.row_cost(len(decodes))
+        costs = self.costs.row_costs(len(decodes))
+        num_rows = 0
         for req in decodes:
             spec = req.spec or self.state(req)
             if spec.proposer is None or budget <= 0:
@@ -220,13 +248,23 @@ class Speculator:
             if spec.num_paused:
                 spec.num_paused -= 1
                 continue
-            k = min(spec.next_k(row_cost), budget, req.max_total_tokens - req.num_tokens - 1)
+            limit = min(spec.max_k, budget, req.max_total_tokens - req.num_tokens - 1)
+            if limit <= 0:
+                continue
+            if spec.proposer.looks_up:      # a lookup first: a step without a match costs nothing more
+                drafts = spec.proposer.propose(req, limit)
+                k = min(spec.next_k(costs), len(drafts)) if drafts else 0
+                if k:
+                    added = self._extend(req, drafts[:k], block_manager)
+                    num_rows += added
+                    budget -= added
+                continue
+            k = min(spec.next_k(costs), limit)
             if k > 0:
                 wanted.setdefault(spec.proposer, []).append(req)
                 ks[req.request_id] = k
                 budget -= k
-        num_rows = 0
-        for proposer, reqs in wanted.items():
+        for proposer, reqs in wanted.items():    # proposers that run a model: all their requests at once
             for req, drafts in zip(reqs, proposer.propose_many(reqs, [ks[r.request_id] for r in reqs])):
                 num_rows += self._extend(req, drafts, block_manager)
         return num_rows

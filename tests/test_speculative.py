@@ -149,6 +149,7 @@ def test_16_greedy_requests_chunked_preempted_and_cancelled_match_without_specul
 class ScriptedProposer:
     """Proposes each request's true greedy continuation (from a run without speculation), each
     token replaced by another with probability `noise`: every acceptance length is exercised."""
+    looks_up = False                # asked for the k that adaptive k chose
 
     def __init__(self, continuations, noise, vocab_size, seed=0):
         self.continuations, self.noise, self.vocab_size = continuations, noise, vocab_size
@@ -326,30 +327,34 @@ def test_ngram_proposes_what_followed_the_longest_latest_match():
     assert ngram.propose(req, 2) == [9, 4]
 
 
-def test_adaptive_k_weighs_acceptance_against_what_a_row_costs():
+def test_adaptive_k_weighs_acceptance_against_what_verifying_costs():
     from tokenwire.core.speculative import FIRST_PAUSE, SpecState, StepCosts
     spec = SpecState(object(), 8)
-    assert spec.next_k(0.0) == 8 and spec.next_k(0.2) == 8          # nothing rejected yet
+    assert spec.next_k((0.0, 0.0)) == 8 and spec.next_k((0.5, 0.2)) == 8   # nothing rejected yet
     for _ in range(8):
         spec.record(4, 2)                                           # kept 2 of 3 decided: r ~ 2/3
-    ks = [spec.next_k(cost) for cost in (0.0, 0.05, 0.15, 0.3)]
+    ks = [spec.next_k((0.0, cost)) for cost in (0.0, 0.05, 0.15, 0.3)]
     assert ks[0] == 8 and ks == sorted(ks, reverse=True) and 0 < ks[-1] < 8
+    assert spec.next_k((0.3, 0.05)) > spec.next_k((0.0, 0.3))       # a fixed part favours more rows
     for _ in range(12):
         spec.record(1, 0)
-    assert spec.next_k(0.3) == 0 and spec.num_paused == FIRST_PAUSE  # nothing pays: a pause
-    assert spec.next_k(0.3) == 1                                    # then a probe of one token
+    assert spec.next_k((0.0, 0.3)) == 0 and spec.num_paused == FIRST_PAUSE      # nothing pays: a pause
+    assert spec.next_k((0.0, 0.3)) == 1                             # then a probe of one token
     spec.record(1, 0)
-    assert spec.next_k(0.3) == 0 and spec.num_paused == 2 * FIRST_PAUSE     # the next pause is longer
+    assert spec.next_k((0.0, 0.3)) == 0 and spec.num_paused == 2 * FIRST_PAUSE  # the next pause is longer
     spec.record(1, 1)
     assert spec.pause == FIRST_PAUSE                                # a kept proposal halves it
     assert (spec.num_proposed, spec.num_accepted) == (8 * 4 + 12 + 2, 8 * 2 + 1)
     costs = StepCosts()
-    assert costs.row_cost(1) == 0.0
+    assert costs.row_costs(1) == (0.0, 0.0)
     for _ in range(20):
         costs.observe(1, 0, 1000)
-        costs.observe(1, 4, 3000)
+        costs.observe(1, 2, 1000 + 600 + 2 * 400)                   # a fixed 600 and 400 a row
         costs.observe(16, 0, 4000)
-    assert costs.row_cost(1) == pytest.approx(0.5) and costs.row_cost(16) == 0.0
+    assert costs.row_costs(1) == pytest.approx((0.0, 0.7))          # one row count seen: proportional
+    for _ in range(20):
+        costs.observe(1, 4, 1000 + 600 + 4 * 400)
+    assert costs.row_costs(1) == pytest.approx((0.6, 0.4)) and costs.row_costs(16) == (0.0, 0.0)
 
 
 # ------------------------------------------------------------------ the CUDA executor (fake driver)
