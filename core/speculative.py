@@ -35,8 +35,8 @@ Rules:
    on a GPU, or wherever a step is bound by reading the weights once, it is small and k stays
    high; where rows cost nearly a step, as for stories260K on the CPU, only a high acceptance
    pays). When no k promises MIN_GAIN, the request stops speculating for a pause that doubles
-   each time (up to MAX_PAUSE decode steps; halved by a step that accepted something), then
-   proposes one token to measure again. A model whose output never repeats pays a one-row
+   each time (up to MAX_PAUSE decode steps; halved each time a k pays again), then proposes
+   one token to measure again. A model whose output never repeats pays a one-row
    probe now and then.
 
 No tensor library here: ints, lists, dicts.
@@ -97,6 +97,8 @@ class SpecState:
             self.pause = min(MAX_PAUSE, 2 * self.pause) if self.pause else FIRST_PAUSE
             self.num_paused = self.pause
             self.probe = True
+        elif self.pause:
+            self.pause //= 2                # it pays again: a later pause starts shorter
         return best
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
@@ -106,8 +108,6 @@ class SpecState:
         weight = EWMA_WEIGHT if self.num_tried else 1.0
         self.num_kept += weight * (num_accepted - self.num_kept)
         self.num_tried += weight * (num_accepted + (num_accepted < num_proposed) - self.num_tried)
-        if num_accepted and self.pause:
-            self.pause //= 2
 
 
 class StepCosts:
@@ -155,6 +155,20 @@ class StepCosts:
         var = sum((k - mean_k) ** 2 for k in added)
         slope = max(0.0, sum((k - mean_k) * (ns - mean_ns) for k, ns in added.items()) / var)
         return max(0.0, mean_ns - slope * mean_k), slope
+
+
+class FixedCosts:
+    """StepCosts' interface with costs given, not measured: for tests (and experiments) whose
+    speculation decisions must not depend on the machine's timing."""
+
+    def __init__(self, fixed: float = 0.0, per_row: float = 0.0):
+        self.costs = (fixed, per_row)
+
+    def observe(self, num_decodes: int, num_rows: int, step_ns: int) -> None:
+        pass
+
+    def row_costs(self, num_decodes: int) -> tuple:
+        return self.costs
 
 
 class NgramProposer:
@@ -221,7 +235,7 @@ class Speculator:
         self.num_proposed = 0               # counters since start (EngineStats)
         self.num_accepted = 0
         self.num_steps = 0                  # request-steps that verified proposals
-        self.costs = StepCosts()
+        self.costs = StepCosts()            # what verifying costs (FixedCosts: decisions without timing)
 
     def state(self, req) -> SpecState:
         """A request's SpecState, made at its first decode from its params and the server's."""

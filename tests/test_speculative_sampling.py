@@ -11,6 +11,7 @@ from scipy.stats import chi2_contingency
 from engines import engine_core
 from tokenwire.core.outputs import Timeline
 from tokenwire.core.sampling_params import SamplingParams
+from tokenwire.core.speculative import FixedCosts
 from tokenwire.kernels import cpu
 from spec_engines import random_engine, tiny_config
 
@@ -31,6 +32,7 @@ def sample_pairs(engine, settings: dict, method: str, first_seed: int):
     backend = "cpu" if cpu.AVAILABLE else "reference"
     core = engine_core(engine, backend, max_num_seqs=256, max_num_batched_tokens=4096, max_queued_requests=NUM_DRAWS,
                        enable_prefix_caching=False)
+    core.speculator.costs = FixedCosts()        # decisions from acceptance alone, whatever the machine's load
     params = [SamplingParams(max_tokens=4, ignore_eos=True, seed=first_seed + i, speculative=method,
                              num_speculative_tokens=3, **settings) for i in range(NUM_DRAWS)]
     for i, p in enumerate(params):
