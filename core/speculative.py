@@ -49,6 +49,7 @@ from .executor import SeqStep
 NGRAM_MIN = 2                   # shortest suffix matched (one token matched proposed half as well on stories260K)
 NGRAM_MAX = 4                   # longest suffix matched (tried first)
 EWMA_WEIGHT = 0.25              # of the latest observation in the moving averages below
+OUTLIER = 4.0                   # a step time past this many decode steps (per row) counts as this many
 MIN_GAIN = 1.05                 # expected tokens per unit of step time a k must promise over decoding alone
 FIRST_PAUSE = 4                 # decode steps without proposals the first time no k pays
 MAX_PAUSE = 256
@@ -127,11 +128,13 @@ class StepCosts:
         bucket = num_decodes.bit_length()
         decode_ns = self.decode_ns.get(bucket)
         if not num_rows:
+            if decode_ns is not None:       # a step descheduled for milliseconds says nothing about steps
+                step_ns = min(step_ns, OUTLIER * decode_ns)
             self.decode_ns[bucket] = step_ns if decode_ns is None else decode_ns + EWMA_WEIGHT * (step_ns - decode_ns)
         elif decode_ns is not None:
             added = self.added_ns.setdefault(bucket, {})
             old = added.get(num_rows)
-            value = max(0.0, step_ns - decode_ns)
+            value = min(max(0.0, step_ns - decode_ns), OUTLIER * decode_ns * num_rows)
             added[num_rows] = value if old is None else old + EWMA_WEIGHT * (value - old)
             self.fits[bucket] = self._fit(added)
 
