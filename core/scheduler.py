@@ -291,7 +291,7 @@ class Scheduler:
             columns = None
         num_decodes = self.num_decodes
         decode_logprobs = None
-        if self.speculator is not None and num_decodes and len(scheduled) == num_decodes:
+        if self.speculator is not None and self.speculator.in_use and num_decodes and len(scheduled) == num_decodes:
             self.speculator.observe(num_decodes, self.num_spec_rows, now_ns - self.scheduled_ns)
         if self.num_spec_rows:
             k, decode_logprobs = self._append_speculated(scheduled[:num_decodes], sampled_ids, logprobs, now_ns,

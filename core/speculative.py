@@ -239,6 +239,7 @@ class Speculator:
         self.num_accepted = 0
         self.num_steps = 0                  # request-steps that verified proposals
         self.costs = StepCosts()            # what verifying costs (FixedCosts: decisions without timing)
+        self.in_use = False                 # some request speculated: steps are timed from then on
 
     def state(self, req) -> SpecState:
         """A request's SpecState, made at its first decode from its params and the server's."""
@@ -246,6 +247,7 @@ class Speculator:
         method = p.speculative or self.method
         k = p.num_speculative_tokens if p.num_speculative_tokens is not None else self.num_tokens
         proposer = self.proposers.get(method) if k and req.constraint is None else None
+        self.in_use = self.in_use or proposer is not None
         req.spec = SpecState(proposer, k)
         return req.spec
 
