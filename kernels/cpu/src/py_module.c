@@ -266,6 +266,26 @@ static PyObject *py_set_adaptive(PyObject *mod, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_task_threads(PyObject *mod, PyObject *args) {
+    long long key, now;
+    if (!PyArg_ParseTuple(args, "LL", &key, &now)) return NULL;
+    int nth;
+    Py_BEGIN_ALLOW_THREADS
+    nth = tw_pool_task_threads(key, now);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(nth);
+}
+
+static PyObject *py_judge_task(PyObject *mod, PyObject *args) {
+    int nth;
+    long long wall, waited, key, now;
+    if (!PyArg_ParseTuple(args, "iLLLL", &nth, &wall, &waited, &key, &now)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    tw_pool_judge_task(nth, wall, waited, key, now);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_physical_cores(PyObject *mod, PyObject *unused) { return PyLong_FromLong(tw_physical_cores()); }
 
 static PyObject *py_set_num_threads(PyObject *mod, PyObject *arg) {
@@ -325,6 +345,9 @@ static PyMethodDef methods[] = {
     {"set_num_threads", py_set_num_threads, METH_O, "set_num_threads(n)"},
     {"pool_state", py_pool_state, METH_NOARGS, "pool_state() -> (threads tasks run on now, contended tasks so far)"},
     {"set_adaptive", py_set_adaptive, METH_O, "set_adaptive(on): fewer threads while a core is taken (default on)"},
+    {"task_threads", py_task_threads, METH_VARARGS, "task_threads(key, now_ns) -> threads a task gets (tests)"},
+    {"judge_task", py_judge_task, METH_VARARGS,
+     "judge_task(nth, wall_ns, waited_ns, key, now_ns): the pool's judgment of a task that did not run (tests)"},
     {"physical_cores", py_physical_cores, METH_NOARGS, "physical cores this process may run on"},
     {"read_bandwidth", py_read_bandwidth, METH_VARARGS, "read_bandwidth(nbytes, reps) -> [seconds per pass]"},
     {NULL, NULL, 0, NULL},

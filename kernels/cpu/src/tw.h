@@ -185,6 +185,8 @@ void tw_pool_barrier(int ith, int nth);             /* inside a task: all thread
 int tw_pool_active_threads(void);                   /* threads tasks run on now: fewer while a core is taken */
 long long tw_pool_demotions(void);                  /* tasks judged contended so far */
 void tw_pool_set_adaptive(int on);                  /* 0: always every thread (on by default) */
+int tw_pool_task_threads(long long key, long long now);          /* tests: the pool's judgment alone, */
+void tw_pool_judge_task(int nth, long long wall, long long waited, long long key, long long now);  /* no work */
 
 /* Memory a thread will read soon: a barrier wait streams it towards L2 (prefetcht1, line by
  * line, advancing p) instead of spinning idle, until released or the range is done. */
