@@ -84,7 +84,8 @@ class EngineCore:
                  max_queued_requests: int = DEFAULTS.max_queued_requests, on_step: Optional[OnStep] = None,
                  enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching, model_identity: Optional[str] = None,
                  response_cache_size: int = DEFAULTS.response_cache_size,
-                 inline_step_ns: int = int(DEFAULTS.inline_step_us * 1000), speculator=None):
+                 inline_step_ns: int = int(DEFAULTS.inline_step_us * 1000), speculator=None,
+                 prefill_cap: int = 0):
         config = executor.config
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -102,6 +103,7 @@ class EngineCore:
         # every running request decodes each step, so the token budget also bounds the batch
         self._max_num_seqs = min(max_num_seqs, max_num_batched_tokens)
         self._max_num_batched_tokens = max_num_batched_tokens
+        self._prefill_cap = prefill_cap
         self._response_cache_size = response_cache_size
         self.speculator = speculator        # core/speculative.Speculator (its proposers), or None
         self._new_books()                   # block_manager, scheduler, response_cache, counters
@@ -135,7 +137,8 @@ class EngineCore:
                                           prefix_cache_identity=self._prefix_cache_identity)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self._max_num_seqs,
                                    max_num_batched_tokens=self._max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, speculator=self.speculator)
+                                   max_model_len=self.max_model_len, speculator=self.speculator,
+                                   prefill_cap=self._prefill_cap)
         # exact-match answers replayed without the model (core/response_cache.py); 0: off
         self.response_cache = ResponseCache(self._response_cache_size) if self._response_cache_size else None
         self._arrival_seq = itertools.count()

@@ -25,6 +25,9 @@ class EngineOptions:
     max_model_len: Optional[int] = None     # context length; None: the model's max_position_embeddings
     max_num_seqs: int = 256                 # largest running batch
     max_num_batched_tokens: int = 2048      # tokens per step (prefill chunks + decodes)
+    # prompt tokens a step that carries decodes may take (core/step_costs.py): -1 measured from the
+    # steps, so such a step stays within half a decode step of one; 0 no cap; N at most N
+    prefill_cap: int = -1
     max_queued_requests: int = 1024         # requests waiting for the scheduler before 429
     block_size: int = 16                    # tokens per KV block
     num_kv_blocks: Optional[int] = None     # KV blocks; None: sized by the backend from its memory budget
@@ -53,6 +56,8 @@ class EngineOptions:
     speculative_model: Optional[str] = None     # the draft model (same tokenizer); a model spec as `model`
 
     def __post_init__(self):
+        if self.prefill_cap < -1:
+            raise ValueError(f"prefill_cap must be -1 (measured), 0 (off) or a token count, got {self.prefill_cap}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued_requests", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

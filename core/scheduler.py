@@ -7,6 +7,10 @@ Policy, in the order `schedule()` applies it each step:
 2. Prefill: PREFILLING requests (oldest first) share what is left of the token budget
    (`max_num_batched_tokens`) in chunks, so a long prompt never holds up the decodes. A
    chunk short of blocks may preempt newer requests not scheduled this step, else shrinks.
+   In a step that carries decodes, prefill chunks and admissions together take at most
+   `prefill_cap` tokens (measured: core/step_costs.py keeps such a step within half a decode
+   step of one; never below 16 tokens, so a prompt always moves); without decodes, the whole
+   budget (a lone prompt's time to first token is unchanged).
 3. Admit: waiting requests, smallest `priority` first then first come first served, while
    a sequence slot, the token budget and free blocks (above a small watermark) allow, and
    only in steps that preempted nothing. Head-of-line: a request that does not fit stops
@@ -45,6 +49,7 @@ from .block_manager import BlockManager
 from .executor import SeqStep
 from .outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput, StepTokens
 from .prefix_cache import PrefixCache
+from .step_costs import StepCosts
 from .request import Request, RequestState
 
 WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
@@ -57,7 +62,7 @@ GRAMMAR_BROKEN = "the sampled token breaks the request's grammar (the executor m
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, watermark: float = 0.01, speculator=None):
+                 max_model_len: int, watermark: float = 0.01, speculator=None, prefill_cap: int = 0):
         capacity = block_manager.num_blocks * block_manager.block_size
         if max_model_len > capacity:
             raise ValueError(f"max_model_len {max_model_len} does not fit the KV cache "
@@ -77,6 +82,11 @@ class Scheduler:
         self.num_samples = 0                # SeqSteps with sample=True in the last schedule()
         self.num_decodes = 0                # of which the first ones, one token each
         self.speculator = speculator        # core/speculative.Speculator, or None: no speculation
+        # -1: measured (step_costs.py; what served engines use, EngineOptions.prefill_cap), 0: none
+        # (an engine made here directly: its steps do not depend on the machine's timing), N: at most N
+        self.prefill_cap = prefill_cap
+        self._costs = StepCosts()           # the step cost model, unless the speculator holds it
+        self.num_prefill_tokens = 0         # prompt tokens the last schedule() took
         self.num_spec_rows = 0              # proposals the last schedule() added (rows beyond one per decode)
         self.scheduled_ns = 0               # when the last schedule() began (its step's start)
         self.finished_ids = []              # request ids that ended since the owner last cleared this
@@ -131,12 +141,23 @@ class Scheduler:
             budget -= num_rows
             self.num_samples += num_rows
             self.num_spec_rows = num_rows
+        self.num_prefill_tokens = 0
+        if seqs and (prefilling or self.waiting):          # a step that carries decodes: capped prefill
+            cap = self.prefill_cap if self.prefill_cap >= 0 else self.costs.prefill_cap(len(seqs))
+            if cap:
+                budget = min(budget, cap)
         if prefilling and budget:
             budget, more = self._schedule_prefills(prefilling, budget, scheduled, seqs)
             num_preempted += more
         if not num_preempted and self.waiting and budget:
             self._admit(budget, now_ns, scheduled, seqs)
         return scheduled, seqs
+
+    @property
+    def costs(self):
+        """The step cost model (core/step_costs.py): the speculator's, which tests may replace,
+        else the scheduler's own."""
+        return self._costs if self.speculator is None else self.speculator.costs
 
     def _schedule_decodes(self, scheduled: list, seqs: list) -> tuple:
         """One token for every DECODING request (the loop body runs once per request per step).
@@ -246,6 +267,7 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + num_tokens
         req.num_scheduled_tokens = num_tokens
+        self.num_prefill_tokens += num_tokens
         sample = end == req.num_tokens
         self.num_samples += sample
         scheduled.append(req)
@@ -291,8 +313,8 @@ class Scheduler:
             columns = None
         num_decodes = self.num_decodes
         decode_logprobs = None
-        if self.speculator is not None and self.speculator.in_use and num_decodes and len(scheduled) == num_decodes:
-            self.speculator.observe(num_decodes, self.num_spec_rows, now_ns - self.scheduled_ns)
+        if num_decodes and (self.prefill_cap < 0 or (self.speculator is not None and self.speculator.in_use)):
+            self.costs.observe(num_decodes, self.num_spec_rows, self.num_prefill_tokens, now_ns - self.scheduled_ns)
         if self.num_spec_rows:
             k, decode_logprobs = self._append_speculated(scheduled[:num_decodes], sampled_ids, logprobs, now_ns,
                                                          outputs, columns)

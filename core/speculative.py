@@ -45,11 +45,10 @@ No tensor library here: ints, lists, dicts.
 from typing import Optional, Sequence
 
 from .executor import SeqStep
+from .step_costs import EWMA_WEIGHT, FixedCosts, StepCosts  # noqa: F401 (FixedCosts: the tests' costs)
 
 NGRAM_MIN = 2                   # shortest suffix matched (one token matched proposed half as well on stories260K)
 NGRAM_MAX = 4                   # longest suffix matched (tried first)
-EWMA_WEIGHT = 0.25              # of the latest observation in the moving averages below
-OUTLIER = 4.0                   # a step time past this many decode steps (per row) counts as this many
 MIN_GAIN = 1.05                 # expected tokens per unit of step time a k must promise over decoding alone
 FIRST_PAUSE = 4                 # decode steps without proposals the first time no k pays
 MAX_PAUSE = 256
@@ -109,69 +108,6 @@ class SpecState:
         weight = EWMA_WEIGHT if self.num_tried else 1.0
         self.num_kept += weight * (num_accepted - self.num_kept)
         self.num_tried += weight * (num_accepted + (num_accepted < num_proposed) - self.num_tried)
-
-
-class StepCosts:
-    """What verifying k proposals adds to a decode step, learned from the steps themselves, by
-    batch size (in powers of two; steps with prefill chunks are not counted): moving averages
-    of pure decode steps' times, and of the time added by each number of proposed rows; the
-    added time is then fit by a line, fixed + k x per_row, since a verifying step pays a fixed
-    part too (on stories260K on the CPU the first row added ~115 us to a ~130 us step, each
-    further one ~45 us)."""
-
-    def __init__(self):
-        self.decode_ns = {}                 # batch bucket -> moving average of steps without proposals
-        self.added_ns = {}                  # batch bucket -> {rows: moving average of the time they add}
-        self.fits = {}                      # batch bucket -> (fixed ns, ns per row), refit when added_ns changes
-
-    def observe(self, num_decodes: int, num_rows: int, step_ns: int) -> None:
-        bucket = num_decodes.bit_length()
-        decode_ns = self.decode_ns.get(bucket)
-        if not num_rows:
-            if decode_ns is not None:       # a step descheduled for milliseconds says nothing about steps
-                step_ns = min(step_ns, OUTLIER * decode_ns)
-            self.decode_ns[bucket] = step_ns if decode_ns is None else decode_ns + EWMA_WEIGHT * (step_ns - decode_ns)
-        elif decode_ns is not None:
-            added = self.added_ns.setdefault(bucket, {})
-            old = added.get(num_rows)
-            value = min(max(0.0, step_ns - decode_ns), OUTLIER * decode_ns * num_rows)
-            added[num_rows] = value if old is None else old + EWMA_WEIGHT * (value - old)
-            self.fits[bucket] = self._fit(added)
-
-    def row_costs(self, num_decodes: int) -> tuple:
-        """(fixed, per row) time that k proposed rows add to a step, over a decode step's time
-        ((0, 0) until a decode step and a verifying one were seen; hot path: once per step)."""
-        bucket = num_decodes.bit_length()
-        decode_ns, fit = self.decode_ns.get(bucket), self.fits.get(bucket)
-        if not decode_ns or fit is None:
-            return 0.0, 0.0
-        return fit[0] / decode_ns, fit[1] / decode_ns
-
-    @staticmethod
-    def _fit(added: dict) -> tuple:
-        """A line through (rows, added ns): proportional while one row count was seen."""
-        if len(added) == 1:
-            (rows, ns), = added.items()
-            return 0.0, ns / rows
-        n = len(added)
-        mean_k, mean_ns = sum(added) / n, sum(added.values()) / n
-        var = sum((k - mean_k) ** 2 for k in added)
-        slope = max(0.0, sum((k - mean_k) * (ns - mean_ns) for k, ns in added.items()) / var)
-        return max(0.0, mean_ns - slope * mean_k), slope
-
-
-class FixedCosts:
-    """StepCosts' interface with costs given, not measured: for tests (and experiments) whose
-    speculation decisions must not depend on the machine's timing."""
-
-    def __init__(self, fixed: float = 0.0, per_row: float = 0.0):
-        self.costs = (fixed, per_row)
-
-    def observe(self, num_decodes: int, num_rows: int, step_ns: int) -> None:
-        pass
-
-    def row_costs(self, num_decodes: int) -> tuple:
-        return self.costs
 
 
 class NgramProposer:

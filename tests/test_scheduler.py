@@ -409,3 +409,57 @@ def test_logprobs_reach_their_own_requests_in_mixed_steps():
                 assert len(lp.top_ids) == asks[out.request_id]
                 assert lp.top_ids[:1] in ([], [out.token_ids[0]]) and lp.token_logprob <= 0
     assert seen == {0: 12, 1: 6, 2: 6, 3: 6}
+
+
+# ------------------------------------------------------------------ the prefill cap
+
+def test_a_step_with_decodes_takes_at_most_the_prefill_cap_and_a_long_prompt_still_finishes():
+    """Stall-free batching: while requests decode, prefill chunks and admissions together take
+    at most prefill_cap tokens a step, so the decodes' step stays short; the long prompt still
+    moves every step and finishes (no starvation), and every output is what it is alone."""
+    ex = KVCheckingExecutor(num_blocks=256)
+    engine = make_engine(ex, max_num_seqs=16, max_num_batched_tokens=256, prefill_cap=12)
+    for i in range(4):
+        add(engine, i, prompt_len=3, max_tokens=200)       # a steady decode load
+    c = Collector(engine)
+    c.step()
+    add(engine, 99, prompt_len=150, max_tokens=3)
+    later = [add(engine, 200 + i, prompt_len=6, max_tokens=3) for i in range(3)]
+    tokens, finish, _ = c.run()
+    for step in ex.log[1:]:
+        decodes = [e for e in step if e[2] == 1 and e[1] >= 3]
+        prefill = sum(e[2] for e in step if e not in decodes)
+        if decodes:
+            assert prefill <= 12, step
+    long_steps = [i for i, step in enumerate(ex.log) if any(e[0] == 99 and e[1] < 150 for e in step)]
+    assert len(long_steps) == 13 and long_steps == list(range(long_steps[0], long_steps[0] + 13))   # 150 / 12
+    assert all(finish[200 + i] == FINISH_LENGTH for i in range(3)) and finish[99] == FINISH_LENGTH
+    assert tokens[99] == alone(99, prompt_len=150, max_tokens=3)
+
+
+def test_without_decodes_a_prompt_takes_the_whole_budget():
+    ex = KVCheckingExecutor(num_blocks=256)
+    engine = make_engine(ex, max_num_seqs=16, max_num_batched_tokens=128, prefill_cap=12)
+    add(engine, 1, prompt_len=100, max_tokens=2)
+    run(engine)
+    assert ex.log[0] == [(1, 0, 100, True)]
+
+
+def test_the_measured_cap_keeps_a_step_within_half_a_decode_step():
+    """core/step_costs.py on synthetic step times (no timing here): decode steps of 10 ms at
+    batch 4; prefill steps adding 1 ms + 0.2 ms a token: the cap is (5 - 1) / 0.2 = 20 tokens;
+    never below MIN_PREFILL_TOKENS; none until both kinds of step were seen."""
+    from tokenwire.core.step_costs import MIN_PREFILL_TOKENS, StepCosts
+    ms = 1_000_000
+    costs = StepCosts()
+    assert costs.prefill_cap(4) is None
+    costs.observe(4, 0, 0, 10 * ms)
+    assert costs.prefill_cap(4) is None
+    for tokens in (8, 64, 256):
+        costs.observe(4, 0, tokens, 10 * ms + 1 * ms + tokens * ms // 5)
+    assert costs.prefill_cap(4) == 20
+    assert costs.prefill_cap(64) is None            # another batch bucket: not seen yet
+    costs.observe(4, 0, 0, 1 * ms)                  # decode steps got faster: the cap shrinks, not below the floor
+    for _ in range(20):
+        costs.observe(4, 0, 0, 1 * ms)
+    assert costs.prefill_cap(4) == MIN_PREFILL_TOKENS

@@ -360,12 +360,12 @@ def test_adaptive_k_weighs_acceptance_against_what_verifying_costs():
     costs = StepCosts()
     assert costs.row_costs(1) == (0.0, 0.0)
     for _ in range(20):
-        costs.observe(1, 0, 1000)
-        costs.observe(1, 2, 1000 + 600 + 2 * 400)                   # a fixed 600 and 400 a row
-        costs.observe(16, 0, 4000)
+        costs.observe(1, 0, 0, 1000)
+        costs.observe(1, 2, 0, 1000 + 600 + 2 * 400)                   # a fixed 600 and 400 a row
+        costs.observe(16, 0, 0, 4000)
     assert costs.row_costs(1) == pytest.approx((0.0, 0.7))          # one row count seen: proportional
     for _ in range(20):
-        costs.observe(1, 4, 1000 + 600 + 4 * 400)
+        costs.observe(1, 4, 0, 1000 + 600 + 4 * 400)
     assert costs.row_costs(1) == pytest.approx((0.6, 0.4)) and costs.row_costs(16) == (0.0, 0.0)
 
 

@@ -58,7 +58,7 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
     speculator = build_speculator(options, row, model, max_model_len, getattr(executor, "max_sample_rows", None))
     core = EngineCore(executor, model.tokenizer, eos_token_ids=model.eos_token_ids, max_model_len=max_model_len,
                       max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
-                      max_queued_requests=options.max_queued_requests,
+                      prefill_cap=options.prefill_cap, max_queued_requests=options.max_queued_requests,
                       enable_prefix_caching=options.enable_prefix_caching, response_cache_size=options.response_cache_size,
                       inline_step_ns=int(options.inline_step_us * 1000), speculator=speculator,
                       model_identity=f"{options.backend}:{model.name}:{getattr(model, 'path', '')}")

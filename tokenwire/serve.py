@@ -65,6 +65,13 @@ def byte_size(text: str) -> int:
     return value
 
 
+def _prefill_cap(text: str) -> int:
+    """--prefill-cap: auto -> -1, off -> 0, N -> N (EngineOptions.prefill_cap)."""
+    if text in ("auto", "off"):
+        return -1 if text == "auto" else 0
+    return _positive_int(text)
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -73,6 +80,7 @@ def _non_negative_int(text: str) -> int:
 
 
 _non_negative_int.__name__ = "non-negative integer"
+_prefill_cap.__name__ = "auto, off or a positive integer"
 _positive_int.__name__ = "positive integer"     # argparse names the type in its error message
 _positive_float.__name__ = "positive number"
 _port.__name__ = "port (0-65535)"
@@ -108,6 +116,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=_positive_int, default=DEFAULTS.max_num_batched_tokens,
                         help="tokens per engine step: prefill chunks plus one per decoding request "
                              "(default: %(default)s)")
+    parser.add_argument("--prefill-cap", type=_prefill_cap, default=DEFAULTS.prefill_cap, metavar="auto|off|N",
+                        help="prompt tokens a step that carries decodes may take: auto, measured so that such "
+                             "a step stays within half a decode step of one; off; or at most N (default: auto)")
     parser.add_argument("--max-queued-requests", type=_positive_int, default=DEFAULTS.max_queued_requests,
                         help="requests waiting for the engine before 429 (default: %(default)s)")
     parser.add_argument("--kv-cache-memory", type=byte_size, default=DEFAULTS.kv_cache_bytes, metavar="SIZE",
@@ -247,6 +258,7 @@ def run(args) -> int:
         server = Server(args.model, backend=args.backend, served_model_name=args.served_model_name,
                         chat_template=args.chat_template, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        prefill_cap=args.prefill_cap,
                         max_queued_requests=args.max_queued_requests, mock_step_us=args.mock_step_us,
                         kv_cache_bytes=args.kv_cache_memory, strict_params=args.strict_params,
                         access_log=args.access_log,
