@@ -35,9 +35,12 @@ from ..net.events import Limits
 from ..net.http2 import MAX_WINDOW, H2Session
 from ..net.metrics import Metrics
 from ..net.model_info import prompt_encoder
-from ..net.openai_api import parse_chat, parse_completions, parse_json
+from ..net.api.fields import parse_json
+from ..net.api.openai import parse_chat, parse_completions
 from ..net.outbox import Outbox
 from ..runtime import build_engine
+
+_COMPLETION = parse_completions({"prompt": "x", "stream": True})     # the request the written exchanges answer
 
 
 class Stage(NamedTuple):
@@ -278,7 +281,7 @@ def _dispatcher_step(kind: str, num_streams: int) -> tuple:
             rid = len(d.exchanges) + 1
             enc = encoders.CompletionSse(f"cmpl-{rid}", 1700000000, "model", False, lambda i: " the") \
                 if kind == "SSE" else encoders.Ndjson()
-            ex = Exchange(rid, conn, sid, "completions", enc, True, Timeline(arrived_ns=0), f"cmpl-{rid}",
+            ex = Exchange(rid, conn, sid, _COMPLETION, enc, True, Timeline(arrived_ns=0), f"cmpl-{rid}",
                           1700000000, False)
             ex.last_ns = 1                  # a later token, not the first
             d.add(ex)

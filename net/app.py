@@ -49,7 +49,6 @@ from ..core.constraint import InvalidConstraint
 from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
 from ..core.sampling_params import choice_params
-from . import encoders
 from .access_log import AccessLog, EngineLog
 from .budgets import ServerBudget, ServerLimits
 from .choices import ChoiceGroup
@@ -65,18 +64,13 @@ from .events import (
     RequestMessage,
     StreamReset,
 )
-from .grpc import STATUS_CODES, UNKNOWN, GenerateEncoder, GrpcRoutes
+from .grpc import GRPC, STATUS_CODES, UNKNOWN, GrpcRoutes
 from .handoff import StepHandoff
 from .metrics import Metrics
 from .model_info import ModelInfo
-from .openai_api import (
-    GenerationRequest,
-    max_tokens_problem,
-    parse_chat,
-    parse_completions,
-    parse_generate,
-    parse_json,
-)
+from .api import ERROR_BODIES, ROUTES, anthropic, tokenize
+from .api.fields import max_tokens_problem, parse_json
+from .api.route import GenerationRequest, Route
 from .priority import urgency
 from .prompt_limits import (
     LARGE_PROMPT_CHARS,
@@ -84,10 +78,8 @@ from .prompt_limits import (
     max_token_bytes,
     min_prompt_tokens,
 )
-from .structured import new_call_id
 
 log = logging.getLogger("tokenwire.net")
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
 SWEEP_BATCH = 32            # connections whose deadlines one pass of the loop checks (ending one costs ~0.2 ms)
 
 
@@ -97,7 +89,6 @@ class Submission(NamedTuple):
     proto: object                       # protocol.ServerProtocol
     req: Request
     g: GenerationRequest
-    id_prefix: str                      # "cmpl-", "chatcmpl-", "gen-", "grpc-"
     request_id: int
     priority: int                       # RFC 9218 urgency (priority.py)
     deadline_ns: int | None             # monotonic; None: no deadline
@@ -117,8 +108,6 @@ class App:
         self.engine_log = EngineLog()       # the periodic throughput line (the server ticks it)
         self.dispatcher = Dispatcher(self.metrics, trace, self.access_log)
         # unknown request fields: ignored with one log line per route and name, or a 400 (--strict-params)
-        self.on_unknown_param = None if strict_params else {
-            route: partial(self._ignore_unknown_param, route) for route in GENERATION_ROUTES}
         self._unknown_params_logged = set()
         self.grpc = GrpcRoutes(self)
         self.exchanges = self.dispatcher.exchanges          # engine request id -> Exchange
@@ -128,20 +117,24 @@ class App:
         self.load_error: str | None = None  # why the model is not available, for 503 bodies
         self._ids = itertools.count(1)
         self._response_ids = itertools.count(1)     # req-N: x-request-id of every response but a generation's
+        self._token_job_ids = itertools.count(-1, -1)   # /tokenize work off the loop: never an engine request's id
         self.shutting_down = False
         self.loop = None
         self.tokenizing: Tokenizing | None = None   # the worker threads for large prompts, made by `attach`
         self._max_token_bytes: int | None = None    # prompt bytes one token covers at most (None: no bound)
         self._bos_ids: list = []                    # what `model.encode` puts before the text's ids
-        self.routes = {
-            "/v1/completions": {"POST": self._completions},
-            "/v1/chat/completions": {"POST": self._chat},
-            "/generate": {"POST": self._generate},
+        self.routes = {path: {"POST": partial(self._generation, route, path)} for path, route in ROUTES.items()}
+        self.routes |= {
+            "/v1/messages/count_tokens": {"POST": self._count_tokens},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
             "/v1/models": {"GET": self._models},
             "/v1/models/": {"GET": self._model},        # prefix: /v1/models/{id}
             "/health": {"GET": self._health},
             "/metrics": {"GET": self._metrics},
         }
+        self.on_unknown_param = None if strict_params else {
+            path: partial(self._ignore_unknown_param, path) for path, methods in self.routes.items() if "POST" in methods}
 
     def attach(self, engine, model: ModelInfo, loop) -> None:
         """Serve `engine` (an EngineCore, started by the caller after this) on `loop` from now
@@ -259,8 +252,9 @@ class App:
         if exc.status >= 400 and exc.status not in (404, 405):
             self.metrics.count_request("rejected")
         request_id = self.next_response_id()
+        error_body = ERROR_BODIES.get(req.target.split("?", 1)[0], ApiError.body)     # the family's error shape
         try:        # to a HEAD request the session sends the headers only (http1.py, http2.py)
-            proto.session.respond(req.stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, exc.body(),
+            proto.session.respond(req.stream_id, exc.status, [(b"content-type", JSON)] + exc.headers, error_body(exc),
                                   extra=((b"x-request-id", request_id.encode()),))
         except Exception:       # a response that cannot be written ends its stream, not the connection
             log.exception("could not write the %d response on stream %d", exc.status, req.stream_id)
@@ -304,6 +298,50 @@ class App:
         return {"id": m.name, "object": "model", "created": m.created, "owned_by": "tokenwire",
                 "max_model_len": m.max_model_len, "description": m.description}
 
+    # ------------------------------------------------------- token routes
+
+    def _tokenize(self, proto, req) -> None:
+        """POST /tokenize (vLLM's): a prompt with the model's BOS rule, or messages through the
+        chat template; a large text is tokenized on the worker thread, as a generation's is."""
+        t = tokenize.parse_tokenize(self._json_body(req), self._on_unknown("/tokenize"))
+        self._check_model_name(t.model)
+        model = self.model
+        if t.messages is not None:
+            text = self._render(t.messages, t.tools, t.add_generation_prompt)
+            prefix = self._bos_ids if t.add_special_tokens else []
+        else:
+            text, prefix = t.prompt, self._bos_ids if t.add_special_tokens else []
+        def answer(ids):
+            self._respond(proto, req, tokenize.tokenize_body(ids, model.max_model_len, model.tokenizer,
+                                                             t.return_token_strs))
+        if len(text) < LARGE_PROMPT_CHARS:
+            answer(prefix + model.tokenizer.encode(text, add_special_tokens=False).ids)
+        else:
+            job = Submission(proto, req, None, next(self._token_job_ids), 0, None)
+            self._off_loop(job, self.tokenizing.submit(text, prefix), answer)
+
+    def _detokenize(self, proto, req) -> None:
+        """POST /detokenize (vLLM's): token ids -> text, special tokens included."""
+        model_name, ids = tokenize.parse_detokenize(self._json_body(req), self._on_unknown("/detokenize"),
+                                                    self.model.tokenizer.get_vocab_size())
+        self._check_model_name(model_name)
+        self._respond(proto, req, tokenize.detokenize_body(self.model.tokenizer, ids))
+
+    def _count_tokens(self, proto, req) -> None:
+        """POST /v1/messages/count_tokens (Anthropic's): the prompt's tokens as /v1/messages
+        would submit it."""
+        body = self._json_body(req)
+        messages, tools = anthropic.parse_count_tokens(body, self._on_unknown("/v1/messages/count_tokens"))
+        self._check_model_name(body.get("model"))
+        num_tokens = len(self._encode_plain(self._render(messages, tools)))
+        self._respond(proto, req, orjson.dumps({"input_tokens": num_tokens}))
+
+    def _check_model_name(self, name) -> None:
+        model = self.model
+        if name is not None and name != model.name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {model.name!r}",
+                           param="model", code="model_not_found")
+
     def _metrics(self, proto, req) -> None:
         self.dispatcher.drain_step_times()
         stats = self.engine.stats() if self.engine is not None else None
@@ -311,15 +349,9 @@ class App:
 
     # ----------------------------------------------------- generation routes
 
-    def _completions(self, proto, req) -> None:
-        self._submit(proto, req, parse_completions(self._json_body(req), self._on_unknown("/v1/completions")), "cmpl-")
-
-    def _chat(self, proto, req) -> None:
-        self._submit(proto, req, parse_chat(self._json_body(req), self._on_unknown("/v1/chat/completions")),
-                     "chatcmpl-")
-
-    def _generate(self, proto, req) -> None:
-        self._submit(proto, req, parse_generate(self._json_body(req), self._on_unknown("/generate")), "gen-")
+    def _generation(self, route: Route, path: str, proto, req) -> None:
+        """The one intake path of every API family's generation route (net/api/)."""
+        self._submit(proto, req, route.parse(self._json_body(req), self._on_unknown(path)))
 
     def _on_unknown(self, route: str):
         """parse_*'s `on_unknown` for `route`: log and go on; None (a 400) with --strict-params."""
@@ -342,16 +374,14 @@ class App:
         self._require_model()
         return parse_json(req.body)
 
-    def _submit(self, proto, req: Request, g: GenerationRequest, id_prefix: str, deadline_ns: int | None = None) -> None:
+    def _submit(self, proto, req: Request, g: GenerationRequest, deadline_ns: int | None = None) -> None:
         """Tokenize (a large prompt on the worker thread), stamp and hand the request to the
         engine; the stream opens with its first token. `deadline_ns` (monotonic; gRPC's
         grpc-timeout): else the x-request-timeout-ms header's."""
         if deadline_ns is None and "x-request-timeout-ms" in req.headers:
             deadline_ns = req.arrived_ns + request_timeout_ns(req.headers["x-request-timeout-ms"])
         model = self.model
-        if g.model is not None and g.model != model.name:
-            raise ApiError(404, f"the model {g.model!r} does not exist; this server serves {model.name!r}",
-                           param="model", code="model_not_found")
+        self._check_model_name(g.model)
         if g.params.logprobs is not None and not model.supports_logprobs:
             raise ApiError(400, f"the {model.name!r} engine does not compute logprobs",
                            param="logprobs", code="unsupported_parameter")
@@ -369,7 +399,7 @@ class App:
             g = g._replace(tools=g.tools._replace(family=model.tool_family))
         priority = urgency(req.headers.get("priority"))
         text, encode, prefix = self._prompt(g)
-        job = Submission(proto, req, g, id_prefix, next(self._ids), priority, deadline_ns)
+        job = Submission(proto, req, g, next(self._ids), priority, deadline_ns)
         if text is None:
             self._enqueue(job, g.prompt_token_ids)
         elif len(text) < LARGE_PROMPT_CHARS:
@@ -413,7 +443,7 @@ class App:
     def _respond_job_error(self, job: "Submission", exc: ApiError) -> None:
         """A submission's error found off the loop, in its route's protocol: a gRPC status, or
         the HTTP status with its JSON body."""
-        if job.g.route == "grpc":
+        if job.g is not None and job.g.route is GRPC:
             self.grpc.respond_status(job.proto, job.req, STATUS_CODES.get(exc.status, UNKNOWN), exc.message)
         else:
             self._respond_error(job.proto, job.req, exc)
@@ -451,25 +481,24 @@ class App:
         except QueueFull as exc:
             raise ApiError(429, str(exc), code="queue_full", headers=[(b"retry-after", b"1")]) from None
         except PromptTooLong as exc:
-            raise ApiError(400, str(exc), param="messages" if g.route == "chat" else "prompt",
-                           code="context_length_exceeded") from None
+            raise ApiError(400, str(exc), param=g.route.prompt_param, code="context_length_exceeded") from None
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param="prompt", code="invalid_prompt") from None
         self.metrics.tokenize.observe_ns(timeline.tokenized_ns - timeline.arrived_ns)
         self.engine_log.num_prompt_tokens += len(prompt_ids)
         created = int(time.time())
-        response_id = f"{job.id_prefix}{request_id}"
+        response_id = f"{g.route.id_prefix}{request_id}"
         if g.best_of > 1:
-            self._add_choices(proto, req, g, members, response_id, created, len(prompt_ids))
+            self._add_choices(proto, req, g, members, response_id, created, len(prompt_ids), job.deadline_ns)
             return
-        # a named function's arguments stream token by token; other tool-calling streams are
-        # read back, and sent, once complete
-        stream_tokens = g.stream and (g.tools is None or g.tools.mode == "named")
+        # chat streams a named function's arguments token by token; other tool-calling streams
+        # are read back, and sent, once complete
+        stream_tokens = g.stream and (g.tools is None or g.tools.mode == "named" and g.route.streams_named_tool)
         encoder = self._encoder(g, req, response_id, created, num_prompt=len(prompt_ids)) if stream_tokens else None
-        ex = Exchange(request_id, proto, req.stream_id, g.route, encoder, stream_tokens,
+        ex = Exchange(request_id, proto, req.stream_id, g, encoder, stream_tokens,
                       timeline, response_id, created, g.params.logprobs is not None, req.method, req.target)
         if g.tools is not None and not stream_tokens:
-            ex.tools, ex.tools_stream, ex.include_usage = g.tools, g.stream, g.include_usage
+            ex.tools = g.tools
         self.dispatcher.add(ex, job.deadline_ns)
 
     def _compile(self, g: GenerationRequest):
@@ -493,24 +522,23 @@ class App:
         return list(zip(ids, timelines))
 
     def _add_choices(self, proto, req: Request, g: GenerationRequest, members: list, response_id: str,
-                     created: int, num_prompt: int = 0) -> None:
+                     created: int, num_prompt: int = 0, deadline_ns: int | None = None) -> None:
+        """n > 1 / best_of: one exchange per choice, each with the request's deadline (they all
+        end with finish reason "deadline" when it passes)."""
         group = ChoiceGroup(g.n)
         for i, (request_id, timeline) in enumerate(members):
             encoder = self._encoder(g, req, response_id, created, i, num_prompt) if g.stream else None
-            ex = Exchange(request_id, proto, req.stream_id, g.route, encoder, g.stream, timeline,
+            ex = Exchange(request_id, proto, req.stream_id, g, encoder, g.stream, timeline,
                           response_id, created, g.params.logprobs is not None, req.method, req.target)
             group.add(ex)
-            self.dispatcher.add(ex)
+            self.dispatcher.add(ex, deadline_ns)
 
     def _prompt(self, g: GenerationRequest) -> tuple:
         """-> (text, encode, ids before the text's) for a text prompt, within the context by its
         byte length (prompt_limits.py); (None, None, None) for token ids."""
         model = self.model
-        if g.route == "chat":
-            if model.chat_template is None:
-                raise ApiError(400, f"the model {model.name!r} has no chat template; use /v1/completions, "
-                               "or start the server with --chat-template FILE", code="no_chat_template")
-            text, encode, prefix = model.chat_template.render(g.messages, tools=g.template_tools), self._encode_plain, []
+        if g.route.chat:
+            text, encode, prefix = self._render(g.messages, g.template_tools), self._encode_plain, []
         elif g.prompt_token_ids is not None:
             return None, None, None
         elif not g.prompt:
@@ -524,8 +552,15 @@ class App:
                 raise ApiError(400, f"the prompt has at least {num_tokens} tokens (no token covers more than "
                                f"{token_bytes} bytes); this model's context is {model.max_model_len} tokens, "
                                f"so a prompt may have at most {model.max_model_len - 1}",
-                               param="messages" if g.route == "chat" else "prompt", code="context_length_exceeded")
+                               param=g.route.prompt_param, code="context_length_exceeded")
         return text, encode, prefix
+
+    def _render(self, messages: list, tools: list | None, add_generation_prompt: bool = True) -> str:
+        model = self.model
+        if model.chat_template is None:
+            raise ApiError(400, f"the model {model.name!r} has no chat template; use /v1/completions, "
+                           "or start the server with --chat-template FILE", code="no_chat_template")
+        return model.chat_template.render(messages, add_generation_prompt, tools=tools)
 
     def _encode_plain(self, text: str) -> list:
         """A rendered chat template -> ids, adding nothing: templates write their own BOS."""
@@ -533,17 +568,8 @@ class App:
 
     def _encoder(self, g: GenerationRequest, req: Request, response_id: str, created: int, index: int = 0,
                  num_prompt: int = 0):
-        if g.route == "grpc":
-            return GenerateEncoder()
-        if g.route == "generate":
-            accept = req.headers.get("accept", "")
-            return encoders.BinaryTokens() if "application/octet-stream" in accept else encoders.Ndjson()
-        if g.tools is not None:
-            return encoders.ChatToolArgumentsSse(response_id, created, self.model.name, g.include_usage,
-                                                 self.engine.detokenizer.token_text, new_call_id(), g.tools.names[0])
-        cls = encoders.ChatSse if g.route == "chat" else encoders.CompletionSse
-        return cls(response_id, created, self.model.name, g.include_usage, self.engine.detokenizer.token_text, index,
-                   num_prompt if g.continuous_usage else None)
+        """The request's streamed encoder, from its family's row."""
+        return g.route.stream_encoder(g, self.dispatcher.served, response_id, created, index, num_prompt, req.headers)
 
     # -------------------------------------------------------------- guards
 
@@ -568,9 +594,13 @@ class App:
             return
         given = req.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
-            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key):
+            return
+        key = req.headers.get("x-api-key")         # Anthropic's clients send this instead
+        if key is not None and hmac.compare_digest(key.strip().encode(), self.api_key):
+            return
+        raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                       code="invalid_api_key", headers=[(b"www-authenticate", b"Bearer")])
 
     # ------------------------------------------------------------ shutdown
 

@@ -84,17 +84,17 @@ class ChoiceGroup:
         return list(enumerate(best))
 
 
-def whole_body(group: ChoiceGroup, route: str, response_id: str, created: int, model: str, use: dict,
+def whole_body(group: ChoiceGroup, chat: bool, response_id: str, created: int, model: str, use: dict,
                want_logprobs: bool, token_text) -> bytes:
     """One body with every returned choice (rule 3)."""
     choices = []
     for index, member in group.chosen():
         text, token_ids, logprobs, reason = group.results[member]
-        if route == "chat":
+        if chat:
             lps = encoders.chat_logprobs(token_ids, logprobs, token_text) if want_logprobs else None
             choices.append({"index": index, "message": {"role": "assistant", "content": text},
                             "logprobs": None if lps is None else {"content": lps}, "finish_reason": reason})
         else:
             lps = encoders.completion_logprobs(token_ids, logprobs, token_text) if want_logprobs else None
             choices.append({"index": index, "text": text, "logprobs": lps, "finish_reason": reason})
-    return encoders.choices_body(route, response_id, created, model, choices, use)
+    return encoders.choices_body(chat, response_id, created, model, choices, use)

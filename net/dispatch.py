@@ -31,6 +31,7 @@ from orjson import dumps
 from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, RequestOutput, StepTokens
 from . import choices, encoders, structured
 from .access_log import AccessLog, peer_name
+from .api.route import Served
 from .busy_poll import BusyPoller
 from .errors import ApiError
 from .metrics import Metrics
@@ -45,19 +46,19 @@ STEP_TIMES_BATCH = 64
 
 class Exchange:
     """One generation request in flight: where its bytes go and how they are encoded."""
-    __slots__ = ("request_id", "proto", "outbox", "stream_id", "route", "encoder", "streaming", "timeline",
+    __slots__ = ("request_id", "proto", "outbox", "stream_id", "route", "g", "encoder", "streaming", "timeline",
                  "last_ns", "response_id", "created", "texts", "token_ids", "logprobs", "want_logprobs",
-                 "send", "encode", "prefix", "suffix", "key", "queue", "group", "index", "method", "path",
-                 "deadline_timer", "expired",
-                 "tools", "tools_stream", "include_usage")
+                 "send", "encode", "prefix", "suffix", "splice", "key", "queue", "group", "index", "method", "path",
+                 "deadline_timer", "expired", "tools")
 
-    def __init__(self, request_id, proto, stream_id, route, encoder, streaming, timeline, response_id,
+    def __init__(self, request_id, proto, stream_id, g, encoder, streaming, timeline, response_id,
                  created, want_logprobs, method="POST", path="-"):
         self.request_id = request_id
         self.proto = proto
         self.outbox = proto.outbox
         self.stream_id = stream_id
-        self.route = route
+        self.g = g                          # the api.route.GenerationRequest
+        self.route = g.route                # its family's row (net/api/route.py): bodies, errors
         self.encoder = encoder              # None for whole (non-streamed) responses
         self.streaming = streaming
         self.timeline = timeline
@@ -74,15 +75,15 @@ class Exchange:
         self.expired = False                # its deadline passed: cancelled in the engine, ending
         self.send = proto.session.data_writer(stream_id)        # made once: called per token
         self.encode = encoder.token if encoder is not None else None
-        # SSE: a later token's chunk is prefix + orjson.dumps(text) + suffix, spliced inline
+        # SSE: a later token's chunk is prefix + orjson.dumps(text) + suffix, spliced inline;
+        # or splice(text), for encoders whose later chunks are not constant around the text
         self.prefix, self.suffix = encoder.text_parts() if hasattr(encoder, "text_parts") else (None, None)
+        self.splice = getattr(encoder, "splice", None) if self.prefix is None else None
         self.key = proto.session.data_key(stream_id)            # such chunks wait in the connection's
         self.queue = proto.outbox.sends.append                  # outbox until the end of the step
         self.group = None                   # n > 1: the ChoiceGroup of the request's choices (net/choices.py)
         self.index = 0                      # the choice's index in it
         self.tools = None                   # structured.ToolPlan: the text is read back as tool calls at the end
-        self.tools_stream = False           # ... and sent as one SSE body (the client asked for a stream)
-        self.include_usage = False
 
 
 class Dispatcher:
@@ -91,6 +92,7 @@ class Dispatcher:
     def __init__(self, metrics: Metrics, trace=None, access_log: AccessLog | None = None):
         self.engine = None                  # EngineCore (cancel), set by `attach`
         self.model = None                   # model_info.ModelInfo (name), set by `attach`
+        self.served = None                  # api.route.Served: what the families' bodies need, set by `attach`
         self.metrics = metrics
         self.trace = trace                  # trace.TraceWriter or None
         self.access_log = access_log or AccessLog(False)
@@ -103,6 +105,7 @@ class Dispatcher:
     def attach(self, engine, model, loop) -> None:
         """Write `engine`'s steps from now on (call on the loop's thread, before the engine starts)."""
         self.engine, self.model = engine, model
+        self.served = Served(model.name, engine.detokenizer.token_text, engine.eos_token_ids)
         self.busy_poll.loop = loop
         engine.step_times_ns = self.step_times_ns
 
@@ -231,7 +234,7 @@ class Dispatcher:
                 continue            # cancelled: the client is gone
             last = ex.last_ns
             prefix = ex.prefix
-            if not last or prefix is None:
+            if not last or prefix is None and ex.splice is None:
                 rows.append(RequestOutput(request_id, (token_id,), text, None, None, 0, 0, step.step_done_ns))
                 continue
             num_tokens += 1
@@ -242,7 +245,7 @@ class Dispatcher:
                 run_last, run_len = last, 0
             run_len += 1
             try:            # free until it raises; then this stream fails alone
-                ex.queue((ex.key, prefix + dumps(text) + ex.suffix))
+                ex.queue((ex.key, prefix + dumps(text) + ex.suffix if prefix is not None else ex.splice(text)))
             except Exception as exc:
                 num_tokens -= 1
                 self._fail(ex, exc)
@@ -323,7 +326,8 @@ class Dispatcher:
         self._record_finish(ex, reason, now, out.num_cached_tokens)
         status = 200 if opened or ex.encoder is not None and ex.encoder.in_band_errors else \
             500 if error is not None else 504 if reason == FINISH_DEADLINE else 200
-        grpc_status = ex.encoder.status(reason, error) if ex.route == "grpc" else None
+        grpc_status = ex.encoder.status(reason, error) if ex.encoder is not None and ex.encoder.in_band_errors \
+            else None
         self.access_log.request(ex.proto, ex.method, ex.path, status, request_id=ex.response_id,
                                 grpc_status=grpc_status, num_prompt=out.num_prompt_tokens,
                                 num_output=out.num_output_tokens, ttft_us=timings["ttft_us"],
@@ -345,40 +349,27 @@ class Dispatcher:
             exc = ApiError(500, f"the engine failed this request: {error}", code="engine_error") \
                 if error is not None else ApiError(504, "the request's deadline (x-request-timeout-ms) passed "
                                                    "before its response was complete", code="deadline_exceeded")
-            session.respond(ex.stream_id, exc.status, [(b"content-type", JSON)], exc.body(), trailers,
+            session.respond(ex.stream_id, exc.status, [(b"content-type", JSON)], ex.route.error_body(exc), trailers,
                             _id_field(ex))
             return
-        token_text = self.engine.detokenizer.token_text
+        served = self.served
         if ex.group is not None:
-            body = choices.whole_body(ex.group, ex.route, ex.response_id, ex.created, self.model.name, use,
-                                      ex.want_logprobs, token_text)
+            body = choices.whole_body(ex.group, ex.route.chat, ex.response_id, ex.created, served.model, use,
+                                      ex.want_logprobs, served.token_text)
         else:
-            body = encoders.whole_body(ex.route, ex.response_id, ex.created, self.model.name, "".join(ex.texts),
-                                       reason, use, ex.token_ids, ex.logprobs if ex.want_logprobs else None, token_text)
+            body = ex.route.whole_body(ex.g, served, ex.response_id, ex.created, "".join(ex.texts), reason, use,
+                                       ex.token_ids, ex.logprobs if ex.want_logprobs else None)
         session.respond(ex.stream_id, 200, [(b"content-type", JSON)], body, trailers, _id_field(ex))
 
     def _respond_tools(self, ex: Exchange, reason: str, use: dict, timings: dict, trailers: list) -> None:
-        """A chat completion with tools, read back as OpenAI tool calls (finish reason
-        "tool_calls" when there are some), as a whole body or as one SSE body."""
+        """A request with tools, read back as tool calls (finish reason "tool_calls" when there
+        are some) and answered in its family's shape, as a whole body or as one stream."""
         content, calls = structured.tool_calls(ex.tools, "".join(ex.texts), cut=reason == FINISH_LENGTH)
         if calls and reason == "stop":
             reason = "tool_calls"
-        session = ex.proto.session
-        if ex.tools_stream:
-            fields = {"id": ex.response_id, "object": "chat.completion.chunk", "created": ex.created,
-                      "model": self.model.name}
-            body = structured.tool_response_chunks(fields, content, calls, reason,
-                                                   use if ex.include_usage else None, timings)
-            headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-        else:
-            message = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            body = dumps({"id": ex.response_id, "object": "chat.completion", "created": ex.created,
-                          "model": self.model.name, "usage": use, "choices": [
-                              {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}]})
-            headers = [(b"content-type", JSON)]
-        session.respond(ex.stream_id, 200, headers, body, trailers, _id_field(ex))
+        headers, body = ex.route.tools_body(ex.g, self.served, ex.response_id, ex.created, content, calls, reason,
+                                            use, timings)
+        ex.proto.session.respond(ex.stream_id, 200, list(headers), body, trailers, _id_field(ex))
 
     def _record_finish(self, ex: Exchange, reason: str, now: int, num_cached_tokens: int = 0) -> None:
         m = self.metrics
@@ -388,7 +379,7 @@ class Dispatcher:
         if t.first_scheduled_ns and t.queued_ns:
             m.queue.observe_ns(t.first_scheduled_ns - t.queued_ns)
         if self.trace is not None:
-            self.trace.add(ex.request_id, ex.route, t, now, num_cached_tokens)
+            self.trace.add(ex.request_id, ex.route.name, t, now, num_cached_tokens)
 
     # ------------------------------------------------------------ write faults
 
@@ -417,7 +408,8 @@ class Dispatcher:
         session = ex.proto.session
         error = ApiError(500, "internal server error: the response could not be written", code="internal_error")
         try:
-            return session.fail_response(ex.stream_id, 500, [(b"content-type", JSON)], error.body(), _id_field(ex))
+            return session.fail_response(ex.stream_id, 500, [(b"content-type", JSON)], ex.route.error_body(error),
+                                         _id_field(ex))
         except Exception:
             log.debug("request %s: its error response raised too", ex.response_id, exc_info=True)
         try:

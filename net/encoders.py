@@ -3,7 +3,8 @@
 Each streamed request gets one encoder whose constant bytes (SSE `data: ` prefix with id,
 model and created; the per-chunk suffix) are formatted once when the request starts, so
 the per-token work is orjson on the token's text and two concatenations. Whole
-(non-streamed) responses are built here too, by `whole_body`.
+(non-streamed) OpenAI responses are built here too (`chat_body`, `completion_body`), for the
+rows of net/api/openai.py.
 
 SSE (OpenAI): `data: {json}\n\n` per chunk, then `data: [DONE]\n\n`. The last JSON chunk
 (the finish chunk, or the usage chunk with `stream_options.include_usage`) also carries
@@ -364,17 +365,6 @@ def chat_body(request_id: str, created: int, model: str, text: str, finish_reaso
                          "usage": use})
 
 
-def whole_body(route: str, request_id: str, created: int, model: str, text: str, finish_reason: str, use: dict,
-               token_ids: list, logprobs: list | None, token_text: Callable[[int], str]) -> bytes:
-    """A non-streamed OpenAI response for `route` ("chat" or "completions"); `logprobs`: one
-    TopLogprobs per token when the request asked for them, else None."""
-    if route == "chat":
-        lps = chat_logprobs(token_ids, logprobs, token_text) if logprobs is not None else None
-        return chat_body(request_id, created, model, text, finish_reason, use, lps)
-    lps = completion_logprobs(token_ids, logprobs, token_text) if logprobs is not None else None
-    return completion_body(request_id, created, model, text, finish_reason, use, lps)
-
-
 def completion_logprobs(token_ids: list, logprobs: list, token_text: Callable[[int], str]) -> dict:
     tokens = [token_text(t) for t in token_ids]
     offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
@@ -383,8 +373,8 @@ def completion_logprobs(token_ids: list, logprobs: list, token_text: Callable[[i
             "text_offset": offsets}
 
 
-def choices_body(route: str, request_id: str, created: int, model: str, choices: list, use: dict) -> bytes:
+def choices_body(chat: bool, request_id: str, created: int, model: str, choices: list, use: dict) -> bytes:
     """A whole response with several choices (n > 1, net/choices.py)."""
-    kind = "chat.completion" if route == "chat" else "text_completion"
+    kind = "chat.completion" if chat else "text_completion"
     return orjson.dumps({"id": request_id, "object": kind, "created": created, "model": model,
                          "choices": choices, "usage": use})

@@ -47,7 +47,7 @@ from ..core.sampling_params import InvalidParameter, SamplingParams
 from .errors import ApiError
 from .events import MessageRequest, Request, RequestEnd, RequestMessage
 from .http2 import H2Session
-from .openai_api import GenerationRequest
+from .api.route import GenerationRequest, Route
 from .structured import guided_constraint
 from . import grpc_schema as schema
 
@@ -212,6 +212,14 @@ class GenerateEncoder:
     def status(finish_reason: str, error: str | None) -> int:
         """The grpc-status the call ends with (its trailers; the access line)."""
         return INTERNAL if error is not None else DEADLINE_EXCEEDED if finish_reason == "deadline" else OK
+
+
+def _generate_encoder(g, served, response_id, created, index, num_prompt, headers):
+    return GenerateEncoder()
+
+
+# Generate's row among the API families' (net/api/route.py); reached by content-type, not by path
+GRPC = Route("grpc", None, "grpc-", "text", _generate_encoder, None, allows_token_ids=True)
 
 
 # ------------------------------------------------------------------ the routes
@@ -403,7 +411,7 @@ class GrpcRoutes:
         g = generation_request(_one(messages, schema.GenerateRequest))
         self.app._authorize(req)
         self.app._require_model()
-        self.app._submit(proto, req, g, "grpc-", deadline_ns)
+        self.app._submit(proto, req, g, deadline_ns)
 
     def _list_models(self, proto, req: Request, messages: list, deadline_ns) -> None:
         self.app._authorize(req)
@@ -508,7 +516,7 @@ def generation_request(m) -> GenerationRequest:
     if "max_tokens" in kwargs and kwargs["max_tokens"] == 0:
         raise GrpcError(INVALID_ARGUMENT, "max_tokens must be >= 1 (leave it out for the rest of the context)")
     params = SamplingParams(**kwargs)
-    return GenerationRequest("grpc", m.text or None, list(m.token_ids) or None, None, params, True, False, False,
+    return GenerationRequest(GRPC, m.text or None, list(m.token_ids) or None, None, params, True, False, False,
                              m.model or None, constraint=_constraint(m), constraint_param=m.WhichOneof("constraint"))
 
 

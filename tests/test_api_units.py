@@ -20,7 +20,9 @@ from tokenwire.net.chat_template import ChatTemplate
 from tokenwire.net.errors import ApiError
 from tokenwire.net.hpack_plain import encode_block, encode_int
 from tokenwire.net.metrics import Metrics
-from tokenwire.net.openai_api import parse_chat, parse_completions, parse_generate, parse_json
+from tokenwire.net.api.fields import parse_json
+from tokenwire.net.api.native import parse_generate
+from tokenwire.net.api.openai import parse_chat, parse_completions
 
 
 def out(text="tok", ids=(7,), finish=None, logprobs=None, n_out=1):

@@ -21,7 +21,7 @@ from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.net import encoders
 from tokenwire.net.errors import ApiError
 from tokenwire.net.handoff import StepHandoff
-from tokenwire.net.openai_api import parse_completions
+from tokenwire.net.api.openai import parse_completions
 
 
 def test_doorbell_keeps_a_ring_made_before_the_wait_and_times_out_without_one():

@@ -26,6 +26,7 @@ from h2.errors import ErrorCodes
 import tokenwire
 from tokenwire.core.outputs import StepTokens, Timeline
 from tokenwire.net import encoders
+from tokenwire.net.api.openai import parse_completions
 from tokenwire.net.dispatch import Dispatcher, Exchange
 from tokenwire.net.events import Limits
 from tokenwire.net.http1 import H1Session
@@ -35,6 +36,8 @@ from tokenwire.net.outbox import Outbox
 
 from clients.rawh2 import RawH2
 from test_net_session import client, data_by_stream, handshake, pump
+
+COMPLETION = parse_completions({"prompt": "x", "stream": True})
 
 FAIL_AT = 6                 # the victim's 6th write of the failing kind raises
 NUM_TOKENS = 40             # every other stream's max_tokens
@@ -355,7 +358,7 @@ def test_a_connection_whose_flush_raises_is_aborted_and_the_others_are_written()
         for sid in (1, 3):
             rid = 10 * n + sid
             enc = encoders.CompletionSse(f"cmpl-{rid}", 0, "m", False, lambda i: "")
-            ex = Exchange(rid, conn, sid, "completions", enc, True, Timeline(arrived_ns=0), f"cmpl-{rid}", 0, False)
+            ex = Exchange(rid, conn, sid, COMPLETION, enc, True, Timeline(arrived_ns=0), f"cmpl-{rid}", 0, False)
             ex.last_ns = 1
             d.add(ex)
             step.request_ids.append(rid)
