@@ -461,7 +461,7 @@ class App:
         proto, req, g, request_id = job.proto, job.req, job.g, job.request_id
         problem = max_tokens_problem(g.params.max_tokens, len(prompt_ids), self.model.max_model_len)
         if problem is not None:
-            raise bad_param("max_tokens", problem)
+            raise bad_param(g.route.max_tokens_param, problem.replace("max_tokens", g.route.max_tokens_param))
         constraint = None
         if g.constraint is not None:
             compiled = compiled or self.model.grammars.cached(g.constraint)

@@ -336,11 +336,14 @@ class Dispatcher:
     def _finish_choice(self, ex: Exchange, out):
         """One choice of an n > 1 request ended (net/choices.py rules 2-3): a streamed one sends
         its finish chunk unless it is the last. -> the output that ends the response, or None"""
+        if ex.deadline_timer is not None:
+            ex.deadline_timer.cancel()
         last = ex.group.end(ex, out)
         if last is None and ex.streaming and out.finish_reason != FINISH_ERROR:
             if not ex.last_ns:
                 self._open_stream(ex)
-            ex.proto.session.send_data(ex.stream_id, ex.encoder.finish_choice(out.finish_reason))
+            reason = FINISH_DEADLINE if out.finish_reason == FINISH_CANCELLED and ex.expired else out.finish_reason
+            ex.proto.session.send_data(ex.stream_id, ex.encoder.finish_choice(reason))
         return last
 
     def _respond_whole(self, ex: Exchange, reason: str, use: dict, trailers: list, error: str | None) -> None:

@@ -154,3 +154,19 @@ def test_best_of_returns_the_best_ranked_choices(client):
     ranked = sorted(singles, key=mean, reverse=True)[:2]
     assert [c.text for c in best.choices] == [c.text for c in ranked] and [c.index for c in best.choices] == [0, 1]
     assert best.usage.completion_tokens == 4 * 8
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "http2"])
+def test_tokenize_detokenize_round_trip(server, reference, http2):
+    """vLLM's /tokenize gives run.c's prompt ids (BOS included, as a completion prompt is
+    tokenized), and /detokenize gives the text back."""
+    with httpx.Client(http1=not http2, http2=http2, base_url=server.url, timeout=60) as client:
+        r = client.post("/tokenize", json={"model": "stories260K", "prompt": reference["prompt"]}).json()
+        assert r["tokens"] == reference["prompt_ids"] and r["count"] == len(reference["prompt_ids"])
+        for text in (reference["prompt"], reference["text"], "Lily and Tom went to the park. They saw a big dog!"):
+            plain = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+            assert client.post("/detokenize", json={"tokens": plain}).json() == {"prompt": text}
+        story = client.post("/tokenize", json={"messages": [{"role": "user", "content": "a cat"}]}).json()
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a cat"}],
+                                                         "max_tokens": 1}).json()
+        assert story["count"] == chat["usage"]["prompt_tokens"]

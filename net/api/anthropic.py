@@ -21,7 +21,7 @@ the request gave one, else null: the engine does not report which one of several
 matched), max_tokens, tool_use, and "deadline" when x-request-timeout-ms passed.
 
 Errors: `{"type": "error", "error": {"type": ..., "message": ...}}`, the message starting
-with the field it is about (`messages.0.content: ...`), as Anthropic writes them.
+with the field it is about (`messages: messages.0.content ...`), as Anthropic writes them.
 """
 
 import orjson
@@ -42,7 +42,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 def error_body(exc: ApiError) -> bytes:
     """Anthropic's error shape; the field, when there is one, leads the message."""
-    message = exc.message if exc.param is None or exc.message.startswith(exc.param) else \
+    message = exc.message if exc.param is None or exc.message.startswith(exc.param + ":") else \
         f"{exc.param}: {exc.message}"
     return orjson.dumps({"type": "error", "error": {"type": ERROR_TYPES.get(exc.status, "api_error"),
                                                     "message": message}})

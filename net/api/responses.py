@@ -24,7 +24,7 @@ its sequence number (`ResponsesSse.splice`). Function calls are read back at the
 
 import orjson
 
-from ..errors import bad_param, unsupported
+from ..errors import ApiError, bad_param, unsupported
 from ..structured import schema_spec, tool_plan
 from ...core.constraint import ConstraintSpec
 from .fields import check_keys, opt, sampling
@@ -59,7 +59,12 @@ def parse_responses(body: dict, on_unknown=None) -> GenerationRequest:
         if constraint is not None:
             raise bad_param("text.format", "tool_choice required or a named function constrains the output already")
         constraint, constraint_param = fmt_constraint, "text.format"
-    params = sampling(body, max_tokens=opt(body, "max_output_tokens", int, None), logprobs=None)
+    try:
+        params = sampling(body, max_tokens=opt(body, "max_output_tokens", int, None), logprobs=None)
+    except ApiError as exc:
+        if exc.param == "max_tokens":
+            exc.param = "max_output_tokens"
+        raise
     stream = opt(body, "stream", bool, False)
     echo = {"instructions": opt(body, "instructions", str, None), "max_output_tokens": params.max_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "tools": body.get("tools") or [],
@@ -394,4 +399,5 @@ def _encoder(g, served, response_id, created, index, num_prompt, headers):
     return ResponsesSse(g, served, response_id, created)
 
 
-RESPONSES = Route("responses", parse_responses, "resp_", "input", _encoder, _whole_body, _tools_body, chat=True)
+RESPONSES = Route("responses", parse_responses, "resp_", "input", _encoder, _whole_body, _tools_body, chat=True,
+                  max_tokens_param="max_output_tokens")

@@ -49,6 +49,7 @@ class Route(NamedTuple):
     chat: bool = False                  # the prompt is `messages` through the model's chat template
     streams_named_tool: bool = False    # a named tool's arguments stream token by token (else read back at the end)
     allows_token_ids: bool = False      # the prompt may be token ids (completions, generate, gRPC)
+    max_tokens_param: str = "max_tokens"    # the field a max_tokens beyond the context names
 
 
 class GenerationRequest(NamedTuple):
