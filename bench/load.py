@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="http://HOST:PORT/PATH, e.g. http://127.0.0.1:8000/v1/completions")
     parser.add_argument("--protocol", choices=("h2", "h1", "grpc"), default="h2",
                         help="h2: HTTP/2 prior knowledge (default); h1: HTTP/1.1 keep-alive; grpc: gRPC over h2")
-    parser.add_argument("--framing", choices=("sse", "ndjson", "binary", "grpc"), default=None,
+    parser.add_argument("--framing", choices=("sse", "ndjson", "binary", "grpc", "responses", "messages"), default=None,
                         help="how the response splits into tokens (default: from the path and protocol)")
     parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
                         help=f"comma-separated concurrency levels (default {DEFAULT_CONCURRENCY}); "
@@ -132,7 +132,9 @@ def parse_levels(args) -> list:
 def default_framing(protocol: str, path: str) -> str:
     if protocol == "grpc":
         return "grpc"
-    return "ndjson" if path.rstrip("/").endswith("/generate") else "sse"
+    path = path.rstrip("/")
+    return "ndjson" if path.endswith("/generate") else "responses" if path.endswith("/v1/responses") else \
+        "messages" if path.endswith("/v1/messages") else "sse"
 
 
 def make_target(host, port, path, protocol, framing, prompt_len, max_tokens, model=None, ignore_eos=True):
@@ -144,9 +146,11 @@ def make_target(host, port, path, protocol, framing, prompt_len, max_tokens, mod
     if framing == "grpc":
         raise ValueError("--framing grpc needs --protocol grpc")
     fields = {"prompt": prompt, "max_tokens": max_tokens}
-    if path.rstrip("/").endswith("/chat/completions"):
+    if path.rstrip("/").endswith(("/chat/completions", "/v1/messages")):
         fields = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens}
-    if framing == "sse":
+    elif path.rstrip("/").endswith("/v1/responses"):
+        fields = {"input": prompt, "max_output_tokens": max_tokens}
+    if framing in ("sse", "responses", "messages"):
         fields["stream"] = True
     if ignore_eos:
         fields["ignore_eos"] = True

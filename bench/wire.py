@@ -214,7 +214,24 @@ def count_grpc(rec: StreamRecord, buf: bytes, start: int, end: int) -> int:
     return n
 
 
-COUNTERS = {"sse": count_sse, "ndjson": count_ndjson, "binary": count_binary, "grpc": count_grpc}
+def count_sse_events(marker: bytes) -> Counter:
+    """A counter for typed SSE event streams (OpenAI Responses, Anthropic Messages): the
+    events whose bytes hold `marker` (the token's delta event type), counted once complete;
+    the start, the closing events and the summary carry other types. An event cut by a
+    payload boundary waits in `rec.head` (hot path: per frame)."""
+    def count(rec: StreamRecord, buf: bytes, start: int, end: int) -> int:
+        if not rec.head and end - start >= 2 and buf[end - 1] == 10 and buf[end - 2] == 10:
+            return buf.count(marker, start, end)
+        joined = rec.head + buf[start:end]
+        cut = joined.rfind(b"\n\n") + 2
+        rec.head = joined[cut:]
+        return joined.count(marker, 0, cut)
+    return count
+
+
+COUNTERS = {"sse": count_sse, "ndjson": count_ndjson, "binary": count_binary, "grpc": count_grpc,
+            "responses": count_sse_events(b'event: response.output_text.delta\n'),
+            "messages": count_sse_events(b'event: content_block_delta\n')}
 
 
 def counter_for(framing: str) -> Counter:

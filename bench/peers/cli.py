@@ -25,7 +25,8 @@ DEFAULT_SERVERS = "tokenwire,h2-minimal,hypercorn,uvicorn,tokenwire-grpc,grpc,ce
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--servers", default=DEFAULT_SERVERS,
                         help=f"comma-separated servers to run, in order (default {DEFAULT_SERVERS}; also "
-                             "tokenwire-ndjson, tokenwire-binary, tokenwire-h1)")
+                             "tokenwire-ndjson, tokenwire-binary, tokenwire-h1, and the API families' streams: tokenwire-chat, "
+                             "tokenwire-responses, tokenwire-messages)")
     parser.add_argument("--concurrency", default="1,8,64,256", help="comma-separated concurrency levels")
     parser.add_argument("--requests", type=int, default=None,
                         help="measured requests per level (default: max(400, 8 x concurrency))")
@@ -75,6 +76,10 @@ def run_peers(args) -> int:
         failures.update(failed)
     rows = rounds[0] if args.repeat == 1 else report.median_rows(rounds)
     _print_report(rows, servers, floor, failures)
+    families = report.family_table(report.family_ratios(rounds))
+    if families:
+        print("\nAPI families' streams against /v1/chat/completions (issue 29)")
+        print(families)
     if args.repeat > 1:
         ok = [s for s in servers if s not in failures]
         print(f"\nover {args.repeat} alternating rounds")

@@ -318,3 +318,55 @@ def _le(value, limit) -> bool:
 
 def _pct(value) -> str:
     return f"{value:.0%}" if value is not None else "-"
+
+
+# ------------------------------------------------------------------ API families (issue 29)
+
+FAMILY_REFERENCE = "tokenwire-chat"
+FAMILIES = ("tokenwire-responses", "tokenwire-messages")
+TARGET_FAMILY_CPU_RATIO = 1.10      # a family's stream costs at most 10% more CPU per token than chat's
+
+
+def family_ratios(rounds: list) -> list:
+    """For each API family's stream and concurrency level: server CPU per token against
+    /v1/chat/completions' in the same round. -> [(family, concurrency, chat µs/token median,
+    family µs/token median, [per-round ratio or None])]"""
+    out = []
+    levels = sorted({r["concurrency"] for rows in rounds for r in rows if r["server"] == FAMILY_REFERENCE})
+    for family in FAMILIES:
+        for concurrency in levels:
+            pairs = [(pick_exact(rows, FAMILY_REFERENCE, concurrency), pick_exact(rows, family, concurrency))
+                     for rows in rounds]
+            pairs = [(c, f) for c, f in pairs if c is not None and f is not None]
+            if not pairs:
+                continue
+            chat = [c["cpu_us_per_token"] for c, _ in pairs]
+            mine = [f["cpu_us_per_token"] for _, f in pairs]
+            out.append((family, concurrency, _median(chat), _median(mine),
+                        [_quotient(m, c) for c, m in zip(chat, mine)]))
+    return out
+
+
+def family_table(ratios: list) -> str:
+    if not ratios:
+        return ""
+    body = []
+    for family, concurrency, chat, mine, per_round in ratios:
+        measured = [r for r in per_round if r is not None]
+        median = statistics.median(measured) if measured else None
+        body.append([family, concurrency, _num(chat), _num(mine), _paired(per_round),
+                     "yes" if median is not None and median <= TARGET_FAMILY_CPU_RATIO else "no"])
+    return (table(["stream", "conc", f"{FAMILY_REFERENCE} µs/token", "its µs/token", "ratio per round (median)",
+                   f"<= {TARGET_FAMILY_CPU_RATIO:.2f}"], body, left=(0,))
+            + f"\n(server CPU per token, medians over rounds; ratio: the family's / {FAMILY_REFERENCE}'s in the "
+              "same round)")
+
+
+def pick_exact(rows: list, server: str, concurrency: int) -> Optional[dict]:
+    return next((r for r in rows if r["server"] == server and r["concurrency"] == concurrency
+                 and r["num_errors"] < r["num_requests"]), None)
+
+
+def _median(values: list):
+    values = [v for v in values if v is not None and not _nan(v)]
+    return statistics.median(values) if values else None

@@ -33,7 +33,7 @@ class PeerSpec(NamedTuple):
     what: str               # one line for the report: framework, server, protocol
     argv: list              # the command, with the port and step time filled in
     protocol: str           # load generator protocol: "h2", "h1", "grpc"
-    framing: str            # "sse", "ndjson", "binary", "grpc"
+    framing: str            # "sse", "ndjson", "binary", "grpc", "responses", "messages" (bench/wire.py)
     path: str
     headers: tuple = ()
 
@@ -57,6 +57,12 @@ def peer_specs(port: int, step_us: float, trace: Optional[str] = None, max_token
                  "/generate", (("accept", "application/octet-stream"),)),
         PeerSpec("tokenwire-h1", "tokenwire, HTTP/1.1, OpenAI SSE /v1/completions", tokenwire, "h1", "sse",
                  "/v1/completions"),
+        PeerSpec("tokenwire-chat", "tokenwire, HTTP/2 h2c, OpenAI SSE /v1/chat/completions", tokenwire, "h2", "sse",
+                 "/v1/chat/completions"),
+        PeerSpec("tokenwire-responses", "tokenwire, HTTP/2 h2c, OpenAI Responses events /v1/responses", tokenwire,
+                 "h2", "responses", "/v1/responses"),
+        PeerSpec("tokenwire-messages", "tokenwire, HTTP/2 h2c, Anthropic Messages events /v1/messages", tokenwire,
+                 "h2", "messages", "/v1/messages"),
         PeerSpec("tokenwire-grpc", "tokenwire, gRPC tokenwire.v1.Generator/Generate on its HTTP/2 port", tokenwire,
                  "grpc", "grpc", "/tokenwire.v1.Generator/Generate"),
         PeerSpec("hypercorn", "FastAPI StreamingResponse on hypercorn, HTTP/2 h2c, uvloop",

@@ -6,8 +6,9 @@ Accepted: `model`, `max_tokens` (required, as Anthropic requires it), `system` (
 text blocks), `messages` (user / assistant turns whose content is a string or blocks:
 text, tool_use, tool_result), `stop_sequences`, `temperature`, `top_p`, `top_k`,
 `stream`, `tools` ({name, description, input_schema}) with `tool_choice` (auto, any, tool,
-none; `disable_parallel_tool_use`), `metadata` (ignored). Images, documents and extended
-thinking are 400s naming the field.
+none; `disable_parallel_tool_use`), `metadata` (ignored), and the sampling extensions the
+other routes take (seed, ignore_eos, min_p, repetition_penalty). Images, documents and
+extended thinking are 400s naming the field.
 
 Stream (SSE, `event:` + `data:`): message_start, content_block_start (text), ping, one
 content_block_delta (text_delta) per token — constant bytes around the text, spliced by
@@ -31,8 +32,9 @@ from ..structured import tool_plan
 from .fields import check_keys, opt, sampling
 from .route import GenerationRequest, Route
 
+_EXTENSIONS = ("seed", "ignore_eos", "min_p", "repetition_penalty")    # sampling fields the other routes take
 _KEYS = {"model", "max_tokens", "system", "messages", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-         "tools", "tool_choice", "metadata", "thinking", "service_tier", "container", "mcp_servers"}
+         "tools", "tool_choice", "metadata", "thinking", "service_tier", "container", "mcp_servers", *_EXTENSIONS}
 _COUNT_KEYS = {"model", "system", "messages", "tools", "tool_choice", "thinking"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -56,7 +58,7 @@ def parse_messages(body: dict, on_unknown=None) -> GenerationRequest:
         raise bad_param("max_tokens", "max_tokens: Field required")
     messages, plan, template_tools, constraint = _prompt(body)
     stop = opt(body, "stop_sequences", list, [])
-    fields = {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body}
+    fields = {k: body[k] for k in ("temperature", "top_p", "top_k", *_EXTENSIONS) if k in body}
     fields["stop"] = stop
     try:
         params = sampling(fields, max_tokens=opt(body, "max_tokens", int, None), logprobs=None)

@@ -334,31 +334,44 @@ class _Events:
         return b"".join(self.parts)
 
 
+_NUM_OPENING = 4                    # response.created, .in_progress, .output_item.added, .content_part.added
+_SEQ_TAILS = [b',"sequence_number":%d}\n\n' % n for n in range(8192)]     # a delta event's end, by its number
+
+
+def _delta_splicer(prefix: bytes, texts: list):
+    """-> splice(text): a later token's delta event (hot path: once per token). The event's
+    sequence number follows from the number of texts so far (each delta appends one), and its
+    closing bytes come from a table: a closure over locals, no attribute or format per token."""
+    append = texts.append
+
+    def splice(text: str) -> bytes:
+        append(text)
+        try:
+            tail = _SEQ_TAILS[len(texts) + _NUM_OPENING - 1]
+        except IndexError:                  # past 8192 events
+            tail = b',"sequence_number":%d}\n\n' % (len(texts) + _NUM_OPENING - 1)
+        return prefix + orjson.dumps(text) + tail
+    return splice
+
+
 class ResponsesSse:
     """The Responses event stream of one request (encoders._Stream's interface)."""
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
     in_band_errors = False
-    __slots__ = ("_g", "_served", "_id", "_created", "_item", "_prefix", "_texts", "_seq", "_started")
+    __slots__ = ("_g", "_served", "_id", "_created", "_item", "_texts", "_started", "splice")
 
     def __init__(self, g, served, response_id: str, created: int):
         self._g, self._served, self._id, self._created = g, served, response_id, created
         self._item = _message_id(response_id)
-        self._prefix = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":'
-                        + orjson.dumps(self._item) + b',"output_index":0,"content_index":0,"logprobs":[],"delta":')
         self._texts = []                    # the text so far: the closing events repeat it whole
-        self._seq = 0                       # the next event's sequence_number
         self._started = False
+        self.splice = _delta_splicer(
+            b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":'
+            + orjson.dumps(self._item) + b',"output_index":0,"content_index":0,"logprobs":[],"delta":', self._texts)
 
     def text_parts(self) -> tuple:
         return None, None                   # the sequence number changes: `splice` instead
-
-    def splice(self, text: str) -> bytes:
-        """A later token's delta event (hot path: once per token)."""
-        self._texts.append(text)
-        seq = self._seq
-        self._seq = seq + 1
-        return self._prefix + orjson.dumps(text) + b',"sequence_number":%d}\n\n' % seq
 
     def token(self, out) -> bytes:
         return self.splice(out.text)
@@ -371,13 +384,13 @@ class ResponsesSse:
         events = _Events()
         events.open(response_object(self._g, self._served, self._id, self._created, "in_progress", [], None))
         events.start_message(0, self._item)
-        self._seq = events.seq
+        assert events.seq == _NUM_OPENING
         return events.bytes()
 
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
         head = b"" if self._started else self._open()
         text = "".join(self._texts)
-        events = _Events(self._seq)
+        events = _Events(_NUM_OPENING + len(self._texts))
         if error is not None:
             failed = response_object(self._g, self._served, self._id, self._created, "failed",
                                      [_message_item(self._item, text)], use,
