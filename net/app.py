@@ -1,20 +1,27 @@
 """Routes: complete requests in, responses or engine submissions out.
 
 The Protocol shell hands `on_events` complete requests, resets and closes, and gRPC calls as
-they arrive (headers, each message, the half-close: net/grpc.py). A generation
-route parses and validates the body (openai_api.py), renders the chat template, tokenizes,
-stamps the request's Timeline and submits it to `EngineCore`; from then on the exchange
-belongs to the dispatcher (dispatch.py), which writes the engine's outputs as they come.
+they arrive (headers, each message, the half-close: net/grpc.py). Every generation route
+is a row of `api.ROUTES` (net/api/: one module per API family) and takes one intake path,
+`_generation`: auth, content type, JSON, the family's parse into a `GenerationRequest`,
+the chat template, tokenizing, the request's Timeline, `EngineCore`; from then on the
+exchange belongs to the dispatcher (dispatch.py), which writes the engine's outputs as
+they come, encoded and shaped by the request's row. Errors on a path take its family's
+shape (`api.ERROR_BODIES`).
 
 Routes:
     POST /v1/completions, POST /v1/chat/completions    OpenAI, SSE when stream=true
+    POST /v1/responses                                  OpenAI Responses, its events when stream=true
+    POST /v1/messages, /v1/messages/count_tokens        Anthropic Messages, its events when stream=true
     POST /generate                                      native NDJSON, or binary with Accept: application/octet-stream
+    POST /tokenize, /detokenize                         vLLM's
     GET  /v1/models, /v1/models/{id}, /health, /metrics   and HEAD: the GET's headers and content-length
     gRPC (content-type application/grpc): tokenwire.v1.Generator, grpc.health.v1.Health,
          server reflection (net/grpc.py)
-Any other method is 405 with `Allow`. Authentication (optional Bearer key) covers /v1/*,
-/generate and tokenwire.v1.Generator; /health, /metrics and the gRPC health service stay
-open for load balancers and scrapers.
+Any other method is 405 with `Allow`. Authentication (optional key, as `Authorization:
+Bearer` or `x-api-key`) covers /v1/*, /generate, /tokenize, /detokenize and
+tokenwire.v1.Generator; /health, /metrics and the gRPC health service stay open for load
+balancers and scrapers.
 A generation request's `priority` header (RFC 9218: `u=0` most urgent .. `u=7`, default 3)
 is its scheduler priority, and HTTP/2 PRIORITY_UPDATE frames change it while it waits or
 runs (net/priority.py); one that came before the request is already in its `priority`

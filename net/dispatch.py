@@ -6,8 +6,9 @@ the step): it encodes each output into its connection's session (one DATA frame 
 per stream), writes every touched connection once (net/outbox.py), and ends the exchanges
 that finished: the finish chunk, trailers (`server-timing`), the request's metrics. A
 reset stream or a lost connection cancels its request in the engine (`cancel`,
-`cancel_all`). Whole (non-streamed) responses are collected here and built by
-encoders.whole_body. Every response, streamed or whole, failed or not, carries the
+`cancel_all`). Whole (non-streamed) responses are collected here and built by the
+request's API family (`Exchange.route.whole_body`, net/api/), as are its errors
+(`route.error_body`) and tool calls read back at the end (`route.tools_body`). Every response, streamed or whole, failed or not, carries the
 request's response id as `x-request-id`; a request the engine failed is also a WARNING
 naming that id and the engine's reason.
 

@@ -266,3 +266,49 @@ def test_metrics_exposition_parses_and_buckets_are_cumulative():
                       "tokenwire_kv_blocks_used": 10, "tokenwire_kv_blocks_total": 100}
     assert families["tokenwire_preemptions"].type == "counter"
     assert orjson.loads(orjson.dumps(m.requests))["stop"] == 1
+
+
+# ------------------------------------------------------------ API families' encoders
+
+def test_responses_delta_events_are_numbered_past_the_table():
+    """The splice's sequence numbers come from a table of 8192 tails, then from formatting:
+    each event is the JSON orjson makes of it, numbered on from the four opening events."""
+    from tokenwire.net.api.responses import ResponsesSse, parse_responses
+    from tokenwire.net.api.route import Served
+    enc = ResponsesSse(parse_responses({"input": "hi", "stream": True}), Served("m", str, frozenset()), "resp_7", 0)
+    first = enc.first_token(out("a"))
+    events = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in first.split(b"\n\n") if e]
+    assert [e["sequence_number"] for e in events] == [0, 1, 2, 3, 4] and events[-1]["delta"] == "a"
+    for n in range(5, 8200):
+        chunk = enc.splice(f"t{n}")
+    head, data = chunk.split(b"\ndata: ")
+    assert head == b"event: response.output_text.delta" and data.endswith(b"\n\n")
+    assert json.loads(data) == {"type": "response.output_text.delta", "item_id": "msg_7", "output_index": 0,
+                                "content_index": 0, "logprobs": [], "delta": "t8199", "sequence_number": 8199}
+    done = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in enc.finish(out("", finish="stop"), "stop", {
+        "prompt_tokens": 3, "completion_tokens": 8196, "total_tokens": 8199,
+        "prompt_tokens_details": {"cached_tokens": 0}}, {"ttft_us": 1.0}).split(b"\n\n") if e]
+    assert [e["sequence_number"] for e in done] == list(range(8200, 8204))
+    assert done[-1]["type"] == "response.completed" and done[-1]["response"]["status"] == "completed"
+    assert done[-1]["response"]["output"][0]["content"][0]["text"] == "a" + "".join(f"t{n}" for n in range(5, 8200))
+
+
+def test_anthropic_errors_lead_with_the_field():
+    from tokenwire.net.api.anthropic import error_body
+    assert orjson.loads(error_body(ApiError(400, "max_tokens must be an integer", param="max_tokens"))) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: max_tokens must be an integer"}}
+    assert orjson.loads(error_body(ApiError(429, "the queue is full")))["error"] == {
+        "type": "rate_limit_error", "message": "the queue is full"}
+    assert orjson.loads(error_body(ApiError(413, "too big")))["error"]["type"] == "request_too_large"
+
+
+def test_messages_stream_token_is_spliced_from_constant_bytes():
+    from tokenwire.net.api.anthropic import MessagesSse, parse_messages
+    from tokenwire.net.api.route import Served
+    enc = MessagesSse(parse_messages({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+                      Served("m", str, frozenset({2})), "msg_1", 3)
+    prefix, suffix = enc.text_parts()
+    assert enc.token(out('é "x"')) == prefix + orjson.dumps('é "x"') + suffix
+    head, data = enc.token(out("z")).split(b"\ndata: ")
+    assert head == b"event: content_block_delta" and json.loads(data) == {
+        "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "z"}}
