@@ -26,7 +26,7 @@ import numpy as np
 import tokenizers
 
 from ..kernels.grammar import GrammarCompiler
-from ..net.structured import schema_spec
+from ..net.api.structured import schema_spec
 from ..runtime import load_model
 from .grammar_stages import SCHEMA, ConstraintWalk, _masker
 from .stats import table

@@ -21,7 +21,7 @@ import numpy as np
 from ..core.executor import SeqStep
 from ..core.sampling_params import SamplingParams
 from ..kernels.grammar import GrammarCompiler, mask_logits
-from ..net.structured import schema_spec
+from ..net.api.structured import schema_spec
 from .stage_fns import Setup, Stage, _decode_batch
 
 GRAMMAR_STEP_BATCH = 16

@@ -33,7 +33,7 @@ from pathlib import Path
 from ..core.options import EngineOptions
 from ..core.outputs import Timeline
 from ..core.sampling_params import SamplingParams
-from ..net.model_info import model_info
+from ..net.api.model_info import model_info
 from ..runtime import build_engine
 from .args import positive_int
 

@@ -28,16 +28,16 @@ from ..core.outputs import RequestOutput, StepTokens, Timeline
 from ..core.sampling_params import SamplingParams
 from ..kernels.mock import CHAT_TEMPLATE
 from ..kernels.sampling import sample
-from ..net import encoders
-from ..net.chat_template import ChatTemplate
-from ..net.dispatch import Dispatcher, Exchange
-from ..net.events import Limits
-from ..net.http2 import MAX_WINDOW, H2Session
-from ..net.metrics import Metrics
-from ..net.model_info import prompt_encoder
+from ..net.api.chat_template import ChatTemplate
 from ..net.api.fields import parse_json
+from ..net.api.model_info import prompt_encoder
 from ..net.api.openai import parse_chat, parse_completions
-from ..net.outbox import Outbox
+from ..net.metrics import Metrics
+from ..net.protocol.events import Limits
+from ..net.protocol.http2 import MAX_WINDOW, H2Session
+from ..net.writer import encoders
+from ..net.writer.dispatch import Dispatcher, Exchange
+from ..net.writer.outbox import Outbox
 from ..runtime import build_engine
 
 _COMPLETION = parse_completions({"prompt": "x", "stream": True})     # the request the written exchanges answer
@@ -87,14 +87,14 @@ def request_stages(s: Setup) -> list:
 
 def server_tokenize_stage(s: Setup) -> Stage:
     """The encoder the server uses (net/model_info.prompt_encoder): for byte-level BPE the
-    piece cache of net/prompt_encoder.py, warm after the first call (a prompt in every 256 is
+    piece cache of net/api/prompt_encoder.py, warm after the first call (a prompt in every 256 is
     also encoded by tokenizers, to check); otherwise the same call as the stage above."""
     encode = prompt_encoder(s.engine)
     fast = encode != s.engine.encode_prompt     # bound methods compare equal, never identical
     encode(s.prompt_text)
     return Stage(f"tokenize prompt ({len(s.prompt_ids)} tokens), server", "request", lambda: encode(s.prompt_text),
                  num_tokens=len(s.prompt_ids),
-                 note="piece cache (net/prompt_encoder.py)" if fast else "no piece cache for this tokenizer: tokenizers")
+                 note="piece cache (net/api/prompt_encoder.py)" if fast else "no piece cache for this tokenizer: tokenizers")
 
 
 # ----------------------------------------------------------------- engine
@@ -315,7 +315,7 @@ def _drain(sock: socket.socket) -> None:
 
 def handoff_stages(s: Setup) -> list:
     """Engine thread -> event loop -> engine thread, the way the server hands a step over
-    (net/dispatch.py): the engine rings a doorbell the loop watches (add_reader), the loop
+    (net/writer/dispatch.py): the engine rings a doorbell the loop watches (add_reader), the loop
     takes the step and rings a second doorbell the engine waits on. Both rings release the
     GIL (core/engine_core.Doorbell)."""
     try:

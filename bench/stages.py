@@ -22,10 +22,10 @@ import orjson
 from ..core.errors import BuildError
 from ..core.options import EngineOptions
 from ..core.outputs import RequestOutput
-from ..net.encoders import CompletionSse
+from ..net.writer.encoders import CompletionSse
 from ..runtime import build_engine, load_model
-from .proc import pin_to_core
 from .grammar_stages import GRAMMAR_STEP_BATCH, grammar_stages, step_overhead
+from .proc import pin_to_core
 from .stage_fns import BUILDERS, Setup
 from .stats import fmt_us, percentile, table
 

@@ -1,7 +1,7 @@
 """`Doorbell`: the wake-up between the engine thread and the event loop.
 
 Used twice: the engine thread sleeps on one while it has no work (core/engine_core.py), and
-the engine -> loop step hand-off rings a pair (net/handoff.py).
+the engine -> loop step hand-off rings a pair (net/writer/handoff.py).
 """
 
 import os

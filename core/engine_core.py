@@ -21,7 +21,7 @@ Contract (net/ builds on it):
 - `start()` runs `step()` on a daemon thread while work exists and sleeps on a `Doorbell`
   otherwise; after each step with outputs it calls `on_step(outputs)` once — the single
   hand-off to the event loop per step (the server's rings a Doorbell the loop watches).
-- Inline steps: with an `inline_host` set (the server's hand-off, net/handoff.py), steps
+- Inline steps: with an `inline_host` set (the server's hand-off, net/writer/handoff.py), steps
   whose executor time is at most `inline_step_ns` run on the host's thread instead. A
   hand-off costs two context switches and four eventfd syscalls per step (~10-15 µs on a
   shared core): more than a zero-cost mock step or a tiny model's whole step. After

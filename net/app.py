@@ -24,7 +24,7 @@ tokenwire.v1.Generator; /health, /metrics and the gRPC health service stay open 
 balancers and scrapers.
 A generation request's `priority` header (RFC 9218: `u=0` most urgent .. `u=7`, default 3)
 is its scheduler priority, and HTTP/2 PRIORITY_UPDATE frames change it while it waits or
-runs (net/priority.py); one that came before the request is already in its `priority`
+runs (net/api/priority.py); one that came before the request is already in its `priority`
 header (http2.py rule 10). A generation request may carry `x-request-timeout-ms: N` (gRPC:
 grpc-timeout): N ms after it arrived it is cancelled and ends with finish_reason "deadline"
 (504 when nothing was sent).
@@ -57,11 +57,17 @@ from ..core.errors import InvalidRequest, PromptTooLong, QueueFull
 from ..core.outputs import Timeline
 from ..core.sampling_params import choice_params
 from .access_log import AccessLog, EngineLog
+from .api import ERROR_BODIES, ROUTES, anthropic, tokenize
+from .api.errors import ApiError, bad_param
+from .api.fields import max_tokens_problem, parse_json
+from .api.model_info import ModelInfo
+from .api.priority import urgency
+from .api.prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens
+from .api.route import GenerationRequest, Route
 from .budgets import ServerBudget, ServerLimits
-from .choices import ChoiceGroup
-from .dispatch import JSON, Dispatcher, Exchange
-from .errors import ApiError, bad_param
-from .events import (
+from .grpc import GRPC, STATUS_CODES, UNKNOWN, GrpcRoutes
+from .metrics import Metrics
+from .protocol.events import (
     BodyTooLarge,
     ConnectionClosed,
     MessageRequest,
@@ -71,20 +77,9 @@ from .events import (
     RequestMessage,
     StreamReset,
 )
-from .grpc import GRPC, STATUS_CODES, UNKNOWN, GrpcRoutes
-from .handoff import StepHandoff
-from .metrics import Metrics
-from .model_info import ModelInfo
-from .api import ERROR_BODIES, ROUTES, anthropic, tokenize
-from .api.fields import max_tokens_problem, parse_json
-from .api.route import GenerationRequest, Route
-from .priority import urgency
-from .prompt_limits import (
-    LARGE_PROMPT_CHARS,
-    Tokenizing,
-    max_token_bytes,
-    min_prompt_tokens,
-)
+from .writer.choices import ChoiceGroup
+from .writer.dispatch import JSON, Dispatcher, Exchange
+from .writer.handoff import StepHandoff
 
 log = logging.getLogger("tokenwire.net")
 SWEEP_BATCH = 32            # connections whose deadlines one pass of the loop checks (ending one costs ~0.2 ms)
@@ -146,7 +141,7 @@ class App:
     def attach(self, engine, model: ModelInfo, loop) -> None:
         """Serve `engine` (an EngineCore, started by the caller after this) on `loop` from now
         on: its steps come to the loop as StepTokens through one hand-off per step, or run
-        on the loop when they are shorter than a hand-off (net/handoff.py)."""
+        on the loop when they are shorter than a hand-off (net/writer/handoff.py)."""
         self.dispatcher.attach(engine, model, loop)
         self.handoff = StepHandoff(loop, self.dispatcher.write_step, engine)
         engine.step_columns = True
@@ -517,7 +512,7 @@ class App:
 
     def _submit_choices(self, request_id: int, prompt_ids: list, g: GenerationRequest, timeline: Timeline,
                         priority: int) -> list:
-        """n > 1 / best_of: one engine request per choice (net/choices.py), ids request_id,
+        """n > 1 / best_of: one engine request per choice (net/writer/choices.py), ids request_id,
         then fresh ones. -> [(request id, timeline)] by choice index"""
         params = g.params
         if g.best_of > g.n and params.logprobs is None:

@@ -17,7 +17,7 @@ gRPC's "PROTOCOL-HTTP2" specification:
 
 - Services: `tokenwire.v1.Generator` (Generate: server streaming; ListModels: unary; the
   schema is net/proto/tokenwire.proto; Generate's `constraint` oneof goes through the HTTP
-  routes' guided_* rules, net/structured.py), `grpc.health.v1.Health` (Check, Watch: SERVING
+  routes' guided_* rules, net/api/structured.py), `grpc.health.v1.Health` (Check, Watch: SERVING
   while /health answers 200), and server reflection (`grpc.reflection.v1alpha` and `v1`).
 - Status: every response is HEADERS (:status 200) then messages then trailers with
   `grpc-status` and a percent-encoded `grpc-message`. Route errors map to codes by their
@@ -44,12 +44,12 @@ from urllib.parse import quote
 
 from ..core.constraint import ConstraintSpec
 from ..core.sampling_params import InvalidParameter, SamplingParams
-from .errors import ApiError
-from .events import MessageRequest, Request, RequestEnd, RequestMessage
-from .http2 import H2Session
-from .api.route import GenerationRequest, Route
-from .structured import guided_constraint
 from . import grpc_schema as schema
+from .api.errors import ApiError
+from .api.route import GenerationRequest, Route
+from .api.structured import guided_constraint
+from .protocol.events import MessageRequest, Request, RequestEnd, RequestMessage
+from .protocol.http2 import H2Session
 
 # status codes (grpc/doc/statuscodes.md)
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND = 0, 1, 2, 3, 4, 5
@@ -520,7 +520,7 @@ def generation_request(m) -> GenerationRequest:
                              m.model or None, constraint=_constraint(m), constraint_param=m.WhichOneof("constraint"))
 
 
-# GenerateRequest's constraint fields -> the HTTP routes' guided_* keys (net/structured.py)
+# GenerateRequest's constraint fields -> the HTTP routes' guided_* keys (net/api/structured.py)
 _GUIDED = {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
            "choice": "guided_choice"}
 

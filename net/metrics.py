@@ -11,7 +11,7 @@ from bisect import bisect_left
 
 from ..core.outputs import EngineStats
 
-from .flood import CLOSE_CAUSES
+from .protocol.flood import CLOSE_CAUSES
 
 # Sub-millisecond resolution at the low end: per-token latencies on this path are microseconds.
 BUCKETS_S = (10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3,

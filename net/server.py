@@ -27,13 +27,13 @@ import threading
 import time
 from typing import Callable
 
+from .api.model_info import model_info
 from .app import App
 from .budgets import ServerLimits
-from .events import BUSY_POLL_US, Limits
 from .memory import GiveBack
 from .metrics import Metrics
-from .model_info import model_info
-from .protocol import ServerProtocol
+from .protocol.events import BUSY_POLL_US, Limits
+from .protocol.shell import ServerProtocol
 from .trace import TraceWriter
 
 log = logging.getLogger("tokenwire.net")

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import tokenwire
-from tokenwire.net.events import Limits
+from tokenwire.net.protocol.events import Limits
 
 MAX_MODEL_LEN = 64
 MAX_BODY = 4000
@@ -336,7 +336,7 @@ def _failing_server(loop_kind, fail_from_step: int):
     """The mock engine, made to raise from its `fail_from_step`-th step on (a device lost mid-stream)."""
     from tokenwire.core.engine_core import EngineCore
     from tokenwire.kernels.mock import MockExecutor
-    from tokenwire.net.model_info import ModelInfo
+    from tokenwire.net.api.model_info import ModelInfo
 
     class FailingExecutor(MockExecutor):
         def step(self, seqs):

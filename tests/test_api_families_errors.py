@@ -18,7 +18,7 @@ import openai
 import pytest
 
 import tokenwire
-from tokenwire.net.events import Limits
+from tokenwire.net.protocol.events import Limits
 
 from test_api_errors import _gauge, _wait_for, check_error, post_raw, still_serving
 

@@ -15,14 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenwire.core.executor import TopLogprobs
 from tokenwire.core.outputs import EngineStats, RequestOutput, Timeline
-from tokenwire.net import encoders
-from tokenwire.net.chat_template import ChatTemplate
-from tokenwire.net.errors import ApiError
-from tokenwire.net.hpack_plain import encode_block, encode_int
-from tokenwire.net.metrics import Metrics
+from tokenwire.net.api.chat_template import ChatTemplate
+from tokenwire.net.api.errors import ApiError
 from tokenwire.net.api.fields import parse_json
 from tokenwire.net.api.native import parse_generate
 from tokenwire.net.api.openai import parse_chat, parse_completions
+from tokenwire.net.metrics import Metrics
+from tokenwire.net.protocol.hpack_plain import encode_block, encode_int
+from tokenwire.net.writer import encoders
 
 
 def out(text="tok", ids=(7,), finish=None, logprobs=None, n_out=1):

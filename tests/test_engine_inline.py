@@ -1,4 +1,4 @@
-"""Inline steps (core/engine_core.py, net/handoff.py): executor steps shorter than a hand-off
+"""Inline steps (core/engine_core.py, net/writer/handoff.py): executor steps shorter than a hand-off
 run on the event loop, longer ones on the engine thread.
 
 Over a real event loop and the real StepHandoff: the engine lends its steps to the loop
@@ -18,7 +18,7 @@ from engines import mock_engine_core, wait_for
 from tokenwire.core.engine_core import INLINE_AFTER_SHORT_STEPS
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, Timeline
 from tokenwire.core.sampling_params import SamplingParams
-from tokenwire.net.handoff import StepHandoff
+from tokenwire.net.writer.handoff import StepHandoff
 
 LOOP = "loop"
 ENGINE = "tokenwire-engine"

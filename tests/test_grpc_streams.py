@@ -26,7 +26,7 @@ from h2.errors import ErrorCodes
 import tokenwire
 from tokenwire.net import grpc_schema
 from tokenwire.net.budgets import MIB, ServerLimits
-from tokenwire.net.events import Limits
+from tokenwire.net.protocol.events import Limits
 
 from clients.rawh2 import RawH2
 from clients.tls import self_signed_cert

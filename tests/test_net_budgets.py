@@ -37,8 +37,8 @@ from tokenwire.bench.abuses import (
 from tokenwire.net import budgets, memory
 from tokenwire.net.app import App
 from tokenwire.net.budgets import MIB, SET_UPS_PER_TICK, ServerLimits, pick_victims
-from tokenwire.net.events import Limits
-from tokenwire.net.protocol import ServerProtocol
+from tokenwire.net.protocol.events import Limits
+from tokenwire.net.protocol.shell import ServerProtocol
 
 from clients.rawh2 import RawH2
 from clients.tls import self_signed_cert

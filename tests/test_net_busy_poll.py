@@ -1,4 +1,4 @@
-"""Busy polling after the last exchange ends (net/busy_poll.py): it polls, it stops."""
+"""Busy polling after the last exchange ends (net/writer/busy_poll.py): it polls, it stops."""
 
 import asyncio
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 
 from tokenwire import Server
-from tokenwire.net.busy_poll import BusyPoller
 from tokenwire.net.server import new_event_loop
+from tokenwire.net.writer.busy_poll import BusyPoller
 
 
 @pytest.mark.parametrize("kind", ["asyncio", "uvloop"])

@@ -1,4 +1,4 @@
-"""The session's own inbound HTTP/2 stream layer (net/http2.py) against h2.
+"""The session's own inbound HTTP/2 stream layer (net/protocol/http2.py) against h2.
 
 1. Differential: a real h2 client does what hypothesis chooses (requests with random
    fields, bodies in padded DATA frames, CONTINUATION, trailers, resets, window updates,
@@ -25,9 +25,9 @@ from h2.stream import StreamState
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from tokenwire.net.events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset
-from tokenwire.net.http2 import CONNECTION_WINDOW, H2Session
-from tokenwire.net.request_headers import MalformedRequest, split_headers
+from tokenwire.net.protocol.events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset
+from tokenwire.net.protocol.http2 import CONNECTION_WINDOW, H2Session
+from tokenwire.net.protocol.request_headers import MalformedRequest, split_headers
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 BASE = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"), (":authority", "localhost")]

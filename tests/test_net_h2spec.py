@@ -36,7 +36,7 @@ import pytest
 from h2.errors import ErrorCodes
 
 import tokenwire
-from tokenwire.net.events import Limits
+from tokenwire.net.protocol.events import Limits
 
 from clients.tls import self_signed_cert
 from test_net_h2_inbound import frames

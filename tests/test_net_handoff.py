@@ -18,10 +18,10 @@ from engines import mock_engine_core, wait_for
 from tokenwire.core.doorbell import Doorbell
 from tokenwire.core.outputs import RequestOutput, Timeline
 from tokenwire.core.sampling_params import SamplingParams
-from tokenwire.net import encoders
-from tokenwire.net.errors import ApiError
-from tokenwire.net.handoff import StepHandoff
+from tokenwire.net.api.errors import ApiError
 from tokenwire.net.api.openai import parse_completions
+from tokenwire.net.writer import encoders
+from tokenwire.net.writer.handoff import StepHandoff
 
 
 def test_doorbell_keeps_a_ring_made_before_the_wait_and_times_out_without_one():

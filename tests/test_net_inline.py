@@ -1,4 +1,4 @@
-"""Inline steps over real sockets (net/handoff.py): a server whose executor steps are shorter
+"""Inline steps over real sockets (net/writer/handoff.py): a server whose executor steps are shorter
 than `inline_step_us` runs them on its event loop, and streams, resets and many streams
 behave there as on the engine thread. On asyncio and uvloop, with a raw h2 client."""
 

@@ -15,7 +15,7 @@ import json
 import pytest
 
 import tokenwire
-from tokenwire.net.events import Limits
+from tokenwire.net.protocol.events import Limits
 
 from clients.rawh2 import RawH2
 

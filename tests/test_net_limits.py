@@ -1,5 +1,5 @@
-"""The session's limits, byte-exact over an in-memory pair (net/http2.py rule 3 and rule 9,
-net/flood.py): bodies that end, flood budgets that end in GOAWAY ENHANCE_YOUR_CALM, the
+"""The session's limits, byte-exact over an in-memory pair (net/protocol/http2.py rule 3 and rule 9,
+net/protocol/flood.py): bodies that end, flood budgets that end in GOAWAY ENHANCE_YOUR_CALM, the
 unsent-output counters and the write timeout's stream reset, HEAD, and the invalid preface."""
 
 import struct
@@ -7,9 +7,9 @@ import struct
 import pytest
 from h2.errors import ErrorCodes
 
-from tokenwire.net.events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset
-from tokenwire.net.flood import RateBudget
-from tokenwire.net.http2 import CONNECTION_WINDOW, PREFACE, H2Session
+from tokenwire.net.protocol.events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset
+from tokenwire.net.protocol.flood import RateBudget
+from tokenwire.net.protocol.http2 import CONNECTION_WINDOW, PREFACE, H2Session
 
 from test_net_h2_inbound import connected, frame, frames, goaway_code, open_request, request_block
 

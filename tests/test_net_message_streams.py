@@ -7,7 +7,7 @@ import struct
 
 from h2.errors import ErrorCodes
 
-from tokenwire.net.events import (
+from tokenwire.net.protocol.events import (
     BodyTooLarge,
     Limits,
     MessageRequest,
@@ -16,7 +16,7 @@ from tokenwire.net.events import (
     RequestMessage,
     StreamReset,
 )
-from tokenwire.net.http2 import MAX_EARLY_PRIORITIES, PRIORITY_UPDATE, RST_STREAM, H2Session
+from tokenwire.net.protocol.http2 import MAX_EARLY_PRIORITIES, PRIORITY_UPDATE, RST_STREAM, H2Session
 
 from test_net_session import REQUEST_HEADERS, client, frames, pump
 

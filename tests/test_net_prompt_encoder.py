@@ -1,4 +1,4 @@
-"""net/prompt_encoder.py: the piece-cached prompt encoder gives the tokenizer's own ids."""
+"""net/api/prompt_encoder.py: the piece-cached prompt encoder gives the tokenizer's own ids."""
 
 import logging
 
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from tokenwire.kernels.mock import MOCK_TEXT, build_mock_tokenizer
-from tokenwire.net.prompt_encoder import GPT2_PATTERN, PieceEncoder, _ascii_pattern, piece_encoder
+from tokenwire.net.api.prompt_encoder import GPT2_PATTERN, PieceEncoder, _ascii_pattern, piece_encoder
 
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
                  r"|\s+(?!\S)|\s+")
@@ -124,7 +124,7 @@ def test_engine_prompt_encoder_keeps_the_engine_rule(tmp_path):
     with the engine's BOS rule, giving encode_prompt's ids."""
     from tokenwire.engine_build.default_model import default_engine_path
     from tokenwire.kernels.engine_format import load_engine
-    from tokenwire.net.model_info import prompt_encoder
+    from tokenwire.net.api.model_info import prompt_encoder
     engine_dir = load_engine(default_engine_path(cache_dir=tmp_path))
     encode = prompt_encoder(engine_dir)
     assert encode is not engine_dir.encode_prompt

@@ -1,4 +1,4 @@
-"""A prompt's bound from its byte length (net/prompt_limits.py), checked against real
+"""A prompt's bound from its byte length (net/api/prompt_limits.py), checked against real
 tokenizers, and large prompts tokenized off the loop by a real server (mock engine)."""
 
 import json
@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, models, normalizers
 
 import tokenwire
 from tokenwire.kernels.mock import build_mock_tokenizer
-from tokenwire.net.prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens
+from tokenwire.net.api.prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens
 
 from clients.rawh2 import RawH2
 

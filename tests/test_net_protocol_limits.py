@@ -1,4 +1,4 @@
-"""The Protocol shell's deadlines and caps (net/protocol.py), driven byte by byte over an
+"""The Protocol shell's deadlines and caps (net/protocol/shell.py), driven byte by byte over an
 in-memory transport, with the real App and sessions: the handshake and idle deadlines that
 trickled bytes do not refresh, the write timeout, the unsent-output cap and the control-frame
 backlog of a peer that does not read. Then the invalid preface over a real socket, both
@@ -15,9 +15,9 @@ from h2.errors import ErrorCodes
 
 import tokenwire
 from tokenwire.net.app import App
-from tokenwire.net.events import Limits
-from tokenwire.net.http2 import PREFACE
-from tokenwire.net.protocol import ServerProtocol
+from tokenwire.net.protocol.events import Limits
+from tokenwire.net.protocol.http2 import PREFACE
+from tokenwire.net.protocol.shell import ServerProtocol
 
 from test_net_h2_inbound import frame, frames
 

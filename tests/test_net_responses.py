@@ -16,7 +16,7 @@ import h11
 import pytest
 
 import tokenwire
-from tokenwire.net.events import Limits
+from tokenwire.net.protocol.events import Limits
 
 from clients.rawh2 import RawH2
 

@@ -11,10 +11,10 @@ import orjson
 import pytest
 
 from tokenwire.core.outputs import RequestOutput
-from tokenwire.net import encoders
-from tokenwire.net.events import Limits
-from tokenwire.net.http1 import H1Session
-from tokenwire.net.http2 import H2Session
+from tokenwire.net.protocol.events import Limits
+from tokenwire.net.protocol.http1 import H1Session
+from tokenwire.net.protocol.http2 import H2Session
+from tokenwire.net.writer import encoders
 
 from test_net_session import client, data_by_stream, frames, handshake
 

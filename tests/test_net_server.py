@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import tokenwire
-from tokenwire.net.events import Limits
+from tokenwire.net.protocol.events import Limits
 
 from clients.rawh2 import RawH2
 from clients.tls import self_signed_cert

@@ -14,9 +14,16 @@ import h2.settings
 import pytest
 from h2.errors import ErrorCodes
 
-from tokenwire.net.events import BodyTooLarge, ConnectionClosed, Limits, Request, StreamReset, UpgradeRequested
-from tokenwire.net.http1 import H1Session
-from tokenwire.net.http2 import H2Session
+from tokenwire.net.protocol.events import (
+    BodyTooLarge,
+    ConnectionClosed,
+    Limits,
+    Request,
+    StreamReset,
+    UpgradeRequested,
+)
+from tokenwire.net.protocol.http1 import H1Session
+from tokenwire.net.protocol.http2 import H2Session
 
 REQUEST_HEADERS = [(":method", "POST"), (":path", "/v1/completions"), (":scheme", "http"),
                    (":authority", "localhost"), ("content-type", "application/json")]
@@ -549,7 +556,7 @@ def test_cookie_fields_are_combined_and_authority_becomes_host():
 
 
 def test_request_decoder_replays_a_block_only_against_the_same_table():
-    from tokenwire.net.request_headers import RequestDecoder
+    from tokenwire.net.protocol.request_headers import RequestDecoder
     import hpack
     enc, dec = hpack.Encoder(), RequestDecoder()
     pseudo = [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/")]

@@ -25,14 +25,14 @@ from h2.errors import ErrorCodes
 
 import tokenwire
 from tokenwire.core.outputs import StepTokens, Timeline
-from tokenwire.net import encoders
 from tokenwire.net.api.openai import parse_completions
-from tokenwire.net.dispatch import Dispatcher, Exchange
-from tokenwire.net.events import Limits
-from tokenwire.net.http1 import H1Session
-from tokenwire.net.http2 import H2Session
 from tokenwire.net.metrics import Metrics
-from tokenwire.net.outbox import Outbox
+from tokenwire.net.protocol.events import Limits
+from tokenwire.net.protocol.http1 import H1Session
+from tokenwire.net.protocol.http2 import H2Session
+from tokenwire.net.writer import encoders
+from tokenwire.net.writer.dispatch import Dispatcher, Exchange
+from tokenwire.net.writer.outbox import Outbox
 
 from clients.rawh2 import RawH2
 from test_net_session import client, data_by_stream, handshake, pump

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 import tokenwire
-from tokenwire.net.http2 import PRIORITY_UPDATE
-from tokenwire.net.priority import urgency
+from tokenwire.net.api.priority import urgency
+from tokenwire.net.protocol.http2 import PRIORITY_UPDATE
 
 STEP_US = 2000
 

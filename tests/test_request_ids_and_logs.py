@@ -26,8 +26,8 @@ from tokenwire.kernels.grammar import GrammarCompiler
 from tokenwire.kernels.mock import MockExecutor, build_mock_tokenizer
 from tokenwire.net import grpc as tw_grpc
 from tokenwire.net import grpc_schema
-from tokenwire.net.events import Limits
-from tokenwire.net.model_info import ModelInfo
+from tokenwire.net.api.model_info import ModelInfo
+from tokenwire.net.protocol.events import Limits
 
 MAX_BODY = 2048
 GENERATE = "/tokenwire.v1.Generator/Generate"

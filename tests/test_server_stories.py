@@ -117,7 +117,7 @@ def test_logprobs(client, reference):
     assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
 
 
-# ------------------------------------------------------- n > 1, best_of (net/choices.py)
+# ------------------------------------------------------- n > 1, best_of (net/writer/choices.py)
 
 def test_n_greedy_choices_are_identical(client, reference):
     whole = client.completions.create(model="stories260K", prompt=reference["prompt"], max_tokens=12,

@@ -20,7 +20,7 @@ from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.kernels import BACKENDS
 from tokenwire.kernels.grammar import apply_bitmask
 from tokenwire.kernels.sampling import sample, sample_reference
-from tokenwire.net.structured import schema_spec
+from tokenwire.net.api.structured import schema_spec
 from tokenwire.runtime import build_engine
 
 NUM_SAMPLES = 64                         # per schema, seeded at temperature 1 (200 took ~4 min of CI at load)

@@ -14,8 +14,8 @@ import pydantic
 import pytest
 
 import tokenwire
-from tokenwire.net.chat_template import ChatTemplate
-from tokenwire.net.structured import ToolPlan, tool_calls, tool_family
+from tokenwire.net.api.chat_template import ChatTemplate
+from tokenwire.net.api.structured import ToolPlan, tool_calls, tool_family
 
 
 class Weather(pydantic.BaseModel):

@@ -17,7 +17,7 @@ from .core.options import ACTIVATIONS, DEFAULTS
 from .core.sampling_params import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 from .kernels import BACKENDS
 from .net.budgets import ServerLimits, raise_fd_limit
-from .net.events import BUSY_POLL_US, Limits
+from .net.protocol.events import BUSY_POLL_US, Limits
 from .server import Server
 
 

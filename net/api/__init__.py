@@ -1,7 +1,7 @@
 """The API layer: one module per API family, one row per generation route.
 
 `ROUTES` maps each HTTP generation path to its family's `route.Route` row; net/app.py serves
-every row through one intake path, and the writer (net/dispatch.py) asks the row how to
+every row through one intake path, and the writer (net/writer/dispatch.py) asks the row how to
 answer. Adding an API is one module here (a parse function, a streamed encoder, a whole
 body, an error shape: see route.py) and one row below. gRPC's Generate is a row too
 (net/grpc.GRPC); it is reached by content-type, not by path.

@@ -14,7 +14,7 @@ Stream (SSE, `event:` + `data:`): message_start, content_block_start (text), pin
 content_block_delta (text_delta) per token — constant bytes around the text, spliced by
 the dispatcher like chat's —, content_block_stop, message_delta (stop_reason,
 stop_sequence, usage, and tokenwire's stage `timings`), message_stop; an engine failure
-mid-stream is an `error` event. Tool calls are read back at the end (net/structured.py)
+mid-stream is an `error` event. Tool calls are read back at the end (net/api/structured.py)
 and sent as tool_use blocks, their input as one input_json_delta.
 
 stop_reason: end_turn (EOS), stop_sequence (a stop sequence; `stop_sequence` names it when
@@ -27,10 +27,10 @@ with the field it is about (`messages: messages.0.content ...`), as Anthropic wr
 
 import orjson
 
-from ..errors import ApiError, bad_param, unsupported
-from ..structured import tool_plan
+from .errors import ApiError, bad_param, unsupported
 from .fields import check_keys, opt, sampling
 from .route import GenerationRequest, Route
+from .structured import tool_plan
 
 _EXTENSIONS = ("seed", "ignore_eos", "min_p", "repetition_penalty")    # sampling fields the other routes take
 _KEYS = {"model", "max_tokens", "system", "messages", "stop_sequences", "temperature", "top_p", "top_k", "stream",

@@ -11,7 +11,7 @@ from functools import lru_cache
 import orjson
 
 from ...core.sampling_params import MAX_TOP_LOGPROBS, InvalidParameter, SamplingParams
-from ..errors import ApiError, bad_param, unsupported
+from .errors import ApiError, bad_param, unsupported
 
 MAX_STOP_STRINGS = 16
 SPECULATIVE_KEYS = ("speculative", "num_speculative_tokens")   # tokenwire's own: core/speculative.py

@@ -3,11 +3,11 @@ line per token out (encoders.Ndjson), or int32 token ids with `Accept:
 application/octet-stream` (encoders.BinaryTokens). Always streamed; errors in OpenAI's shape.
 """
 
-from .. import encoders
-from ..errors import bad_param
-from ..structured import GUIDED_KEYS, REFUSED_GUIDED_KEYS, constraint_spec
+from ..writer import encoders
+from .errors import bad_param
 from .fields import SPECULATIVE_KEYS, check_keys, opt, sampling, token_ids
 from .route import GenerationRequest, Route
+from .structured import GUIDED_KEYS, REFUSED_GUIDED_KEYS, constraint_spec
 
 _KEYS = {"user", "nvext", "prompt", "prompt_token_ids", "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
          "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids",

@@ -1,6 +1,6 @@
 """The OpenAI family's classic routes: request bodies parsed (orjson) and validated into a
 `GenerationRequest` with typed `core.sampling_params.SamplingParams`, and their rows
-(`COMPLETIONS`, `CHAT`: SSE encoders from net/encoders.py, whole bodies, tool calls read back).
+(`COMPLETIONS`, `CHAT`: SSE encoders from net/writer/encoders.py, whole bodies, tool calls read back).
 
 - `POST /v1/completions`       OpenAI completions
 - `POST /v1/chat/completions`  OpenAI chat completions
@@ -20,12 +20,18 @@ log-probability. Choice i of a seeded request samples with seed (seed + i) mod 2
 
 import orjson
 
-from .. import encoders
-from ..errors import bad_param, unsupported
-from ..structured import GUIDED_KEYS, REFUSED_GUIDED_KEYS, constraint_spec, new_call_id, tool_plan, \
-    tool_response_chunks
+from ..writer import encoders
+from .errors import bad_param, unsupported
 from .fields import SPECULATIVE_KEYS, check_keys, opt, sampling, token_ids
 from .route import GenerationRequest, Route
+from .structured import (
+    GUIDED_KEYS,
+    REFUSED_GUIDED_KEYS,
+    constraint_spec,
+    new_call_id,
+    tool_plan,
+    tool_response_chunks,
+)
 
 MAX_CHOICES = 16                        # n and best_of
 

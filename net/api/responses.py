@@ -6,7 +6,7 @@ parts, `function_call` and `function_call_output` items of earlier turns), `inst
 (a system message before them), `max_output_tokens`, `temperature`, `top_p` (and the
 sampling extensions the other routes take: top_k, min_p, seed, stop, penalties), `stream`,
 `text.format` (text, json_object, json_schema: the structured-output path of
-net/structured.py), `tools` (function tools) with `tool_choice` and
+net/api/structured.py), `tools` (function tools) with `tool_choice` and
 `parallel_tool_calls`, `metadata` (echoed). No server-side storage: `store: true`,
 `previous_response_id`, `conversation` and `background` are 400s naming the field.
 
@@ -19,16 +19,16 @@ response.completed, which carries the usage and tokenwire's stage `timings` (its
 response.completed, never response.incomplete, because the OpenAI SDK's
 `stream.get_final_response()` accepts only that one; response.failed when the engine failed). A delta event is spliced per token from constant bytes around the text and
 its sequence number (`ResponsesSse.splice`). Function calls are read back at the end
-(net/structured.py) and sent as function_call items with their whole arguments.
+(net/api/structured.py) and sent as function_call items with their whole arguments.
 """
 
 import orjson
 
-from ..errors import ApiError, bad_param, unsupported
-from ..structured import schema_spec, tool_plan
 from ...core.constraint import ConstraintSpec
+from .errors import ApiError, bad_param, unsupported
 from .fields import check_keys, opt, sampling
 from .route import GenerationRequest, Route
+from .structured import schema_spec, tool_plan
 
 _KEYS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "stream_options",
          "text", "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", "previous_response_id",

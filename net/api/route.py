@@ -5,7 +5,7 @@ Responses; anthropic.py: Anthropic Messages; native.py: /generate; net/grpc.py: 
 Generate) that defines its `Route` rows. `net/api/__init__.py:ROUTES` maps each HTTP path
 to its row; from there every family goes through one intake path (`App._generation` in
 net/app.py: auth, content type, JSON, parse, prompt, tokenize, submit) and one writer
-(net/dispatch.py), which ask the row, never a route name, how this family's body parses,
+(net/writer/dispatch.py), which ask the row, never a route name, how this family's body parses,
 how its stream and whole responses are encoded, and what its errors look like.
 
 Rules:
@@ -22,8 +22,8 @@ from typing import Callable, NamedTuple
 
 from ...core.constraint import ConstraintSpec
 from ...core.sampling_params import SamplingParams
-from ..errors import ApiError
-from ..structured import ToolPlan
+from .errors import ApiError
+from .structured import ToolPlan
 
 
 class Served(NamedTuple):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import orjson
 
-from ..errors import bad_param
+from .errors import bad_param
 from .fields import check_keys, opt, token_ids
 from .openai import chat_messages
 

@@ -7,7 +7,7 @@ ahead of the wire: a slow loop makes batches bigger instead of letting steps pil
 rings release the GIL: on a shared core the woken thread runs at once instead of bouncing
 off the GIL, two context switches per step instead of ~five.
 
-On the loop, `write_pending()` hands each queued step to the writer (net/dispatch.py) and
+On the loop, `write_pending()` hands each queued step to the writer (net/writer/dispatch.py) and
 `release_engine()` lets the engine thread go on. The app writes pending steps before a
 read's new requests and releases the engine after them, so the engine's next step takes
 those requests (App.on_events).
@@ -27,7 +27,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from ..core.doorbell import Doorbell
+from ...core.doorbell import Doorbell
 
 
 class StepHandoff:

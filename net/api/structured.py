@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import orjson
 
-from ..core.constraint import ConstraintSpec
+from ...core.constraint import ConstraintSpec
 from .errors import bad_param, unsupported
 
 GUIDED_KEYS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")

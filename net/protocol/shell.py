@@ -41,12 +41,12 @@ import time
 
 import h2.exceptions
 
-from .budgets import Holding
-from .errors import ApiError
+from ..api.errors import ApiError
+from ..budgets import Holding
+from ..writer.outbox import Outbox
 from .events import BodyTooLarge, ConnectionClosed, Limits, MessageRequest, Request, UpgradeRequested
 from .http1 import H1Session
 from .http2 import H2Session
-from .outbox import Outbox
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 PRI = b"PRI "       # how the HTTP/2 preface starts: no HTTP/1.1 method is spelled so

@@ -2,7 +2,7 @@
 `ModelCard` (core/model_card.py) when the model is loaded.
 
 The card is plain data; here it becomes what the routes call per request: the prompt
-encoder (net/prompt_encoder.py's piece cache when the tokenizer allows, checked against the
+encoder (net/api/prompt_encoder.py's piece cache when the tokenizer allows, checked against the
 card's own `encode_prompt`) and the compiled chat template.
 """
 
@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Callable, NamedTuple
 
-from ..core.model_card import ModelCard
+from ...core.model_card import ModelCard
 from .chat_template import ChatTemplate
 from .prompt_encoder import piece_encoder
 from .structured import tool_family

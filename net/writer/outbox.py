@@ -13,7 +13,7 @@ connection).
 A chunk whose framing raises fails its stream alone: the batch goes on from the next
 chunk, one `send_batch` call per chunk (the slow path, only after a fault), the faulty
 stream's later chunks are dropped, and (data key, exception) is left in `failed` for the
-dispatcher, which ends that stream and cancels its request (net/dispatch.py).
+dispatcher, which ends that stream and cancels its request (net/writer/dispatch.py).
 """
 
 

@@ -18,7 +18,7 @@ Rules:
    cancels every choice still running.
 """
 
-from ..core.outputs import FINISH_ERROR
+from ...core.outputs import FINISH_ERROR
 
 from . import encoders
 

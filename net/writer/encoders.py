@@ -30,7 +30,7 @@ from typing import Callable
 
 import orjson
 
-from ..core.outputs import Timeline
+from ...core.outputs import Timeline
 
 SSE_DONE = b"data: [DONE]\n\n"
 END_MARKER = struct.pack("<i", -1)
@@ -121,7 +121,7 @@ class _Sse(_Stream):
     def __init__(self, fields: dict, include_usage: bool, token_text: Callable[[int], str], index: int,
                  continuous_usage_prompt: int | None = None):
         self._fields = fields                   # id, object, created, model: the head of every chunk
-        self._index = index                     # the choice's index (n > 1: net/choices.py)
+        self._index = index                     # the choice's index (n > 1: net/writer/choices.py)
         self._include_usage = include_usage
         self._token_text = token_text
         self._offset = 0                        # text offset (completions logprobs)
@@ -192,7 +192,7 @@ class _Sse(_Stream):
         return b"".join(b"data: " + orjson.dumps(p) + b"\n\n" for p in parts) + SSE_DONE
 
     def finish_choice(self, finish_reason: str) -> bytes:
-        """n > 1: this choice's finish chunk alone; the response goes on (net/choices.py)."""
+        """n > 1: this choice's finish chunk alone; the response goes on (net/writer/choices.py)."""
         chunk = self._finish_chunk(finish_reason)
         if self._include_usage:
             chunk["usage"] = None
@@ -374,7 +374,7 @@ def completion_logprobs(token_ids: list, logprobs: list, token_text: Callable[[i
 
 
 def choices_body(chat: bool, request_id: str, created: int, model: str, choices: list, use: dict) -> bytes:
-    """A whole response with several choices (n > 1, net/choices.py)."""
+    """A whole response with several choices (n > 1, net/writer/choices.py)."""
     kind = "chat.completion" if chat else "text_completion"
     return orjson.dumps({"id": request_id, "object": kind, "created": created, "model": model,
                          "choices": choices, "usage": use})

@@ -1,9 +1,9 @@
 """The per-step writer: an engine step's outputs become frames on every stream, and
 exchanges end.
 
-`Dispatcher.write_step(step)` runs on the loop once per engine step (net/handoff.py brings
+`Dispatcher.write_step(step)` runs on the loop once per engine step (net/writer/handoff.py brings
 the step): it encodes each output into its connection's session (one DATA frame per token
-per stream), writes every touched connection once (net/outbox.py), and ends the exchanges
+per stream), writes every touched connection once (net/writer/outbox.py), and ends the exchanges
 that finished: the finish chunk, trailers (`server-timing`), the request's metrics. A
 reset stream or a lost connection cancels its request in the engine (`cancel`,
 `cancel_all`). Whole (non-streamed) responses are collected here and built by the
@@ -18,7 +18,7 @@ started, else RST_STREAM(INTERNAL_ERROR) (HTTP/1.1: the connection closes before
 chunk); its request is cancelled in the engine and logged once, as an ERROR naming its id;
 the step's other streams go on. The guard is a try per token (free until it raises: Python
 3.11's exceptions cost nothing on entry) and, per connection, the outbox's batch, which
-goes on chunk by chunk after a fault (net/outbox.py). A connection whose flush raises is
+goes on chunk by chunk after a fault (net/writer/outbox.py). A connection whose flush raises is
 closed, its requests cancelled.
 """
 
@@ -29,13 +29,14 @@ from collections import deque
 from h2.errors import ErrorCodes
 from orjson import dumps
 
-from ..core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, RequestOutput, StepTokens
-from . import choices, encoders, structured
-from .access_log import AccessLog, peer_name
-from .api.route import Served
+from ...core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, RequestOutput, StepTokens
+from ..access_log import AccessLog, peer_name
+from ..api import structured
+from ..api.errors import ApiError
+from ..api.route import Served
+from ..metrics import Metrics
+from . import choices, encoders
 from .busy_poll import BusyPoller
-from .errors import ApiError
-from .metrics import Metrics
 
 log = logging.getLogger("tokenwire.net")
 JSON = b"application/json"
@@ -82,7 +83,7 @@ class Exchange:
         self.splice = getattr(encoder, "splice", None) if self.prefix is None else None
         self.key = proto.session.data_key(stream_id)            # such chunks wait in the connection's
         self.queue = proto.outbox.sends.append                  # outbox until the end of the step
-        self.group = None                   # n > 1: the ChoiceGroup of the request's choices (net/choices.py)
+        self.group = None                   # n > 1: the ChoiceGroup of the request's choices (net/writer/choices.py)
         self.index = 0                      # the choice's index in it
         self.tools = None                   # structured.ToolPlan: the text is read back as tool calls at the end
 
@@ -113,7 +114,7 @@ class Dispatcher:
     def add(self, ex: "Exchange", deadline_ns: int | None = None) -> None:
         """Write `ex`'s outputs from now on; `deadline_ns` (monotonic): when to give up on it."""
         self.exchanges[ex.request_id] = ex
-        if not ex.index:                    # n > 1: the stream maps to the first choice (net/choices.py)
+        if not ex.index:                    # n > 1: the stream maps to the first choice (net/writer/choices.py)
             ex.outbox.streams[ex.stream_id] = ex.request_id
         if deadline_ns is not None:
             delay_s = max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
@@ -335,7 +336,7 @@ class Dispatcher:
                                 total_us=timings["total_us"], finish=reason)
 
     def _finish_choice(self, ex: Exchange, out):
-        """One choice of an n > 1 request ended (net/choices.py rules 2-3): a streamed one sends
+        """One choice of an n > 1 request ended (net/writer/choices.py rules 2-3): a streamed one sends
         its finish chunk unless it is the last. -> the output that ends the response, or None"""
         if ex.deadline_timer is not None:
             ex.deadline_timer.cancel()
@@ -423,7 +424,7 @@ class Dispatcher:
         return False
 
     def _fail_chunks(self, outbox) -> None:
-        """Chunks whose framing raised in `outbox` (net/outbox.py): their streams fail."""
+        """Chunks whose framing raised in `outbox` (net/writer/outbox.py): their streams fail."""
         failed, outbox.failed = outbox.failed, []
         for key, exc in failed:
             for ex in list(self.exchanges.values()):
