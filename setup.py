@@ -91,7 +91,7 @@ setup(
     package_data={
         "tokenwire.kernels": ["cuda/*.cu", "cuda/*.cuh", "cuda/*.h"],
         "tokenwire.engine_build": ["data/*.txt"],
-        "tokenwire.net": ["proto/*.proto", "proto/*.binpb"],
+        "tokenwire.net.api": ["proto/*.proto", "proto/*.binpb"],
         "tokenwire.bench": ["peers/*.proto",       # the grpc.aio peer compiles it at run time
                             "cclient/*.c",         # the C load client, compiled on first use (fast_client.py)
                             "node/*.mjs"],         # the Node load client

@@ -1,7 +1,7 @@
 """Routes: complete requests in, responses or engine submissions out.
 
 The Protocol shell hands `on_events` complete requests, resets and closes, and gRPC calls as
-they arrive (headers, each message, the half-close: net/grpc.py). Every generation route
+they arrive (headers, each message, the half-close: net/api/grpc.py). Every generation route
 is a row of `api.ROUTES` (net/api/: one module per API family) and takes one intake path,
 `_generation`: auth, content type, JSON, the family's parse into a `GenerationRequest`,
 the chat template, tokenizing, the request's Timeline, `EngineCore`; from then on the
@@ -17,7 +17,7 @@ Routes:
     POST /tokenize, /detokenize                         vLLM's
     GET  /v1/models, /v1/models/{id}, /health, /metrics   and HEAD: the GET's headers and content-length
     gRPC (content-type application/grpc): tokenwire.v1.Generator, grpc.health.v1.Health,
-         server reflection (net/grpc.py)
+         server reflection (net/api/grpc.py)
 Any other method is 405 with `Allow`. Authentication (optional key, as `Authorization:
 Bearer` or `x-api-key`) covers /v1/*, /generate, /tokenize, /detokenize and
 tokenwire.v1.Generator; /health, /metrics and the gRPC health service stay open for load
@@ -59,13 +59,13 @@ from ..core.sampling_params import choice_params
 from .access_log import AccessLog, EngineLog
 from .api import ERROR_BODIES, ROUTES, anthropic, tokenize
 from .api.errors import ApiError, bad_param
+from .api.grpc import GRPC, STATUS_CODES, UNKNOWN, GrpcRoutes
 from .api.fields import max_tokens_problem, parse_json
 from .api.model_info import ModelInfo
 from .api.priority import urgency
 from .api.prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens
 from .api.route import GenerationRequest, Route
 from .budgets import ServerBudget, ServerLimits
-from .grpc import GRPC, STATUS_CODES, UNKNOWN, GrpcRoutes
 from .metrics import Metrics
 from .protocol.events import (
     BodyTooLarge,

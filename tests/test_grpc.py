@@ -29,10 +29,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from google.protobuf.descriptor_pool import DescriptorPool
 
 import tokenwire
-from tokenwire.net import grpc as tw_grpc
-from tokenwire.net import grpc_schema
+from tokenwire.net.api import grpc as tw_grpc
+from tokenwire.net.api import grpc_schema
 
-PROTO = Path(tokenwire.net.grpc_schema.__file__).with_name("proto") / "tokenwire.proto"
+PROTO = Path(tokenwire.net.api.grpc_schema.__file__).with_name("proto") / "tokenwire.proto"
 API_KEY = "k3y"
 
 
@@ -357,7 +357,7 @@ def test_timeouts_and_framing():
 def test_committed_descriptor_set_matches_the_proto_files():
     committed = descriptor_pb2.FileDescriptorSet.FromString(grpc_schema.DESCRIPTORS.read_bytes())
     fresh = descriptor_pb2.FileDescriptorSet.FromString(grpc_schema.compile_descriptor_set())
-    assert committed == fresh, "run: python -m tokenwire.net.grpc_schema --regenerate"
+    assert committed == fresh, "run: python -m tokenwire.net.api.grpc_schema --regenerate"
 
 
 # ------------------------------------------------------------------ output constraints

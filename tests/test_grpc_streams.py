@@ -1,4 +1,4 @@
-"""gRPC calls whose request stream stays open (http2.py rule 11, net/grpc.py "Delivery"), with
+"""gRPC calls whose request stream stays open (http2.py rule 11, net/api/grpc.py "Delivery"), with
 real clients: grpcio-reflection's bidirectional ServerReflectionInfo (sync and aio, both
 reflection packages) holding one stream open across several requests, each answered before
 the next is sent, on uvloop and asyncio, over cleartext h2 and TLS; a client that cancels
@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from h2.errors import ErrorCodes
 
 import tokenwire
-from tokenwire.net import grpc_schema
+from tokenwire.net.api import grpc_schema
 from tokenwire.net.budgets import MIB, ServerLimits
 from tokenwire.net.protocol.events import Limits
 

@@ -24,8 +24,8 @@ from tokenwire.core.constraint import ConstraintSpec
 from tokenwire.core.engine_core import EngineCore
 from tokenwire.kernels.grammar import GrammarCompiler
 from tokenwire.kernels.mock import MockExecutor, build_mock_tokenizer
-from tokenwire.net import grpc as tw_grpc
-from tokenwire.net import grpc_schema
+from tokenwire.net.api import grpc as tw_grpc
+from tokenwire.net.api import grpc_schema
 from tokenwire.net.api.model_info import ModelInfo
 from tokenwire.net.protocol.events import Limits
 

@@ -4,7 +4,7 @@
 every row through one intake path, and the writer (net/writer/dispatch.py) asks the row how to
 answer. Adding an API is one module here (a parse function, a streamed encoder, a whole
 body, an error shape: see route.py) and one row below. gRPC's Generate is a row too
-(net/grpc.GRPC); it is reached by content-type, not by path.
+(api/grpc.py: GRPC); it is reached by content-type, not by path.
 """
 
 from . import anthropic, openai, responses

@@ -11,7 +11,7 @@ SSE (OpenAI): `data: {json}\n\n` per chunk, then `data: [DONE]\n\n`. The last JS
 `"timings"`: the request's stage durations in microseconds. With
 `stream_options.continuous_usage_stats` every chunk carries the usage so far (those chunks
 are then built here, never spliced by the dispatcher). gRPC's Generate encoder lives in
-net/grpc.py and shares the streamed encoders' interface (`_Stream`).
+net/api/grpc.py and shares the streamed encoders' interface (`_Stream`).
 
 NDJSON (`POST /generate`, the default): one line per token `{"id": 123, "text": "..."}`,
 then one final line `{"finish_reason": ..., "usage": {...}, "timings": {...}}` (plus

@@ -16,7 +16,7 @@ gRPC's "PROTOCOL-HTTP2" specification:
   request (an h2c upgrade's stream 1) goes to `handle`.
 
 - Services: `tokenwire.v1.Generator` (Generate: server streaming; ListModels: unary; the
-  schema is net/proto/tokenwire.proto; Generate's `constraint` oneof goes through the HTTP
+  schema is net/api/proto/tokenwire.proto; Generate's `constraint` oneof goes through the HTTP
   routes' guided_* rules, net/api/structured.py), `grpc.health.v1.Health` (Check, Watch: SERVING
   while /health answers 200), and server reflection (`grpc.reflection.v1alpha` and `v1`).
 - Status: every response is HEADERS (:status 200) then messages then trailers with
@@ -33,7 +33,7 @@ gRPC's "PROTOCOL-HTTP2" specification:
 - Generate's token messages are hand-encoded (`token_message`: two fields; measured side by
   side, framed, 2.7 µs against 6.7 µs for the protobuf class, medians on the loaded shared
   2-core machine), checked byte for byte against the protobuf classes in the tests; every
-  other message goes through the protobuf classes of net/grpc_schema.py.
+  other message goes through the protobuf classes of net/api/grpc_schema.py.
 """
 
 import gzip
@@ -42,14 +42,14 @@ import struct
 import zlib
 from urllib.parse import quote
 
-from ..core.constraint import ConstraintSpec
-from ..core.sampling_params import InvalidParameter, SamplingParams
+from ...core.constraint import ConstraintSpec
+from ...core.sampling_params import InvalidParameter, SamplingParams
 from . import grpc_schema as schema
-from .api.errors import ApiError
-from .api.route import GenerationRequest, Route
-from .api.structured import guided_constraint
-from .protocol.events import MessageRequest, Request, RequestEnd, RequestMessage
-from .protocol.http2 import H2Session
+from .errors import ApiError
+from .route import GenerationRequest, Route
+from .structured import guided_constraint
+from ..protocol.events import MessageRequest, Request, RequestEnd, RequestMessage
+from ..protocol.http2 import H2Session
 
 # status codes (grpc/doc/statuscodes.md)
 OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, NOT_FOUND = 0, 1, 2, 3, 4, 5

@@ -1,6 +1,6 @@
-"""The gRPC schema: the .proto files in net/proto/, compiled into one descriptor set.
+"""The gRPC schema: the .proto files in net/api/proto/, compiled into one descriptor set.
 
-`net/proto/descriptors.binpb` is a serialized `FileDescriptorSet` made by protoc from
+`net/api/proto/descriptors.binpb` is a serialized `FileDescriptorSet` made by protoc from
 tokenwire.proto, health.proto and reflection.proto, laid out under their package paths
 (`tokenwire/v1/tokenwire.proto`, ...). At import it is read into a private descriptor pool
 (never protobuf's default pool, so a process that also loads grpcio's own health or
@@ -10,7 +10,7 @@ reflection hands clients the same FileDescriptorProto bytes.
 Regenerate after editing a .proto (needs grpcio-tools, a test dependency; a test checks
 the committed set matches the .proto files):
 
-    python -m tokenwire.net.grpc_schema --regenerate
+    python -m tokenwire.net.api.grpc_schema --regenerate
 """
 
 import sys
@@ -21,14 +21,14 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 PROTO_DIR = Path(__file__).with_name("proto")
 DESCRIPTORS = PROTO_DIR / "descriptors.binpb"
-# .proto in net/proto -> its path in the descriptor set (its package's directories)
+# .proto in net/api/proto -> its path in the descriptor set (its package's directories)
 LAYOUT = {"tokenwire.proto": "tokenwire/v1/tokenwire.proto",
           "health.proto": "grpc/health/v1/health.proto",
           "reflection.proto": "grpc/reflection/v1alpha/reflection.proto"}
 
 
 def compile_descriptor_set() -> bytes:
-    """protoc over net/proto/*.proto -> serialized FileDescriptorSet (needs grpcio-tools)."""
+    """protoc over net/api/proto/*.proto -> serialized FileDescriptorSet (needs grpcio-tools)."""
     from grpc_tools import protoc       # optional: only to regenerate, and in the test that checks it
     with tempfile.TemporaryDirectory(prefix="tokenwire-proto-") as tmp:
         for name, rel in LAYOUT.items():
@@ -76,6 +76,6 @@ def file_containing_symbol(symbol: str) -> str | None:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--regenerate"]:
-        sys.exit("usage: python -m tokenwire.net.grpc_schema --regenerate")
+        sys.exit("usage: python -m tokenwire.net.api.grpc_schema --regenerate")
     DESCRIPTORS.write_bytes(compile_descriptor_set())
     print(f"wrote {DESCRIPTORS}")
