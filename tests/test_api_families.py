@@ -240,3 +240,17 @@ def test_tokenize_detokenize_round_trip(server, http_client):
     chat = http_client.post(server.url + "/tokenize", json={"messages": messages}).json()
     used = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
     assert chat["count"] == used["usage"]["prompt_tokens"]
+
+
+def test_tokenize_a_large_prompt_off_the_loop(server, http_client):
+    """A prompt of 16 KiB or more is tokenized on the worker threads, as a generation's is:
+    the same ids as the same text tokenized in pieces on the loop."""
+    piece = "Once upon a time, a small robot counted 12 stars. "
+    text = piece * 400                                      # ~20 KB
+    big = http_client.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    small = http_client.post(server.url + "/tokenize", json={"prompt": piece * 20, "add_special_tokens": False}).json()
+    assert 19 * small["count"] <= big["count"] <= 21 * small["count"]
+    assert big["tokens"][:small["count"] // 2] == small["tokens"][:small["count"] // 2]
+    assert http_client.post(server.url + "/detokenize", json={"tokens": big["tokens"]}).json() == {"prompt": text}
+    with_bos = http_client.post(server.url + "/tokenize", json={"prompt": text}).json()
+    assert with_bos["tokens"][-big["count"]:] == big["tokens"]

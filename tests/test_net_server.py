@@ -123,6 +123,28 @@ def test_curl_tls_alpn_h2_streams(tls_server, tls_files):
     assert MOCK_START.startswith(completion_text(sse_events(r.stdout)))
 
 
+FAMILY_STREAMS = {"/v1/responses": ({"input": "Hello", "max_output_tokens": 8, "stream": True},
+                                     "response.output_text.delta", "response.completed"),
+                  "/v1/messages": ({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8,
+                                    "stream": True}, "content_block_delta", "message_stop")}
+
+
+@pytest.mark.parametrize("mode", ["prior-knowledge", "h2c-upgrade", "tls"])
+@pytest.mark.parametrize("path", list(FAMILY_STREAMS))
+def test_curl_streams_the_api_families_in_every_http2_mode(server, tls_server, tls_files, path, mode):
+    """/v1/responses and /v1/messages stream their typed events over HTTP/2 reached all three
+    ways, with the server-timing trailer, one delta event per token."""
+    body, delta, last = FAMILY_STREAMS[path]
+    args = {"prior-knowledge": ["--http2-prior-knowledge", server.url + path],
+            "h2c-upgrade": ["--http2", server.url + path],
+            "tls": ["--cacert", tls_files[0], "--http2", tls_server.url.replace("127.0.0.1", "localhost") + path]}[mode]
+    r = curl("-v", "-H", "content-type: application/json", "-d", json.dumps(body), *args)
+    assert "< HTTP/2 200" in r.stderr and "< server-timing: tokenize;dur=" in r.stderr
+    assert ("< HTTP/1.1 101" in r.stderr) == (mode == "h2c-upgrade")
+    names = [block.split("\n", 1)[0] for block in r.stdout.split("\n\n") if block]
+    assert names.count(f"event: {delta}") == 8 and names[-1] == f"event: {last}", names
+
+
 def test_curl_tls_http11(tls_server, tls_files):
     r = curl("-v", "--cacert", tls_files[0], "--http1.1", tls_server.url.replace("127.0.0.1", "localhost") + "/health")
     assert "ALPN: server accepted http/1.1" in r.stderr and r.stdout == '{"status":"ok"}'
