@@ -59,8 +59,8 @@ from ..core.sampling_params import choice_params
 from .access_log import AccessLog, EngineLog
 from .api import ERROR_BODIES, ROUTES, anthropic, tokenize
 from .api.errors import ApiError, bad_param
-from .api.grpc import GRPC, STATUS_CODES, UNKNOWN, GrpcRoutes
 from .api.fields import max_tokens_problem, parse_json
+from .api.grpc import GRPC, STATUS_CODES, UNKNOWN, GrpcRoutes
 from .api.model_info import ModelInfo
 from .api.priority import urgency
 from .api.prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens

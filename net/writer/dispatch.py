@@ -8,9 +8,10 @@ that finished: the finish chunk, trailers (`server-timing`), the request's metri
 reset stream or a lost connection cancels its request in the engine (`cancel`,
 `cancel_all`). Whole (non-streamed) responses are collected here and built by the
 request's API family (`Exchange.route.whole_body`, net/api/), as are its errors
-(`route.error_body`) and tool calls read back at the end (`route.tools_body`). Every response, streamed or whole, failed or not, carries the
-request's response id as `x-request-id`; a request the engine failed is also a WARNING
-naming that id and the engine's reason.
+(`route.error_body`) and tool calls read back at the end (`route.tools_body`). Every
+response, streamed or whole, failed or not, carries the request's response id as
+`x-request-id`; a request the engine failed is also a WARNING naming that id and the
+engine's reason.
 
 A write that raises (an encoder, the outbox's framing, the session, the finish chunk, tool
 read-back, choices) fails its stream alone (`_fail`): a 500 if its response had not
