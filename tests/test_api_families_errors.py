@@ -86,6 +86,14 @@ def test_responses_400_names_the_field(h2, body, param):
     still_serving(h2)
 
 
+def test_responses_max_output_tokens_named_in_the_message_too(h2):
+    error = check_error(h2.post("/v1/responses", json={"input": "hi", "max_output_tokens": 0}), 400,
+                        param="max_output_tokens")
+    assert "max_output_tokens" in error["message"] and "max_tokens" not in error["message"]
+    ok = h2.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "tool_choice": "auto"})
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 2
+
+
 def test_responses_prompt_and_max_output_tokens_against_the_context(h2):
     check_error(h2.post("/v1/responses", json={"input": "tok " * 200}), 400, param="input",
                 code="context_length_exceeded")

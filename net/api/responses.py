@@ -63,7 +63,7 @@ def parse_responses(body: dict, on_unknown=None) -> GenerationRequest:
         params = sampling(body, max_tokens=opt(body, "max_output_tokens", int, None), logprobs=None)
     except ApiError as exc:
         if exc.param == "max_tokens":
-            exc.param = "max_output_tokens"
+            exc.param, exc.message = "max_output_tokens", exc.message.replace("max_tokens", "max_output_tokens")
         raise
     stream = opt(body, "stream", bool, False)
     echo = {"instructions": opt(body, "instructions", str, None), "max_output_tokens": params.max_tokens,
@@ -183,7 +183,7 @@ def _chat_tools(body: dict) -> dict:
             raise bad_param("tool_choice", 'tool_choice must be "none", "auto", "required" or '
                             '{"type": "function", "name": ...}')
         choice = {"type": "function", "function": {"name": choice["name"]}}
-    if choice is not None and (out or choice != "none"):
+    if choice is not None and (out or choice not in ("none", "auto")):     # auto (the default) needs no tools
         out["tool_choice"] = choice
     return out
 
