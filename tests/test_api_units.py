@@ -312,3 +312,35 @@ def test_messages_stream_token_is_spliced_from_constant_bytes():
     head, data = enc.token(out("z")).split(b"\ndata: ")
     assert head == b"event: content_block_delta" and json.loads(data) == {
         "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "z"}}
+
+
+def test_responses_stream_bytes_are_the_response_objects():
+    """The stream's opening and closing events are byte templates: they must say what the
+    whole-response builders say (response_object, _Events), field for field."""
+    from tokenwire.net.api.responses import ResponsesSse, _Events, _message_item, parse_responses, response_object
+    from tokenwire.net.api.route import Served
+    served = Served("m", str, frozenset())
+    g = parse_responses({"input": "hi", "instructions": "be brief", "max_output_tokens": 9, "temperature": 0.5,
+                         "metadata": {"k": "v"}, "stream": True, "text": {"format": {"type": "json_object"}}})
+    enc = ResponsesSse(g, served, "resp_3", 1700000000)
+    use = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 1}}
+    stream = enc.first_token(out('{"a"')) + enc.splice(": 1}") + enc.finish(out("", finish="length"), "length", use,
+                                                                          {"ttft_us": 2.0})
+    events = [json.loads(e.split(b"\ndata: ", 1)[1]) for e in stream.split(b"\n\n") if e]
+    expected = _Events()
+    start = response_object(g, served, "resp_3", 1700000000, "in_progress", [], None)
+    expected.open(start)
+    expected.start_message(0, "msg_3")
+    for delta in ('{"a"', ": 1}"):
+        expected.add("response.output_text.delta", item_id="msg_3", output_index=0, content_index=0, delta=delta,
+                     logprobs=[])
+    expected.end_message(0, "msg_3", '{"a": 1}')
+    final = response_object(g, served, "resp_3", 1700000000, "incomplete", [_message_item("msg_3", '{"a": 1}')], use,
+                            {"reason": "max_output_tokens"})
+    expected.add("response.completed", response=final, timings={"ttft_us": 2.0})
+    assert events == [json.loads(e.split(b"\ndata: ", 1)[1]) for e in expected.bytes().split(b"\n\n") if e]
+    assert [e.split(b"\n", 1)[0] for e in stream.split(b"\n\n") if e] == \
+        [e.split(b"\n", 1)[0] for e in expected.bytes().split(b"\n\n") if e]
+    assert final["instructions"] == "be brief" and final["metadata"] == {"k": "v"} and final["usage"] == {
+        "input_tokens": 3, "input_tokens_details": {"cached_tokens": 1}, "output_tokens": 2,
+        "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 5}

@@ -277,6 +277,9 @@ def _event(kind: str, **fields) -> bytes:
 _DELTA_PREFIX = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
 _DELTA_SUFFIX = b"}}\n\n"
 _PING = _event("ping")
+_BLOCK_START = _event("content_block_start", index=0, content_block={"type": "text", "text": ""}) + _PING
+_BLOCK_STOP = _event("content_block_stop", index=0)
+_MESSAGE_STOP = _event("message_stop")
 
 
 class MessagesSse:
@@ -306,20 +309,18 @@ class MessagesSse:
         start = _message(self._id, self._served, [], None, None,
                          {"prompt_tokens": self._num_prompt, "completion_tokens": 0,
                           "prompt_tokens_details": {"cached_tokens": 0}})
-        return (_event("message_start", message=start)
-                + _event("content_block_start", index=0, content_block={"type": "text", "text": ""}) + _PING)
+        return _event("message_start", message=start) + _BLOCK_START
 
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
         head = b"" if self._started else self._open()
         if error is not None:
             return head + _event("error", error={"type": "api_error", "message": f"the engine failed: {error}"})
         reason, sequence = stop_reason(self._g, self._served, finish_reason, out.token_ids)
-        return head + (_event("content_block_stop", index=0)
-                       + _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                                usage={"output_tokens": use["completion_tokens"],
-                                       "cache_read_input_tokens": use["prompt_tokens_details"]["cached_tokens"]},
-                                timings=timings)
-                       + _event("message_stop"))
+        return head + _BLOCK_STOP + _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                                           usage={"output_tokens": use["completion_tokens"],
+                                                  "cache_read_input_tokens":
+                                                      use["prompt_tokens_details"]["cached_tokens"]},
+                                           timings=timings) + _MESSAGE_STOP
 
     def trailers(self, base: list, finish_reason: str, error: str | None) -> list:
         return base

@@ -235,14 +235,19 @@ def usage(use: dict) -> dict:
 
 def response_object(g, served, response_id: str, created: int, status: str, output: list, use: dict | None,
                     incomplete=None, error=None) -> dict:
+    return {"id": response_id, "object": "response", "created_at": created, "status": status, "error": error,
+            "incomplete_details": incomplete, "output": output, "usage": usage(use) if use is not None else None,
+            **_echo(g, served)}
+
+
+def _echo(g, served) -> dict:
+    """The response object's fields that every event of one response repeats unchanged."""
     echo = g.echo
-    return {"id": response_id, "object": "response", "created_at": created, "status": status, "background": False,
-            "error": error, "incomplete_details": incomplete, "instructions": echo["instructions"],
-            "max_output_tokens": echo["max_output_tokens"], "model": served.model, "output": output,
-            "parallel_tool_calls": echo["parallel_tool_calls"], "previous_response_id": None,
+    return {"background": False, "instructions": echo["instructions"], "max_output_tokens": echo["max_output_tokens"],
+            "model": served.model, "parallel_tool_calls": echo["parallel_tool_calls"], "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": False, "temperature": echo["temperature"],
             "text": echo["text"], "tool_choice": echo["tool_choice"], "tools": echo["tools"], "top_p": echo["top_p"],
-            "truncation": "disabled", "usage": usage(use) if use is not None else None, "metadata": echo["metadata"]}
+            "truncation": "disabled", "metadata": echo["metadata"]}
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
@@ -354,21 +359,54 @@ def _delta_splicer(prefix: bytes, texts: list):
     return splice
 
 
+# A stream's opening and closing events as byte templates (%b: JSON the encoder makes, %d: a
+# sequence number): the same bytes `_Events` writes, without a dict and a dumps per event.
+_CREATED = (b'event: response.created\ndata: {"type":"response.created","response":%b,"sequence_number":0}\n\n'
+            b'event: response.in_progress\ndata: {"type":"response.in_progress","response":%b,"sequence_number":1}\n\n'
+            b'event: response.output_item.added\ndata: {"type":"response.output_item.added","output_index":0,'
+            b'"item":{"type":"message","id":%b,"status":"in_progress","role":"assistant","content":[]},'
+            b'"sequence_number":2}\n\n'
+            b'event: response.content_part.added\ndata: {"type":"response.content_part.added","item_id":%b,'
+            b'"output_index":0,"content_index":0,"part":{"type":"output_text","text":"","annotations":[],'
+            b'"logprobs":[]},"sequence_number":3}\n\n')
+_CLOSING = (b'event: response.output_text.done\ndata: {"type":"response.output_text.done","item_id":%b,'
+            b'"output_index":0,"content_index":0,"text":%b,"logprobs":[],"sequence_number":%d}\n\n'
+            b'event: response.content_part.done\ndata: {"type":"response.content_part.done","item_id":%b,'
+            b'"output_index":0,"content_index":0,"part":{"type":"output_text","text":%b,"annotations":[],'
+            b'"logprobs":[]},"sequence_number":%d}\n\n'
+            b'event: response.output_item.done\ndata: {"type":"response.output_item.done","output_index":0,'
+            b'"item":%b,"sequence_number":%d}\n\n'
+            b'event: response.completed\ndata: {"type":"response.completed","response":%b,"timings":%b,'
+            b'"sequence_number":%d}\n\n')
+
+
+# response_object's bytes, its fields in the same order: id, created_at, status, incomplete_details,
+# output, usage, then the echoed fields (`_echo`, serialized once per request)
+_OBJECT = (b'{"id":%b,"object":"response","created_at":%d,"status":%b,"error":null,"incomplete_details":%b,'
+           b'"output":%b,"usage":%b,%b}')
+_ITEM = (b'{"type":"message","id":%b,"status":"completed","role":"assistant","content":[{"type":"output_text",'
+         b'"text":%b,"annotations":[],"logprobs":[]}]}')
+
+
 class ResponsesSse:
-    """The Responses event stream of one request (encoders._Stream's interface)."""
+    """The Responses event stream of one request (encoders._Stream's interface). Its opening
+    and closing events are byte templates filled once per request; a token's delta event is
+    spliced by `splice`."""
     content_type = b"text/event-stream"
     response_headers = ((b"content-type", content_type), (b"cache-control", b"no-cache"))
     in_band_errors = False
-    __slots__ = ("_g", "_served", "_id", "_created", "_item", "_texts", "_started", "splice")
+    __slots__ = ("_g", "_served", "_id", "_created", "_item", "_item_json", "_texts", "_started", "_echo_json",
+                 "splice")
 
     def __init__(self, g, served, response_id: str, created: int):
         self._g, self._served, self._id, self._created = g, served, response_id, created
         self._item = _message_id(response_id)
+        self._item_json = orjson.dumps(self._item)
         self._texts = []                    # the text so far: the closing events repeat it whole
         self._started = False
         self.splice = _delta_splicer(
             b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","item_id":'
-            + orjson.dumps(self._item) + b',"output_index":0,"content_index":0,"logprobs":[],"delta":', self._texts)
+            + self._item_json + b',"output_index":0,"content_index":0,"logprobs":[],"delta":', self._texts)
 
     def text_parts(self) -> tuple:
         return None, None                   # the sequence number changes: `splice` instead
@@ -380,29 +418,33 @@ class ResponsesSse:
         return self._open() + self.splice(out.text)
 
     def _open(self) -> bytes:
+        """The four opening events (sequence numbers 0 to _NUM_OPENING - 1)."""
         self._started = True
-        events = _Events()
-        events.open(response_object(self._g, self._served, self._id, self._created, "in_progress", [], None))
-        events.start_message(0, self._item)
-        assert events.seq == _NUM_OPENING
-        return events.bytes()
+        self._echo_json = orjson.dumps(_echo(self._g, self._served))[1:-1]
+        response = _OBJECT % (orjson.dumps(self._id), self._created, b'"in_progress"', b"null", b"[]", b"null",
+                              self._echo_json)
+        item = self._item_json
+        return _CREATED % (response, response, item, item)
 
     def finish(self, out, finish_reason: str, use: dict, timings: dict, error: str | None = None) -> bytes:
         head = b"" if self._started else self._open()
         text = "".join(self._texts)
-        events = _Events(_NUM_OPENING + len(self._texts))
+        seq = _NUM_OPENING + len(self._texts)
         if error is not None:
             failed = response_object(self._g, self._served, self._id, self._created, "failed",
                                      [_message_item(self._item, text)], use,
                                      error={"code": "server_error", "message": f"the engine failed: {error}"})
+            events = _Events(seq)
             events.add("response.failed", response=failed, timings=timings)
             return head + events.bytes()
-        events.end_message(0, self._item, text)
+        text_json, item_id = orjson.dumps(text), self._item_json
+        item = _ITEM % (item_id, text_json)
         status = _STATUS.get(finish_reason, "completed")
-        final = response_object(self._g, self._served, self._id, self._created, status,
-                                [_message_item(self._item, text)], use, _INCOMPLETE.get(finish_reason))
-        events.add("response.completed", response=final, timings=timings)
-        return head + events.bytes()
+        final = _OBJECT % (orjson.dumps(self._id), self._created, b'"%s"' % status.encode(),
+                           orjson.dumps(_INCOMPLETE.get(finish_reason)), b"[" + item + b"]",
+                           orjson.dumps(usage(use)), self._echo_json)
+        return head + _CLOSING % (item_id, text_json, seq, item_id, text_json, seq + 1, item, seq + 2,
+                                  final, orjson.dumps(timings), seq + 3)
 
     def trailers(self, base: list, finish_reason: str, error: str | None) -> list:
         return base
