@@ -223,7 +223,8 @@ def count_sse_events(marker: bytes) -> Counter:
         if not rec.head and end - start >= 2 and buf[end - 1] == 10 and buf[end - 2] == 10:
             return buf.count(marker, start, end)
         joined = rec.head + buf[start:end]
-        cut = joined.rfind(b"\n\n") + 2
+        cut = joined.rfind(b"\n\n")
+        cut = cut + 2 if cut >= 0 else 0       # the end of the last complete event (0: none yet)
         rec.head = joined[cut:]
         return joined.count(marker, 0, cut)
     return count

@@ -70,6 +70,29 @@ def test_ndjson_binary_grpc_counts():
     _every_split(grpc, "grpc", 3)
 
 
+def test_typed_event_streams_count_their_delta_events():
+    """`responses` and `messages` framing: the delta events of tokenwire's own Responses and
+    Messages streams, wherever the payloads are cut; the opening and closing events are not tokens."""
+    from tokenwire.core.outputs import RequestOutput
+    from tokenwire.net.api.anthropic import MessagesSse, parse_messages
+    from tokenwire.net.api.responses import ResponsesSse, parse_responses
+    from tokenwire.net.api.route import Served
+    served = Served("m", str, frozenset())
+    use = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}
+
+    def out(text, finish=None):
+        return RequestOutput(1, (7,), text, None, finish, 3, 3, 0)
+    streams = {"responses": ResponsesSse(parse_responses({"input": "x", "stream": True}), served, "resp_1", 0),
+               "messages": MessagesSse(parse_messages({"max_tokens": 3, "messages": [{"role": "user", "content": "x"}],
+                                                       "stream": True}), served, "msg_1", 3)}
+    for name, enc in streams.items():
+        body = (enc.first_token(out("a")) + enc.token(out("\n\nevent: x")) + enc.token(out("c", "length"))
+                + enc.finish(out("", "length"), "length", use, {"ttft_us": 1.0}))
+        assert _count(name, [body]) == 3 and _count(name, [bytes([b]) for b in body]) == 3
+        for cut in range(1, len(body)):
+            assert _count(name, [body[:cut], body[cut:]]) == 3, (name, cut)
+
+
 # ------------------------------------------------ lean client vs h2's server side, in memory
 
 class _Wire:
