@@ -1,7 +1,7 @@
 """The typed route value every generation request carries, and the request it parses into.
 
 An API family is one module (openai.py: completions and chat; responses.py: OpenAI
-Responses; anthropic.py: Anthropic Messages; native.py: /generate; net/api/grpc.py: gRPC's
+Responses; anthropic.py: Anthropic Messages; native.py: /generate; grpc.py: gRPC's
 Generate) that defines its `Route` rows. `net/api/__init__.py:ROUTES` maps each HTTP path
 to its row; from there every family goes through one intake path (`App._generation` in
 net/app.py: auth, content type, JSON, parse, prompt, tokenize, submit) and one writer
