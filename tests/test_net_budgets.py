@@ -379,7 +379,7 @@ def test_a_closed_connection_leaves_no_cycles_for_the_collector(loop_kind):
     found them held the loop 130-325 ms. Idle HTTP/2, HTTP/2 with a stream in flight, HTTP/1.1."""
     import gc
 
-    from tokenwire.net.http2 import H2Session
+    from tokenwire.net.protocol.http2 import H2Session
     server = serve(loop_kind)
     try:
         gc.collect()
