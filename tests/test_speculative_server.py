@@ -96,10 +96,15 @@ def test_bad_speculative_fields_are_400s_that_name_them(server, body, param):
 
 
 def test_every_route_parses_the_speculative_fields():
-    from tokenwire.net.openai_api import parse_chat, parse_completions, parse_generate
+    from tokenwire.net.api.anthropic import parse_messages
+    from tokenwire.net.api.native import parse_generate
+    from tokenwire.net.api.openai import parse_chat, parse_completions
+    from tokenwire.net.api.responses import parse_responses
     fields = {"speculative": "draft", "num_speculative_tokens": 7}
     for parse, body in ((parse_completions, {"prompt": "x"}), (parse_generate, {"prompt": "x"}),
-                        (parse_chat, {"messages": [{"role": "user", "content": "x"}]})):
+                        (parse_chat, {"messages": [{"role": "user", "content": "x"}]}),
+                        (parse_responses, {"input": "x"}),
+                        (parse_messages, {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})):
         params = parse({**body, **fields}, on_unknown=lambda name: pytest.fail(name)).params
         assert (params.speculative, params.num_speculative_tokens) == ("draft", 7)
         assert parse(body).params.speculative is None

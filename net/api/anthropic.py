@@ -7,7 +7,8 @@ text blocks), `messages` (user / assistant turns whose content is a string or bl
 text, tool_use, tool_result), `stop_sequences`, `temperature`, `top_p`, `top_k`,
 `stream`, `tools` ({name, description, input_schema}) with `tool_choice` (auto, any, tool,
 none; `disable_parallel_tool_use`), `metadata` (ignored), and the sampling extensions the
-other routes take (seed, ignore_eos, min_p, repetition_penalty). Images, documents and
+other routes take (seed, ignore_eos, min_p, repetition_penalty, speculative,
+num_speculative_tokens). Images, documents and
 extended thinking are 400s naming the field.
 
 Stream (SSE, `event:` + `data:`): message_start, content_block_start (text), ping, one
@@ -28,11 +29,11 @@ with the field it is about (`messages: messages.0.content ...`), as Anthropic wr
 import orjson
 
 from .errors import ApiError, bad_param, unsupported
-from .fields import check_keys, opt, sampling
+from .fields import SPECULATIVE_KEYS, check_keys, opt, sampling
 from .route import GenerationRequest, Route
 from .structured import tool_plan
 
-_EXTENSIONS = ("seed", "ignore_eos", "min_p", "repetition_penalty")    # sampling fields the other routes take
+_EXTENSIONS = ("seed", "ignore_eos", "min_p", "repetition_penalty", *SPECULATIVE_KEYS)  # the other routes' fields
 _KEYS = {"model", "max_tokens", "system", "messages", "stop_sequences", "temperature", "top_p", "top_k", "stream",
          "tools", "tool_choice", "metadata", "thinking", "service_tier", "container", "mcp_servers", *_EXTENSIONS}
 _COUNT_KEYS = {"model", "system", "messages", "tools", "tool_choice", "thinking"}

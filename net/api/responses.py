@@ -26,7 +26,7 @@ import orjson
 
 from ...core.constraint import ConstraintSpec
 from .errors import ApiError, bad_param, unsupported
-from .fields import check_keys, opt, sampling
+from .fields import SPECULATIVE_KEYS, check_keys, opt, sampling
 from .route import GenerationRequest, Route
 from .structured import schema_spec, tool_plan
 
@@ -36,7 +36,7 @@ _KEYS = {"model", "input", "instructions", "max_output_tokens", "temperature", "
          "service_tier", "safety_identifier", "prompt_cache_key", "max_tool_calls", "prompt",
          # the sampling extensions the other routes take (vLLM's Responses route takes them too)
          "top_k", "min_p", "seed", "stop", "repetition_penalty", "frequency_penalty", "presence_penalty",
-         "ignore_eos", "min_tokens"}
+         "ignore_eos", "min_tokens", *SPECULATIVE_KEYS}
 _REFUSED = {"previous_response_id": "previous_response_id needs stored responses; this server keeps none: send the "
                                     "earlier turns' items in input",
             "conversation": "conversations need stored responses; this server keeps none: send the earlier turns' "
