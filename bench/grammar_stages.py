@@ -18,7 +18,6 @@ import time
 
 import numpy as np
 
-from ..core.executor import SeqStep
 from ..core.sampling_params import SamplingParams
 from ..kernels.grammar import GrammarCompiler, mask_logits
 from ..net.api.structured import schema_spec
@@ -96,7 +95,7 @@ def _masker(logits: np.ndarray, walk: ConstraintWalk):
 
 def _constrained_step(executor, seqs: list, walk: ConstraintWalk):
     def fn():
-        step = executor.step([SeqStep(*s[:-1], c) for s, c in zip(seqs, walk.constraints)])
+        step = executor.step([s._replace(constraint=c) for s, c in zip(seqs, walk.constraints)])
         walk.take(step.token_ids)
     return fn
 
