@@ -19,6 +19,7 @@ import h2.config
 import h2.connection
 import h2.events
 import socket
+import struct
 import grpc.aio
 from grpc_tools import protoc
 import httpx
@@ -349,9 +350,29 @@ def test_timeouts_and_framing():
     for bad in ("", "m", "123456789S", "1x", "-1S"):
         with pytest.raises(tw_grpc.GrpcError):
             tw_grpc.parse_timeout(bad)
-    assert tw_grpc.split_messages(tw_grpc.frame(b"ab") + tw_grpc.frame(b""), None) == [b"ab", b""]
+    assert tw_grpc.split_messages(tw_grpc.frame(b"ab") + tw_grpc.frame(b""), None, 100) == [b"ab", b""]
     with pytest.raises(tw_grpc.GrpcError):
-        tw_grpc.split_messages(b"\x00\x00\x00\x00\x05ab", None)
+        tw_grpc.split_messages(b"\x00\x00\x00\x00\x05ab", None, 100)
+
+
+def test_a_gzip_message_is_bounded_by_what_it_inflates_to():
+    """A gzip bomb: 1 MiB of zeros is ~1 KB compressed; the body limit holds for the inflated
+    message (RESOURCE_EXHAUSTED), read no further than the limit; multi-member gzip is whole;
+    a cut-off stream is INTERNAL."""
+    limit = 64 * 1024
+    exact, bomb = gzip.compress(bytes(limit)), gzip.compress(bytes(1 << 20))
+    assert len(bomb) < 2048
+    compressed = struct.pack(">BI", 1, len(bomb)) + bomb
+    with pytest.raises(tw_grpc.GrpcError) as err:
+        tw_grpc.split_messages(compressed, "gzip", limit)
+    assert err.value.code == tw_grpc.RESOURCE_EXHAUSTED and "inflates past" in str(err.value)
+    assert tw_grpc.split_messages(struct.pack(">BI", 1, len(exact)) + exact, "gzip", limit) == [bytes(limit)]
+    two = gzip.compress(b"ab") + gzip.compress(b"cd")
+    assert tw_grpc.split_messages(struct.pack(">BI", 1, len(two)) + two, "gzip", limit) == [b"abcd"]
+    cut = exact[:-12]
+    with pytest.raises(tw_grpc.GrpcError) as err:
+        tw_grpc.split_messages(struct.pack(">BI", 1, len(cut)) + cut, "gzip", limit)
+    assert err.value.code == tw_grpc.INTERNAL
 
 
 def test_committed_descriptor_set_matches_the_proto_files():

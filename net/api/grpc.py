@@ -36,7 +36,6 @@ gRPC's "PROTOCOL-HTTP2" specification:
   other message goes through the protobuf classes of net/api/grpc_schema.py.
 """
 
-import gzip
 import logging
 import struct
 import zlib
@@ -88,8 +87,8 @@ def frame(message: bytes) -> bytes:
     return _PREFIX.pack(0, len(message)) + message
 
 
-def split_messages(body: bytes, encoding: str | None) -> list:
-    """The request body's messages, decompressed. Raises GrpcError."""
+def split_messages(body: bytes, encoding: str | None, limit: int) -> list:
+    """The request body's messages, each decompressed to at most `limit` bytes. Raises GrpcError."""
     messages, pos, n = [], 0, len(body)
     while pos < n:
         if n - pos < 5:
@@ -100,19 +99,32 @@ def split_messages(body: bytes, encoding: str | None) -> list:
             raise GrpcError(INTERNAL, f"a message of {length} bytes is cut off at {n - pos - 5}")
         message = body[pos + 5:end]
         if compressed:
-            message = _decompress(message, encoding)
+            message = _decompress(message, encoding, limit)
         messages.append(message)
         pos = end
     return messages
 
 
-def _decompress(message: bytes, encoding: str | None) -> bytes:
+def _decompress(message: bytes, encoding: str | None, limit: int) -> bytes:
+    """A gzip message, inflated to at most `limit` bytes (--max-body-bytes): a few KB of gzip
+    can inflate to gigabytes, so the limit holds for what it becomes, not what was sent
+    (RESOURCE_EXHAUSTED past it)."""
     if encoding in (None, "identity"):
         raise GrpcError(INTERNAL, "a message has the compressed flag but the request names no grpc-encoding")
+    out, rest = bytearray(), message
     try:
-        return gzip.decompress(message)
-    except (OSError, EOFError, zlib.error) as exc:
+        while rest:                                 # gzip members, one after another (RFC 1952)
+            inflate = zlib.decompressobj(wbits=31)
+            out += inflate.decompress(rest, limit + 1 - len(out))
+            if len(out) > limit:
+                raise GrpcError(RESOURCE_EXHAUSTED, f"a gzip message inflates past the limit of {limit} bytes "
+                                                    f"(--max-body-bytes)")
+            if not inflate.eof:
+                raise GrpcError(INTERNAL, "a gzip message does not decompress: it ends inside its stream")
+            rest = inflate.unused_data
+    except zlib.error as exc:
         raise GrpcError(INTERNAL, f"a gzip message does not decompress: {exc}") from None
+    return bytes(out)
 
 
 def parse_timeout(value: str) -> int:
@@ -267,7 +279,7 @@ class GrpcRoutes:
 
     def _handle_whole(self, proto, req: Request) -> None:
         call = self._new_call(proto, req)
-        call.method(proto, req, split_messages(req.body, call.encoding), call.deadline_ns)
+        call.method(proto, req, split_messages(req.body, call.encoding, proto.limits.max_body_bytes), call.deadline_ns)
 
     def _new_call(self, proto, req) -> Call:
         """The call `req`'s headers ask for. Raises GrpcError, ApiError (505: not HTTP/2)."""
@@ -299,7 +311,7 @@ class GrpcRoutes:
             self._answering(proto, call.req, self._on_message, proto, call, ev)
 
     def _on_message(self, proto, call: Call, ev: RequestMessage) -> None:
-        message = _decompress(ev.message, call.encoding) if ev.compressed else ev.message
+        message = _decompress(ev.message, call.encoding, proto.limits.max_body_bytes) if ev.compressed else ev.message
         if call.on_message is not None:
             call.on_message(proto, call, message)
         elif call.messages:
