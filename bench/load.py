@@ -241,8 +241,23 @@ def ttft_per_itl_lines(rows: list) -> list:
     return lines
 
 
+def itl_tail_lines(rows: list) -> list:
+    """Inter-token p99 over p50 at each level: the tail a stream feels (a prefill step among the
+    decodes, a pause of the host), against issue 31's targets (<= 1.4 alone, <= 1.5 in company)."""
+    lines = []
+    for r in rows:
+        if not r["itl_us_p50"]:
+            continue
+        where = f"concurrency {r['concurrency']}" + (f", rate {r['rate']:g}/s" if r.get("rate") else "")
+        target = 1.4 if r["concurrency"] == 1 and not r.get("rate") else 1.5
+        ratio = r["itl_us_p99"] / r["itl_us_p50"]
+        lines.append(f"{where}: inter-token p99 {fmt_us(r['itl_us_p99'])} = {ratio:.2f}x its p50 "
+                     f"{fmt_us(r['itl_us_p50'])}; target <= {target:g}x: {'met' if ratio <= target else 'NOT met'}")
+    return lines
+
+
 def print_notes(rows: list, server_pid) -> None:
-    for line in ttft_per_itl_lines(rows):
+    for line in ttft_per_itl_lines(rows) + itl_tail_lines(rows):
         print(line)
     if server_pid is None:
         print("server CPU: not measured (the server is not a local process this user can see; use --server-pid)")

@@ -278,11 +278,25 @@ def summarize_level(records: list, wall_ns: int, client_ns: int, server_ns: Opti
            "server_cpu_util": server_ns / wall_ns if server_ns is not None and wall_ns else None}
     row.update(summarize(ttft, "ttft_us"))
     row.update(summarize(itl, "itl_us"))
+    row["itl_us_hist"] = log_histogram(itl)
     row.update(summarize(e2e, "e2e_us"))
     row["ttft_p50_us"], row["ttft_p99_us"] = row["ttft_us_p50"], row["ttft_us_p99"]
     row["server_timings_us_p50"] = server_timings_p50(ok)
     row.update(summarize(server_ttft_us(ok), "server_ttft_us"))
     return row
+
+
+HIST_BINS_PER_DECADE = 10          # inter-token histogram: log-spaced bins, 1 µs to 100 s
+
+
+def log_histogram(values_us: list) -> list:
+    """[(bin's lower edge µs, count)] over log-spaced bins (HIST_BINS_PER_DECADE a decade from
+    1 µs), the non-empty ones; values under 1 µs (tokens that came in one read) count in the first."""
+    counts = {}
+    for v in values_us:
+        k = max(0, int(math.floor(math.log10(v) * HIST_BINS_PER_DECADE))) if v >= 1 else 0
+        counts[k] = counts.get(k, 0) + 1
+    return [(10 ** (k / HIST_BINS_PER_DECADE), counts[k]) for k in sorted(counts)]
 
 
 def server_ttft_us(records: list) -> list:

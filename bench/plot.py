@@ -1,11 +1,13 @@
-"""PNG plots of load results: latency and throughput against concurrency, one line per server."""
+"""PNG plots of load results: latency and throughput against concurrency, one line per server,
+and each level's inter-token histogram (where the rows carry one: `bench load`)."""
 
 import math
 from typing import Sequence
 
 
 def plot_levels(rows: Sequence[dict], path: str, title: str) -> None:
-    """Three panels (TTFT, inter-token latency, tokens/s) against the level's x value.
+    """Three panels (TTFT, inter-token latency, tokens/s) against the level's x value, and a
+    fourth with each level's inter-token histogram when the rows have one ("itl_us_hist").
 
     Rows are grouped by their "server" key (one line each); x is the concurrency in a
     closed loop and the offered rate in an open one.
@@ -14,7 +16,11 @@ def plot_levels(rows: Sequence[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")  # files only: no display on benchmark machines
     import matplotlib.pyplot as plt
 
-    fig, (ttft, itl, tput) = plt.subplots(1, 3, figsize=(15, 4.5))
+    with_hist = any(r.get("itl_us_hist") for r in rows)
+    fig, axes = plt.subplots(1, 4 if with_hist else 3, figsize=(20 if with_hist else 15, 4.5))
+    ttft, itl, tput = axes[:3]
+    if with_hist:
+        _histograms(axes[3], rows, plt.rcParams["axes.prop_cycle"].by_key()["color"])
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (server, group) in enumerate(_by_server(rows).items()):
         xs = [_x(r) for r in group]
@@ -39,6 +45,22 @@ def plot_levels(rows: Sequence[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _histograms(ax, rows, colors) -> None:
+    """Each level's inter-token times as a step line over log-spaced bins, as a share of its
+    intervals, so a tail (prefill steps among decodes, host pauses) shows as a second hump."""
+    for i, row in enumerate(r for r in rows if r.get("itl_us_hist")):
+        edges, counts = zip(*row["itl_us_hist"])
+        total = sum(counts)
+        label = f"{row.get('server', '')} c={row['concurrency']}".strip()
+        ax.step(edges, [c / total for c in counts], where="post", color=colors[i % len(colors)], label=label)
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-token time (µs)")
+    ax.set_ylabel("share of intervals")
+    ax.set_title("inter-token histogram")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def _by_server(rows):

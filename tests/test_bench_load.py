@@ -372,3 +372,27 @@ def test_ttft_is_reported_in_decode_steps_against_issue_19s_targets():
     assert "1.20x" in lines[0] and "target <= 1.5x" in lines[0] and lines[0].endswith(": met")
     assert "5.00x" in lines[1] and "target <= 3x" in lines[1] and lines[1].endswith("NOT met")
     assert "9.00x" in lines[2] and "target" not in lines[2]
+
+
+def test_the_inter_token_tail_is_reported_against_issue_31s_targets_and_drawn(tmp_path):
+    """p99 / p50 of the inter-token time per level (<= 1.4 alone, <= 1.5 in company), and the
+    histogram `bench load` keeps per level, drawn by --plot as a fourth panel."""
+    from tokenwire.bench.load import itl_tail_lines
+    from tokenwire.bench.loadgen import log_histogram
+    from tokenwire.bench.plot import plot_levels
+    rows = [{"concurrency": 1, "rate": None, "itl_us_p50": 2000.0, "itl_us_p99": 2600.0},
+            {"concurrency": 8, "rate": None, "itl_us_p50": 5000.0, "itl_us_p99": 9000.0},
+            {"concurrency": 4, "rate": 10.0, "itl_us_p50": 1000.0, "itl_us_p99": 1400.0},
+            {"concurrency": 2, "rate": None, "itl_us_p50": 0.0, "itl_us_p99": 10.0}]        # no gap: no line
+    lines = itl_tail_lines(rows)
+    assert len(lines) == 3
+    assert "1.30x" in lines[0] and "target <= 1.4x" in lines[0] and lines[0].endswith(": met")
+    assert "1.80x" in lines[1] and "target <= 1.5x" in lines[1] and lines[1].endswith("NOT met")
+    assert lines[2].startswith("concurrency 4, rate 10/s") and lines[2].endswith(": met")
+    hist = log_histogram([0.5, 1.0, 1.2, 1000.0, 1100.0, 9999.0, 10000.0])
+    assert [c for _, c in hist] == [3, 2, 1, 1] and hist[0][0] == 1.0
+    assert hist[1][0] == pytest.approx(1000.0) and hist[-1][0] == pytest.approx(10000.0)
+    level = {"concurrency": 1, "rate": None, "num_requests": 3, "num_errors": 0, "tokens_per_s": 100.0,
+             "ttft_us_p50": 1.0, "ttft_us_p99": 2.0, "itl_us_p50": 1000.0, "itl_us_p99": 1100.0, "itl_us_hist": hist}
+    plot_levels([level], str(tmp_path / "load.png"), "t")
+    assert (tmp_path / "load.png").stat().st_size > 10_000
