@@ -99,16 +99,63 @@ class ServerLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-class Holding:
-    """What one connection holds, as the budget last counted it (owned by its ServerProtocol)."""
-    __slots__ = ("conn", "unsent", "unsent_since", "body", "body_since")
+class Held:
+    """What one connection holds of one byte budget, as that budget last counted it."""
+    __slots__ = ("conn", "bytes", "since")
 
     def __init__(self, conn):
         self.conn = conn                # the ServerProtocol: `end(cause, message)` cuts it
-        self.unsent = 0                 # unsent response bytes
-        self.unsent_since = 0.0         # monotonic s when it began to hold them
-        self.body = 0                   # body bytes of incomplete requests
-        self.body_since = 0.0
+        self.bytes = 0
+        self.since = 0.0                # monotonic s when it began to hold them
+
+
+class Holding:
+    """What one connection holds, as the budgets counted it (owned by its ServerProtocol)."""
+    __slots__ = ("unsent", "body")
+
+    def __init__(self, conn):
+        self.unsent = Held(conn)        # unsent response bytes
+        self.body = Held(conn)          # body bytes of incomplete requests
+
+    def forget_conn(self) -> None:
+        """The connection is gone: no back-reference to it stays (it is freed as it closes)."""
+        self.unsent.conn = self.body.conn = None
+
+
+class Total:
+    """One server-wide byte budget: the bytes all connections hold of it, its limit, and who
+    holds any; going over it schedules the budget's enforcement pass."""
+
+    def __init__(self, cause: str, what: str, limit: int, schedule):
+        self.cause = cause              # tokenwire_connections_closed_total's reason for its cuts
+        self.what = what                # the log's and the GOAWAY's words for its bytes
+        self.limit = limit
+        self.bytes = 0
+        self.num_freed = 0              # bytes connections stopped holding, since memory was given back
+        self.holders: set = set()       # Helds with bytes > 0
+        self._schedule = schedule
+
+    def hold(self, held: Held, num_bytes: int) -> None:
+        """A connection's count changed (once per flush or read at most)."""
+        old = held.bytes
+        if not old:
+            held.since = time.monotonic()
+            self.holders.add(held)
+        elif num_bytes < old:
+            self.num_freed += old - num_bytes
+            if not num_bytes:
+                self.holders.discard(held)
+        held.bytes = num_bytes
+        self.bytes += num_bytes - old
+        if self.bytes > self.limit:
+            self._schedule()
+
+    def victims(self) -> list:
+        """The connections to end so that it fits again (`pick_victims`)."""
+        excess = self.bytes - self.limit
+        if excess <= 0:
+            return []
+        return pick_victims([(h.bytes, h.since, h.conn) for h in self.holders], excess)
 
 
 def pick_victims(holders: list, excess: int) -> list:
@@ -131,13 +178,12 @@ class ServerBudget:
     def __init__(self, limits: ServerLimits, connections: set):
         self.limits = limits
         self.connections = connections      # the app's open connections
-        self.num_unsent_bytes = 0
-        self.num_body_bytes = 0
-        self.num_freed_bytes = 0            # bytes connections stopped holding, since memory was given back
-        self.num_closed = 0                 # connections closed since then
+        self.unsent = Total("total_unsent_bytes", "unsent response bytes", limits.max_total_unsent_bytes,
+                            self._schedule)
+        self.body = Total("total_body_bytes", "buffered request-body bytes", limits.max_total_body_bytes,
+                          self._schedule)
+        self.num_closed = 0                 # connections closed since memory was given back
         self.num_waiting_refusals = 0       # refused connections waiting for the bytes that name their protocol
-        self._unsent_holders: set = set()   # Holdings with unsent > 0
-        self._body_holders: set = set()     # Holdings with body > 0
         self._enforcing = False
         self._num_set_ups = 0               # sessions set up in this iteration of the loop
         self._waiting_set_up = deque()      # connections whose first bytes wait for a later iteration
@@ -148,42 +194,24 @@ class ServerBudget:
 
     # ----------------------------------------------------------- accounting
 
-    def hold_unsent(self, holding: Holding, num_bytes: int) -> None:
-        """A connection's unsent bytes changed (once per flush at most)."""
-        old = holding.unsent
-        if not old:
-            holding.unsent_since = time.monotonic()
-            self._unsent_holders.add(holding)
-        elif num_bytes < old:
-            self.num_freed_bytes += old - num_bytes
-            if not num_bytes:
-                self._unsent_holders.discard(holding)
-        holding.unsent = num_bytes
-        self.num_unsent_bytes += num_bytes - old
-        if self.num_unsent_bytes > self.limits.max_total_unsent_bytes:
-            self._schedule()
+    @property
+    def num_unsent_bytes(self) -> int:
+        return self.unsent.bytes
 
-    def hold_body(self, holding: Holding, num_bytes: int) -> None:
-        """A connection's buffered body bytes changed (once per read at most)."""
-        old = holding.body
-        if not old:
-            holding.body_since = time.monotonic()
-            self._body_holders.add(holding)
-        elif num_bytes < old:
-            self.num_freed_bytes += old - num_bytes
-            if not num_bytes:
-                self._body_holders.discard(holding)
-        holding.body = num_bytes
-        self.num_body_bytes += num_bytes - old
-        if self.num_body_bytes > self.limits.max_total_body_bytes:
-            self._schedule()
+    @property
+    def num_body_bytes(self) -> int:
+        return self.body.bytes
+
+    @property
+    def num_freed_bytes(self) -> int:
+        """Bytes connections stopped holding since memory was given back (memory.py's trigger)."""
+        return self.unsent.num_freed + self.body.num_freed
 
     def release(self, holding: Holding) -> None:
         """The connection is ending: nothing it holds will be sent or completed."""
-        if holding.unsent:
-            self.hold_unsent(holding, 0)
-        if holding.body:
-            self.hold_body(holding, 0)
+        for total, held in ((self.unsent, holding.unsent), (self.body, holding.body)):
+            if held.bytes:
+                total.hold(held, 0)
 
     def closed(self, holding: Holding) -> None:
         """The connection is gone (memory.py gives memory back after many)."""
@@ -193,7 +221,7 @@ class ServerBudget:
     def take_freed(self) -> tuple:
         """-> (bytes let go of, connections closed) since the last call (memory.py's trigger)."""
         freed, closed = self.num_freed_bytes, self.num_closed
-        self.num_freed_bytes = self.num_closed = 0
+        self.unsent.num_freed = self.body.num_freed = self.num_closed = 0
         return freed, closed
 
     # ------------------------------------------------------------ admission
@@ -258,34 +286,27 @@ class ServerBudget:
     def enforce(self) -> None:
         """End the connections that hold the most until both byte totals fit their budgets."""
         self._enforcing = False
-        limits = self.limits
-        excess = self.num_unsent_bytes - limits.max_total_unsent_bytes
-        if excess > 0:
-            holders = [(h.unsent, h.unsent_since, h.conn) for h in self._unsent_holders]
-            self._cut(pick_victims(holders, excess), "total_unsent_bytes", "unsent response bytes",
-                      self.num_unsent_bytes, limits.max_total_unsent_bytes)
-        excess = self.num_body_bytes - limits.max_total_body_bytes
-        if excess > 0:
-            holders = [(h.body, h.body_since, h.conn) for h in self._body_holders]
-            self._cut(pick_victims(holders, excess), "total_body_bytes", "buffered request-body bytes",
-                      self.num_body_bytes, limits.max_total_body_bytes)
+        for total in (self.unsent, self.body):
+            victims = total.victims()
+            if victims:
+                self._cut(victims, total)
 
-    def _cut(self, victims: list, cause: str, what: str, total: int, limit: int) -> None:
+    def _cut(self, victims: list, total: Total) -> None:
         for conn in victims:
-            conn.end(cause, f"the server holds {total} {what}, over its limit of {limit}")
-        cuts = self._cuts.setdefault(cause, [0, -LOG_INTERVAL_S, 0])
+            conn.end(total.cause, f"the server holds {total.bytes} {total.what}, over its limit of {total.limit}")
+        cuts = self._cuts.setdefault(total.cause, [0, -LOG_INTERVAL_S, 0])
         cuts[0] += len(victims)
-        cuts[2] = max(cuts[2], total)
+        cuts[2] = max(cuts[2], total.bytes)
         wait = cuts[1] + LOG_INTERVAL_S - time.monotonic()
         if wait <= 0:
-            self._log_cuts(cause, what, limit)
+            self._log_cuts(total)
         elif cuts[0] == len(victims):       # the first cut since the last line: its line comes at the interval's end
-            asyncio.get_running_loop().call_later(wait, self._log_cuts, cause, what, limit)
+            asyncio.get_running_loop().call_later(wait, self._log_cuts, total)
 
-    def _log_cuts(self, cause: str, what: str, limit: int) -> None:
+    def _log_cuts(self, total: Total) -> None:
         """One line for the connections a budget ended since its last line (at most one per LOG_INTERVAL_S)."""
-        cuts = self._cuts[cause]
+        cuts = self._cuts[total.cause]
         if cuts[0]:
             log.warning("up to %d %s held, over the server's limit of %d: ended %d connection(s) holding the most",
-                        cuts[2], what, limit, cuts[0])
+                        cuts[2], total.what, total.limit, cuts[0])
         cuts[:] = [0, time.monotonic(), 0]

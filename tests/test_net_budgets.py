@@ -75,8 +75,9 @@ def test_budget_cuts_log_one_line_per_interval_counting_every_connection_ended(m
     async def cuts():
         budget = budgets.ServerBudget(ServerLimits(10, 1000, 1000), set())
         conns = [Endable() for _ in range(6)]
+        budget.unsent.bytes = 1500
         for conn in conns:
-            budget._cut([conn], "total_unsent_bytes", "unsent response bytes", 1500, 1000)
+            budget._cut([conn], budget.unsent)
         await asyncio.sleep(0.4)
         return conns
 

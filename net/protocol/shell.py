@@ -131,8 +131,8 @@ class ServerProtocol(asyncio.Protocol):
             self._dispatch(events)
         if not self.closing:            # (after the app: it may keep a gRPC message, http2.py `keep_message`)
             num_body_bytes = self.session.num_body_bytes
-            if num_body_bytes != self.holding.body:
-                self.budget.hold_body(self.holding, num_body_bytes)
+            if num_body_bytes != self.holding.body.bytes:
+                self.budget.body.hold(self.holding.body, num_body_bytes)
         self.flush()
 
     def eof_received(self):
@@ -159,7 +159,8 @@ class ServerProtocol(asyncio.Protocol):
         and h2's H2Connection, which refers to itself through the bound methods of its frame
         dispatch table (its attributes are dropped: nothing calls it after its connection is
         lost, every later path checks `closing` first)."""
-        self.outbox.proto = self.holding.conn = None
+        self.outbox.proto = None
+        self.holding.forget_conn()
         conn = getattr(self.session, "conn", None)
         if conn is not None:
             vars(conn).clear()
@@ -200,8 +201,8 @@ class ServerProtocol(asyncio.Protocol):
         if data:
             self.transport.write(data)
         num_pending = session.num_pending_bytes        # not paused: nothing is held here
-        if num_pending != self.holding.unsent:
-            self.budget.hold_unsent(self.holding, num_pending)
+        if num_pending != self.holding.unsent.bytes:
+            self.budget.unsent.hold(self.holding.unsent, num_pending)
         if num_pending > self.limits.max_unsent_bytes:
             self._check_backlog()
         elif session.wants_close:
@@ -301,8 +302,8 @@ class ServerProtocol(asyncio.Protocol):
         elif self.paused and session.num_control_frames - self._control_at_pause > limits.max_queued_control_frames:
             self.end("control_frame_backlog", f"more than {limits.max_queued_control_frames} control frames "
                      "queued for a peer that does not read")
-        elif unsent != self.holding.unsent:
-            self.budget.hold_unsent(self.holding, unsent)
+        elif unsent != self.holding.unsent.bytes:
+            self.budget.unsent.hold(self.holding.unsent, unsent)
 
     def begin_shutdown(self) -> None:
         """Graceful: GOAWAY / Connection: close; the connection closes once its streams finish."""
