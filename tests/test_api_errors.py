@@ -3,6 +3,7 @@ on serving other requests. Runs on asyncio and on uvloop, over HTTP/2 (httpx wit
 knowledge) and, where HTTP/1.1 behaves differently, over HTTP/1.1.
 """
 
+import contextlib
 import json
 import re
 import socket
@@ -220,6 +221,17 @@ def test_api_key(loop_kind):
 # ------------------------------------------------------------------- 429
 
 def test_queue_full(loop_kind):
+    with full_queue(loop_kind) as client:
+        response = client.post("/generate", json={"prompt": "hi", "max_tokens": 2})
+        error = check_error(response, 429, code="queue_full")
+        assert response.headers["retry-after"] == "1" and "queue is full" in error["message"]
+
+
+@contextlib.contextmanager
+def full_queue(loop_kind):
+    """A server whose one sequence slot runs a request (1 s of 20 ms steps) and whose queue of
+    one holds another: the body's requests find the queue full. -> an HTTP/2 client; on exit
+    both requests must have been served and the server must still serve."""
     s = tokenwire.Server(backend="mock", port=0, loop=loop_kind, mock_step_us=20000, max_num_seqs=1,
                          max_queued_requests=1).start()
     try:
@@ -229,15 +241,13 @@ def test_queue_full(loop_kind):
             def generate(name, n):
                 results[name] = client.post("/generate", json={"prompt": "hi", "max_tokens": n})
 
-            running = threading.Thread(target=generate, args=("running", 50))   # 1 s of 20 ms steps
+            running = threading.Thread(target=generate, args=("running", 50))
             running.start()
             _wait_for(lambda: _gauge(client, "tokenwire_requests_running") == 1)
             waiting = threading.Thread(target=generate, args=("waiting", 2))
             waiting.start()
             _wait_for(lambda: _gauge(client, "tokenwire_requests_waiting") == 1)
-            response = client.post("/generate", json={"prompt": "hi", "max_tokens": 2})
-            error = check_error(response, 429, code="queue_full")
-            assert response.headers["retry-after"] == "1" and "queue is full" in error["message"]
+            yield client
             running.join()
             waiting.join()
             assert results["running"].status_code == 200 and results["waiting"].status_code == 200

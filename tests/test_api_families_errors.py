@@ -8,7 +8,6 @@ best_of requests keep their x-request-timeout-ms deadline.
 """
 
 import json
-import threading
 import time
 
 import anthropic
@@ -20,7 +19,7 @@ import pytest
 import tokenwire
 from tokenwire.net.protocol.events import Limits
 
-from test_api_errors import _gauge, _wait_for, check_error, post_raw, still_serving
+from test_api_errors import check_error, full_queue, post_raw, still_serving
 
 MAX_MODEL_LEN = 64
 MAX_BODY = 4000
@@ -218,34 +217,14 @@ def test_api_key(loop_kind):
 # -------------------------------------------------------------- 429
 
 def test_queue_full(loop_kind):
-    s = tokenwire.Server(backend="mock", port=0, loop=loop_kind, mock_step_us=20000, max_num_seqs=1,
-                         max_queued_requests=1).start()
-    try:
-        with httpx.Client(http1=False, http2=True, base_url=s.url, timeout=30) as client:
-            results = {}
-
-            def generate(name, n):
-                results[name] = client.post("/generate", json={"prompt": "hi", "max_tokens": n})
-
-            running = threading.Thread(target=generate, args=("running", 50))   # 1 s of 20 ms steps
-            running.start()
-            _wait_for(lambda: _gauge(client, "tokenwire_requests_running") == 1)
-            waiting = threading.Thread(target=generate, args=("waiting", 2))
-            waiting.start()
-            _wait_for(lambda: _gauge(client, "tokenwire_requests_waiting") == 1)
-            response = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
-            error = check_error(response, 429, code="queue_full")
-            assert response.headers["retry-after"] == "1" and "queue is full" in error["message"]
-            response = client.post("/v1/messages", json={"max_tokens": 2, "messages": USER, "stream": True})
-            error = check_anthropic_error(response, 429, "rate_limit_error")
-            assert response.headers["retry-after"] == "1" and "queue is full" in error["message"]
-            assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200     # never queued
-            running.join()
-            waiting.join()
-            assert results["running"].status_code == 200 and results["waiting"].status_code == 200
-            still_serving(client)
-    finally:
-        s.stop()
+    with full_queue(loop_kind) as client:
+        response = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        error = check_error(response, 429, code="queue_full")
+        assert response.headers["retry-after"] == "1" and "queue is full" in error["message"]
+        response = client.post("/v1/messages", json={"max_tokens": 2, "messages": USER, "stream": True})
+        error = check_anthropic_error(response, 429, "rate_limit_error")
+        assert response.headers["retry-after"] == "1" and "queue is full" in error["message"]
+        assert client.post("/tokenize", json={"prompt": "hi"}).status_code == 200     # never queued
 
 
 # -------------------------------------------------------------- deadlines
