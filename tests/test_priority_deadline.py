@@ -64,6 +64,28 @@ def h2_request(conn, sid, path, body: bytes, headers=()):
     conn.send_data(sid, body, end_stream=True)
 
 
+
+def priority_update(sid: int, value: bytes) -> bytes:
+    """An RFC 9218 PRIORITY_UPDATE frame (type 0x10, on stream 0) for stream `sid`."""
+    payload = sid.to_bytes(4, "big") + value
+    return len(payload).to_bytes(3, "big") + bytes([PRIORITY_UPDATE, 0]) + (0).to_bytes(4, "big") + payload
+
+
+def finishing_order(sock, conn, num_streams: int) -> list:
+    """Read until `num_streams` streams ended (acknowledging their data) -> their ids in the order they ended."""
+    order = []
+    while len(order) < num_streams:
+        data = sock.recv(65536)
+        assert data
+        for ev in conn.receive_data(data):
+            if isinstance(ev, h2.events.StreamEnded):
+                order.append(ev.stream_id)
+            elif isinstance(ev, h2.events.DataReceived):
+                conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        sock.sendall(conn.data_to_send())
+    return order
+
+
 def test_priority_update_frame_moves_a_waiting_request_ahead(serial):
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
@@ -74,19 +96,8 @@ def test_priority_update_frame_moves_a_waiting_request_ahead(serial):
             h2_request(conn, sid, "/generate", body)
         sock.sendall(conn.data_to_send())
         time.sleep(0.01)
-        payload = (9).to_bytes(4, "big") + b"u=0"          # stream 9, last to arrive, becomes urgent
-        sock.sendall(len(payload).to_bytes(3, "big") + bytes([PRIORITY_UPDATE, 0]) + (0).to_bytes(4, "big")
-                     + payload)
-        order = []
-        while len(order) < 5:
-            data = sock.recv(65536)
-            assert data
-            for ev in conn.receive_data(data):
-                if isinstance(ev, h2.events.StreamEnded):
-                    order.append(ev.stream_id)
-                elif isinstance(ev, h2.events.DataReceived):
-                    conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-            sock.sendall(conn.data_to_send())
+        sock.sendall(priority_update(9, b"u=0"))           # stream 9, last to arrive, becomes urgent
+        order = finishing_order(sock, conn, 5)
     assert order == [1, 9, 3, 5, 7], order
 
 
@@ -98,11 +109,6 @@ def test_priority_update_before_its_request_is_kept_and_applied(serial):
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     body = json.dumps({"prompt": "x", "max_tokens": 5}).encode()
-
-    def priority_update(sid: int, value: bytes) -> bytes:
-        payload = sid.to_bytes(4, "big") + value
-        return len(payload).to_bytes(3, "big") + bytes([PRIORITY_UPDATE, 0]) + (0).to_bytes(4, "big") + payload
-
     with socket.create_connection(("127.0.0.1", serial.port)) as sock:     # 1 runs while the rest arrive
         h2_request(conn, 1, "/generate", json.dumps({"prompt": "x", "max_tokens": 100}).encode())
         sock.sendall(conn.data_to_send() + priority_update(9, b"u=0"))
@@ -117,16 +123,7 @@ def test_priority_update_before_its_request_is_kept_and_applied(serial):
         sock.sendall(conn.data_to_send() + priority_update(7, b"u=1"))
         conn.send_data(7, body[5:], end_stream=True)
         sock.sendall(conn.data_to_send())
-        order = []
-        while len(order) < 5:
-            data = sock.recv(65536)
-            assert data
-            for ev in conn.receive_data(data):
-                if isinstance(ev, h2.events.StreamEnded):
-                    order.append(ev.stream_id)
-                elif isinstance(ev, h2.events.DataReceived):
-                    conn.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-            sock.sendall(conn.data_to_send())
+        order = finishing_order(sock, conn, 5)
     assert order == [1, 9, 7, 3, 5], order
 
 
