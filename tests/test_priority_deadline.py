@@ -131,8 +131,7 @@ def test_priority_update_for_stream_zero_is_a_protocol_error(serial):
     conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     conn.initiate_connection()
     with socket.create_connection(("127.0.0.1", serial.port)) as sock:
-        sock.sendall(conn.data_to_send() + (7).to_bytes(3, "big") + bytes([PRIORITY_UPDATE, 0])
-                     + (0).to_bytes(4, "big") + (0).to_bytes(4, "big") + b"u=0")
+        sock.sendall(conn.data_to_send() + priority_update(0, b"u=0"))
         events = []
         while not any(isinstance(e, h2.events.ConnectionTerminated) for e in events):
             data = sock.recv(65536)
