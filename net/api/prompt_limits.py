@@ -25,7 +25,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 LARGE_PROMPT_CHARS = 16 * 1024          # from this length on a prompt is tokenized off the loop (~1 ms of work)
-TOKENIZE_WORKERS = max(2, min(4, len(os.sched_getaffinity(0))))     # the CPUs this process may use, 2 to 4
+# the CPUs this process may use (os.cpu_count() where there is no affinity call), 2 to 4
+TOKENIZE_WORKERS = max(2, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def max_token_bytes(tokenizer) -> int | None:
