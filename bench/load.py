@@ -44,7 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None, help="warm-up requests per level (default: concurrency)")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt length in words (default 16)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per response (default 32)")
-    parser.add_argument("--mode", choices=("closed", "open"), default="closed")
+    parser.add_argument("--mode", choices=("closed", "open", "staggered"), default="closed",
+                        help="closed: each stream starts again when it ends, all starting at once (default); "
+                             "open: Poisson arrivals at --rate; staggered: closed, but the streams start "
+                             "--spread / concurrency apart and run on from warm-up into the window, so their "
+                             "prefills do not land in one step")
+    parser.add_argument("--spread", type=float, default=1.0,
+                        help="staggered mode: seconds over which the first streams start (default 1.0)")
     parser.add_argument("--rate", default=None, help="open mode: comma-separated arrival rates, requests/s")
     parser.add_argument("--client", choices=fast_client.CLIENTS, default="python",
                         help="load client: python (the lean asyncio client, default), c (hand-written HTTP/2 in C, "
@@ -125,6 +131,8 @@ def parse_levels(args) -> list:
         return [(cap, rate, args.requests or max(100, int(rate)), args.warmup or 0) for rate in rates]
     if rates:
         raise ValueError("--rate applies to --mode open only")
+    if args.mode == "staggered" and not args.spread > 0:
+        raise ValueError("--spread must be > 0 seconds")
     return [(c, None, args.requests or max(100, 4 * c), c if args.warmup is None else args.warmup)
             for c in concurrency]
 
@@ -164,9 +172,10 @@ async def measure(target, levels, args, server_pid) -> list:
     rows = []
     for concurrency, rate, num_requests, num_warmup in levels:
         run = run_level if args.client == "python" else functools.partial(fast_client.run_level, client=args.client)
+        spread = {"spread_s": args.spread} if args.mode == "staggered" else {}
         row = await run(target, concurrency, num_requests, num_warmup=num_warmup,
                         num_connections=args.connections, mode=args.mode, rate=rate,
-                        server_pid=server_pid, expected_tokens=args.max_tokens)
+                        server_pid=server_pid, expected_tokens=args.max_tokens, **spread)
         row["server"] = args.url
         if args.h2load:
             row.update(compare_h2load(args.url, target, num_requests, concurrency, row))

@@ -15,7 +15,7 @@ import collections
 import math
 import random
 import time
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 from urllib.parse import urlsplit
 
 from . import h1client, h2client
@@ -159,6 +159,50 @@ async def closed_loop(pool, concurrency: int, num_requests: int) -> list:
     return records
 
 
+async def staggered_loop(pool, concurrency: int, num_requests: int, num_warmup: int, spread_s: float,
+                         mark: Callable[[], object]) -> tuple:
+    """A closed loop whose streams are out of step, as users' requests are: the first
+    `concurrency` streams start `spread_s / concurrency` apart, and the loop runs from warm-up
+    into the measured window without a break, so the offsets persist (`closed_loop` starts its
+    streams at once, and with equal response lengths they then stay in step: every prefill
+    lands in one step). Measured: the `num_requests` requests issued after the first
+    `num_warmup`; `mark()` is called as the first of them is issued and as the last completes.
+    Streams are issued until then (the load stays at `concurrency`), and the rest drain
+    unmeasured. -> (measured records, (the two values mark() returned))"""
+    loop = asyncio.get_running_loop()
+    finished, drained = loop.create_future(), loop.create_future()
+    records, marks = [], []
+    issued = in_flight = 0
+
+    def issue():
+        nonlocal issued, in_flight
+        if issued == num_warmup:
+            marks.append(mark())
+        index, issued, in_flight = issued, issued + 1, in_flight + 1
+        pool.start(lambda rec: on_done(rec, index))
+
+    def on_done(rec, index):
+        nonlocal in_flight
+        rec.end_ns = now_ns()
+        in_flight -= 1
+        if num_warmup <= index < num_warmup + num_requests:
+            records.append(rec)
+            if len(records) == num_requests:
+                marks.append(mark())
+                finished.set_result(None)
+        if not finished.done():
+            loop.call_soon(issue)       # a failure may complete inside start(): no recursion
+        elif not in_flight and not drained.done():
+            drained.set_result(None)
+
+    for i in range(concurrency):
+        loop.call_later(spread_s * i / concurrency, issue)
+    await wait_with_progress(finished, records, num_requests)
+    if in_flight:
+        await asyncio.wait_for(drained, STALL_TIMEOUT_S)
+    return records, marks
+
+
 async def wait_with_progress(finished, records: list, num_requests: int, stall_s: float = STALL_TIMEOUT_S):
     """Wait for `finished`; TimeoutError once no stream has completed for `stall_s` seconds."""
     count, changed = len(records), time.monotonic()
@@ -229,9 +273,17 @@ async def read_cpu_idle(pid: int):
 
 async def run_level(target: Target, concurrency: int, num_requests: int, *, num_warmup: int,
                     num_connections: int = 1, mode: str = "closed", rate: Optional[float] = None,
-                    server_pid: Optional[int] = None, expected_tokens: Optional[int] = None) -> dict:
-    """Warm up, measure one level, and return its row of figures."""
+                    server_pid: Optional[int] = None, expected_tokens: Optional[int] = None,
+                    spread_s: float = 0.0) -> dict:
+    """Warm up, measure one level, and return its row of figures. `mode`: "closed", "open"
+    (Poisson arrivals at `rate`), or "staggered" (closed, streams `spread_s / concurrency` apart)."""
     pool = await open_pool(target, concurrency, num_connections)
+    if mode == "staggered":
+        try:
+            return await run_staggered(pool, target, concurrency, num_requests, num_warmup, spread_s, server_pid,
+                                       expected_tokens)
+        finally:
+            pool.close()
     try:
         await closed_loop(pool, concurrency, num_warmup)
         queued_before = pool.num_queued
@@ -253,6 +305,23 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
                num_connections=pool.num_connections, num_queued=num_queued, client="python")
     if lag_us:
         row.update(summarize(lag_us, "send_lag_us"))
+    return row
+
+
+async def run_staggered(pool, target: Target, concurrency: int, num_requests: int, num_warmup: int,
+                        spread_s: float, server_pid: Optional[int], expected_tokens: Optional[int]) -> dict:
+    """run_level's staggered mode. The server is read while it runs (the window is seconds, a
+    reading lags by at most a scheduler tick), and its CPU per token is its CPU over the
+    window against the tokens of the requests measured: with the load steady, as many."""
+    def readings():
+        return now_ns(), time.process_time_ns(), read_cpu(server_pid) if server_pid else None
+
+    records, ((start, client_before, server_before), (end, client_after, server_after)) = await staggered_loop(
+        pool, concurrency, num_requests, num_warmup, spread_s, readings)
+    server_ns = cpu_delta_ns(server_before, server_after) if server_before and server_after else None
+    row = summarize_level(records, end - start, client_after - client_before, server_ns, expected_tokens)
+    row.update(concurrency=concurrency, mode="staggered", rate=None, spread_s=spread_s, protocol=target.protocol,
+               num_connections=pool.num_connections, num_queued=0, client="python")
     return row
 
 

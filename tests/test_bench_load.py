@@ -8,6 +8,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import h2.config
 import h2.connection
@@ -250,6 +251,40 @@ def test_open_loop_sends_at_the_rate(mock_server):
     assert "send_lag_us_p50" in row
 
 
+def test_staggered_loop_keeps_streams_out_of_step_and_measures_after_warm_up():
+    class Pool:                     # each stream takes 40 ms; records when it was started
+        def __init__(self):
+            self.starts = []
+
+        def start(self, done):
+            loop = asyncio.get_running_loop()
+            rec = SimpleNamespace(start_ns=loadgen.now_ns(), index=len(self.starts))
+            self.starts.append(rec.start_ns)
+            loop.call_later(0.04, done, rec)
+
+    async def go(pool):
+        marks = iter(range(10))
+        return await loadgen.staggered_loop(pool, 4, 12, 8, 0.04, lambda: next(marks))
+
+    pool, t0 = Pool(), loadgen.now_ns()
+    records, marks = asyncio.run(go(pool))
+    assert marks == [0, 1]
+    assert sorted(r.index for r in records) == list(range(8, 20))      # issued after the first 8
+    # timers never fire early, so these hold however loaded the machine is: the i-th first
+    # stream starts i x 10 ms in, and each later one 40 ms after the one it follows
+    assert all(start - t0 >= i * 9_000_000 for i, start in enumerate(pool.starts[:4]))
+    assert all(b - a >= 39_000_000 for a, b in zip(pool.starts, pool.starts[4:]))
+    assert 20 <= len(pool.starts) < 20 + 4                               # load held until the last measured one
+
+
+def test_staggered_level_against_tokenwire(mock_server):
+    target = make_target("127.0.0.1", mock_server.port, "/v1/completions", "h2", "sse", 2, 5)
+    row = asyncio.run(loadgen.run_level(target, 4, 12, num_warmup=4, mode="staggered", spread_s=0.05,
+                                        server_pid=listening_pid(mock_server.port), expected_tokens=5))
+    assert row["num_errors"] == 0 and row["num_requests"] == 12 and row["num_tokens"] == 60
+    assert row["mode"] == "staggered" and row["cpu_us_per_token"] > 0
+
+
 def test_cpu_reading_of_this_process():
     before = read_cpu(__import__("os").getpid())
     sum(i * i for i in range(300000))
@@ -345,6 +380,7 @@ def test_h2load_output_parser():
     (["--url", "https://127.0.0.1:1/v1/completions"], "http://"),
     (["--url", "http://127.0.0.1:1/x", "--mode", "open"], "--rate"),
     (["--url", "http://127.0.0.1:1/x", "--concurrency", "0"], "--concurrency"),
+    (["--url", "http://127.0.0.1:1/x", "--mode", "staggered", "--spread", "0"], "--spread"),
     (["--url", "http://127.0.0.1:1/x", "--framing", "grpc"], "--protocol grpc"),
 ])
 def test_bench_load_rejects_bad_options(args, message):
