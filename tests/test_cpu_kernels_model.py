@@ -463,3 +463,23 @@ def test_the_pool_ignores_one_slow_step_and_follows_a_persistent_one():
     finally:
         cpu.set_adaptive(True)
         cpu.set_num_threads(before)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from Linux's /proc")
+def test_the_kv_cache_is_resident_from_the_start():
+    """A decode step never pays for a fresh block's first touch (kernels/cpu/src/model.c): the
+    whole KV cache is mapped when the model is made, and given back when it goes."""
+    config = CONFIGS["llama_gqa"]
+    tensors = engine_tensors(config, ENCODINGS["int4_g32_fp16_embed"])
+    kv_bytes = 64 << 20
+    per_block = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 16 * 4
+    before = resident_bytes()
+    model = cpu.create_model(config, tensors, block_size=16, num_blocks=kv_bytes // per_block)
+    assert resident_bytes() - before >= 0.95 * kv_bytes
+    del model
+    assert resident_bytes() - before < 0.1 * kv_bytes

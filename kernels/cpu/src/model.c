@@ -21,8 +21,12 @@ static size_t q_row(const tw_model *m) { return (size_t)(m->num_heads + 2 * m->n
 
 int tw_model_init(tw_model *m) {
     const size_t per_cache = (size_t)m->num_layers * m->num_blocks * m->block_size * m->num_kv_heads * m->head_dim;
+    /* resident from the start (tw_populate): a step never faults in a fresh block, and a
+     * server that cannot have its KV cache fails at start, not an hour in */
     m->k_cache = tw_alloc(per_cache * sizeof(float));
     m->v_cache = tw_alloc(per_cache * sizeof(float));
+    if (tw_populate(m->k_cache, per_cache * sizeof(float)) || tw_populate(m->v_cache, per_cache * sizeof(float)))
+        return -1;
     if (m->attn_scale == 0.0f) m->attn_scale = (float)pow((double)m->head_dim, -0.5);   /* np.float32(head_dim ** -0.5) */
     m->next_work = tw_alloc((size_t)(5 * m->num_layers + 1) * sizeof(_Atomic int));
     return m->k_cache && m->v_cache && m->next_work ? 0 : -1;

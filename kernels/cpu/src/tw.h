@@ -212,5 +212,6 @@ double tw_now_seconds(void);
 void tw_prefetch_l2(const void *p, size_t bytes);    /* prefetcht1 every 64-byte line (a no-op off x86) */
 void *tw_alloc(size_t bytes);                        /* 64-byte aligned, zeroed; NULL on failure */
 void tw_free(void *p);
+int tw_populate(void *p, size_t bytes);               /* map the pages now; -1: no memory */
 
 #endif
