@@ -26,6 +26,7 @@ BENCHES = {
     "scheduler": ("tokenwire.bench.scheduler", "scheduler overhead per step with a zero-cost engine"),
     "stages": ("tokenwire.bench.stages", "per-stage microbenchmarks of the request pipeline"),
     "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),
+    "timeline": ("tokenwire.bench.timeline", "an engine's steps one by one under load, and what the slowest held"),
     "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
     "prefix": ("tokenwire.bench.prefix", "prefix cache on against off: shared system prompt TTFT, multi-turn prefill"),
     "spec": ("tokenwire.bench.spec", "speculative decoding (n-gram, a draft model) against none: tok/s, ITL, acceptance"),
