@@ -161,8 +161,8 @@ def test_thread_count_never_changes_a_result():
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int8])
 def test_dense_and_int8_rows(isa, dtype):
     rng = np.random.default_rng(7)
-    n, k = 37, 77
-    for m in (1, 3, 6):
+    # odd shapes (a 4-row block's remainder, a k tail); and enough rows for the prefetch ahead
+    for n, k, m in [(37, 77, 1), (37, 77, 3), (37, 77, 6), (301, 64, 1), (301, 64, 2)]:
         x = rng.standard_normal((m, k)).astype(np.float32)
         if dtype == np.int8:
             w = rng.integers(-127, 128, (n, k), dtype=np.int8)
