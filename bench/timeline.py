@@ -33,6 +33,8 @@ from typing import NamedTuple
 from ..core.options import DEFAULTS
 from ..core.outputs import Timeline
 from ..core.sampling_params import SamplingParams
+from ..kernels import cpu
+from ..runtime import build_warm_engine
 from .args import positive_int
 from .stats import percentile
 
@@ -102,17 +104,9 @@ class Recorder:
         gc.callbacks.remove(self._on_gc)
 
 
-def pool_state():
-    """(threads, contended judgments so far) of the CPU pool, or None off the CPU backend."""
-    try:
-        from ..kernels.cpu import _cpu
-    except ImportError:
-        return None
-    return _cpu.pool_state()
-
-
-def run_level(core, prompt: list, concurrency: int, num_requests: int, max_tokens: int) -> tuple:
-    """Drive `core` until `num_requests` requests issued after the first `concurrency` finish.
+def run_level(core, prompt: list, concurrency: int, num_requests: int, max_tokens: int, on_cpu: bool) -> tuple:
+    """Drive `core` until `num_requests` requests issued after the first `concurrency` finish;
+    `on_cpu`: the CPU backend runs it, so the pool's thread count means something.
     -> (steps, token step indices per measured request)"""
     recorder = Recorder(core.executor)
     core.executor = recorder
@@ -128,16 +122,15 @@ def run_level(core, prompt: list, concurrency: int, num_requests: int, max_token
                 core.add_request(next_id, prompt, params, Timeline(arrived_ns=time.monotonic_ns()))
                 tokens[next_id] = []
                 next_id += 1
-            before = pool_state()
+            before = cpu.pool_state()
             gc_before = recorder.gc_ns
             recorder.last_ns = recorder.last_prompt_tokens = 0
             start = time.monotonic_ns()
             outputs = core.step()
             end = time.monotonic_ns()
-            after = pool_state()
+            after = cpu.pool_state()
             steps.append(Step(start, end, recorder.last_ns, core.num_scheduled, recorder.last_prompt_tokens,
-                              after[0] if after else 0, after[1] - before[1] if after else 0,
-                              recorder.gc_ns - gc_before))
+                              after[0] if on_cpu else 0, after[1] - before[1], recorder.gc_ns - gc_before))
             for out in outputs:
                 tokens[out.request_id].extend([index] * len(out.token_ids))
                 if out.finish_reason is not None:
@@ -215,7 +208,6 @@ def report(row: dict) -> str:
 
 
 def run(args) -> int:
-    from ..runtime import build_warm_engine
     try:
         levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
         if not levels or min(levels) < 1:
@@ -232,7 +224,8 @@ def run(args) -> int:
     rows, raw = [], []
     for concurrency in levels:
         num_requests = args.requests or max(30, 4 * concurrency)
-        steps, token_steps = run_level(core, prompt, concurrency, num_requests, args.max_tokens)
+        steps, token_steps = run_level(core, prompt, concurrency, num_requests, args.max_tokens,
+                                       args.backend == "cpu")
         row = summarize(concurrency, steps, token_steps)
         rows.append(row)
         raw.append([s._asdict() for s in steps])
