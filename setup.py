@@ -1,14 +1,16 @@
-"""Build tokenwire: one import namespace over the repository's top-level folders, plus the
-CPU kernel extension.
+"""Build tokenwire: one import namespace over the repository's top-level folders, plus two C
+extensions: the CPU kernels (kernels/cpu/src) and the per-step HTTP/2 DATA framing
+(net/protocol/_frames.c).
 
 The repository keeps the design's layout (core/, kernels/, net/, engine_build/, bench/);
 `package_dir` maps each folder onto `tokenwire.<folder>`, so site-packages gets one
 `tokenwire` package and no generic top-level names.
 
-The C extension is optional at install time: with no working compiler the install still
+The C extensions are optional at install time: with no working compiler the install still
 succeeds and tokenwire falls back to the numpy reference kernels, printing one warning
-when the CPU backend starts. With TOKENWIRE_REQUIRE_C=1 in the environment (CI sets it, in
-scripts/test.sh) a kernel that fails to compile fails the install instead, loudly.
+when the CPU backend starts, and to the same framing in Python (net/protocol/frames.py).
+With TOKENWIRE_REQUIRE_C=1 in the environment (CI sets it, in scripts/test.sh) an extension
+that fails to compile fails the install instead, loudly.
 """
 
 import os
@@ -46,7 +48,7 @@ class RequiredBuildFailed(RuntimeError):
 
 
 class OptionalBuildExt(build_ext):
-    """Build the C kernels when a compiler works; otherwise warn and install without them
+    """Build the C extensions when a compiler works; otherwise warn and install without them
     (or fail, with TOKENWIRE_REQUIRE_C=1)."""
 
     def run(self):
@@ -66,22 +68,26 @@ class OptionalBuildExt(build_ext):
         if isinstance(exc, RequiredBuildFailed):
             raise exc
         if os.environ.get("TOKENWIRE_REQUIRE_C") == "1":
-            raise RequiredBuildFailed(f"tokenwire CPU kernels failed to build and TOKENWIRE_REQUIRE_C=1: {exc}") from exc
-        print(f"WARNING: tokenwire CPU kernels not built ({exc}); the numpy reference will be used.",
-              file=sys.stderr)
+            raise RequiredBuildFailed(f"a tokenwire C extension failed to build and TOKENWIRE_REQUIRE_C=1: {exc}") \
+                from exc
+        print(f"WARNING: a tokenwire C extension was not built ({exc}); its Python fallback will be used "
+              "(the numpy reference kernels, or net/protocol/frames.py).", file=sys.stderr)
 
 
 def extensions():
+    # the per-step DATA framing: plain C, no intrinsics (net/protocol/frames.py is its twin)
+    exts = [Extension("tokenwire.net.protocol._frames", sources=[os.path.join("net", "protocol", "_frames.c")],
+                      extra_compile_args=["-O2", "-std=c11", "-fvisibility=hidden"])]
     sources = cpu_kernel_sources()
     if not sources:
-        return []
+        return exts
     # No -march=native: the wheel must run on any x86-64. AVX2/AVX-512 paths are compiled
     # per function with target attributes and chosen at run time (kernels/cpu/src/dispatch.c).
     args = ["-O3", "-std=c11", "-fno-strict-aliasing", "-fvisibility=hidden", "-pthread"]
     # depends: the headers, so a source distribution carries them and edits trigger a rebuild
-    return [Extension("tokenwire.kernels.cpu._cpu", sources=sources, depends=cpu_kernel_sources(".h"),
-                      include_dirs=[os.path.join("kernels", "cpu", "src")],
-                      extra_compile_args=args, extra_link_args=["-pthread", "-lm"])]
+    return exts + [Extension("tokenwire.kernels.cpu._cpu", sources=sources, depends=cpu_kernel_sources(".h"),
+                             include_dirs=[os.path.join("kernels", "cpu", "src")],
+                             extra_compile_args=args, extra_link_args=["-pthread", "-lm"])]
 
 
 packages, package_dir = namespace_packages()

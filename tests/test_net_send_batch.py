@@ -21,17 +21,17 @@ from test_net_session import client, data_by_stream, frames, handshake
 SIDS = (1, 3, 5, 7)
 
 
-def opened(window, conn_extra=0, settings=None):
+def opened(window, conn_extra=0, settings=None, sids=SIDS):
     c = client(window)
     if settings:
         c.update_settings(settings)
     s = H2Session(Limits())
-    handshake(c, s, SIDS)
+    handshake(c, s, sids)
     if conn_extra:
         c.increment_flow_control_window(conn_extra)
         s.receive_data(c.data_to_send())
     s.data_to_send()
-    for sid in SIDS:
+    for sid in sids:
         s.start_response(sid, 200, ((b"content-type", b"text/event-stream"),))
     return c, s
 

@@ -22,6 +22,7 @@ import h11
 import orjson
 
 from .events import BodyTooLarge, ConnectionClosed, Limits, Request, UpgradeRequested
+from .frames import payload
 
 TRAILER_NAMES = b"server-timing, tokenwire-cached-tokens"     # the trailers dispatch.py sends, for `Trailer:`
 
@@ -182,10 +183,11 @@ class H1Session:
         """The stream's key for `send_batch`."""
         return stream_id
 
-    def send_batch(self, items: list) -> None:
-        """`send_data` for each (data_key, payload) in `items`, in order."""
-        for stream_id, payload in items:
-            self.send_data(stream_id, payload)
+    def send_batch(self, items) -> None:
+        """`send_data` for each (data_key, *pieces) in `items`, in order (frames.py: the
+        payload is the pieces, a str as its JSON string)."""
+        for item in items:
+            self.send_data(item[0], payload(item))
 
     def send_data(self, stream_id: int, payload: bytes) -> None:
         """One chunk of the response body (hot path: once per token when streaming).

@@ -38,7 +38,8 @@ Rule 4: every header block is HPACK-decoded, in arrival order, also for streams 
         reset: the dynamic table must see them all. Repeated blocks replay from a memo that is
         valid only against the same table (request_headers.py).
 Rule 5: response frames (HEADERS, DATA, trailers) are built here from precompiled 9-byte
-        headers; header blocks are context-free HPACK (hpack_plain.py), cached per session.
+        headers, a step's batch of DATA frames by frames.py (in C when built, rule 3's windows
+        debited there); header blocks are context-free HPACK (hpack_plain.py), cached per session.
 Rule 6: whatever h2 produces is moved into the output list right after each h2 call, so
         frames leave in the order they were made.
 Rule 7: every stream has its own send queue: a stream whose window is shut queues its bytes
@@ -107,6 +108,7 @@ import h2.settings
 import hpack
 from h2.errors import ErrorCodes
 
+from . import frames
 from .events import (
     BodyTooLarge,
     ConnectionClosed,
@@ -119,12 +121,11 @@ from .events import (
     StreamReset,
 )
 from .flood import RateBudget
+from .frames import FRAME_HEADER, frame_data
 from .hpack_plain import encode_block
 from .request_headers import MalformedRequest, RequestDecoder
 
-# frame header: 24-bit length (as 8 + 16 bits), type, flags, 31-bit stream id
-FRAME_HEADER = struct.Struct(">BHBBI")
-DATA_HEADER = FRAME_HEADER
+DATA_HEADER = FRAME_HEADER              # (frames.py) 24-bit length, type, flags, 31-bit stream id
 RECV_HEADER = struct.Struct(">IBI")     # (length << 8 | type), flags, stream id: one unpack per frame
 GOAWAY = struct.Struct(">BHBBIII")      # header + last stream id + error code
 RST_STREAM_FRAME = struct.Struct(">BHBBII")     # header + error code
@@ -940,27 +941,17 @@ class H2Session:
         """The stream's key for `send_batch` (taken once per request)."""
         return self.streams[stream_id]
 
-    def send_batch(self, items: list) -> None:
-        """`send_data` for each (data_key, payload) in `items`, in order: a step's token chunks
-        for this connection in one pass (hot path: once per step). Same frames and window
-        accounting as one `send_data` per item; a chunk that does not fit at once takes the
-        general path."""
-        append, pack = self._out.append, DATA_HEADER.pack
-        window, max_frame = self.send_window, self.max_frame_size
-        try:            # an item that raises leaves the window exact for the frames made before it
-            for st, payload in items:
-                n = len(payload)
-                if st.pending or n > window or n > st.send_window or n > max_frame or st.state >= HALF_CLOSED_LOCAL:
-                    self.send_window = window
-                    self._send(st, payload)
-                    window = self.send_window
-                    continue
-                window -= n
-                st.send_window -= n
-                append(pack(n >> 16, n & 0xFFFF, 0, 0, st.id))
-                append(payload)
-        finally:
-            self.send_window = window
+    def send_batch(self, items) -> None:
+        """`send_data` for each (data_key, *pieces) in `items` (frames.py: the payload is the
+        pieces, a str as its JSON string), in order: a step's token chunks for this connection
+        in one pass (hot path: once per step), framed by `frames.frame_data` (C when built)
+        into one bytes object. Same frames and window accounting as one `send_data` per item;
+        a chunk that does not fit at once takes the general path. An item that raises leaves
+        the windows exact for the frames made before it."""
+        items = iter(items)
+        out = self._out
+        while (item := frame_data(self, items, out, HALF_CLOSED_LOCAL)) is not None:
+            self._send(item[0], frames.payload(item))
 
     def _send(self, st: _Stream, payload: bytes) -> None:
         n = len(payload)
