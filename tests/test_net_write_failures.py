@@ -1,8 +1,9 @@
 """One stream whose write raises fails alone (issue 30): over a real server with several
 streams on one HTTP/2 connection and on other connections (HTTP/2 and HTTP/1.1), one
 stream's write raises mid-step, at each place the step writer can raise: the response
-headers, the first token, the spliced SSE token (the step's columns), an encoder's token,
-the finish chunk, and the session's batch framing. The others of that step get every token, the failing one ends with
+headers, the first token, a token its encoder's `splice(text)` builds (the step's columns),
+an encoder's token, the finish chunk, and the session's batch framing (where an SSE token's
+pieces are spliced). The others of that step get every token, the failing one ends with
 RST_STREAM(INTERNAL_ERROR) (a 500 JSON body when it had sent nothing), its request is
 cancelled in the engine, it is logged once as an error with its request id, the connection
 keeps serving, and no exception reaches the event loop's handler.
@@ -20,6 +21,7 @@ import time
 
 import httpx
 import h2.events
+import orjson
 import pytest
 from h2.errors import ErrorCodes
 
@@ -27,6 +29,7 @@ import tokenwire
 from tokenwire.core.outputs import StepTokens, Timeline
 from tokenwire.net.api.openai import parse_completions
 from tokenwire.net.metrics import Metrics
+from tokenwire.net.protocol import frames
 from tokenwire.net.protocol.events import Limits
 from tokenwire.net.protocol.http1 import H1Session
 from tokenwire.net.protocol.http2 import H2Session
@@ -56,8 +59,12 @@ class FaultyEncoder:
         self._session_victims = session_victims
 
     def __getattr__(self, name):
-        if name == "text_parts" and self._how in ("splice", "session"):
+        if name == "text_parts" and self._how == "session":
             return self._text_parts
+        if name == "text_parts" and self._how == "splice":     # later tokens go through `splice(text)`
+            return lambda: (None, None)
+        if name == "splice" and self._how == "splice":
+            return self._splice
         if name == "response_headers" and self._how == "headers":
             raise InjectedFault("injected headers fault")
         return getattr(self._inner, name)
@@ -75,6 +82,7 @@ class FaultyEncoder:
 
     def token(self, out):
         self._count("token")
+        self._count("splice")               # a row's later token: the chunk `splice` builds in the columns
         return self._inner.token(out)
 
     def finish(self, *args, **kwargs):
@@ -84,16 +92,14 @@ class FaultyEncoder:
 
     def _text_parts(self):
         prefix, suffix = self._inner.text_parts()
-        if self._how == "session":          # the session's batch raises on this stream's chunks
-            self._session_victims.add(prefix)
-            return prefix, suffix
-        count = self._count
+        self._session_victims.add(prefix)   # the session's batch raises on this stream's chunks
+        return prefix, suffix
 
-        class Splice(bytes):                # `prefix + dumps(text) + suffix` raises in the step's columns
-            def __add__(self, other):
-                count("splice")
-                return bytes(self) + other
-        return Splice(prefix), suffix
+    def _splice(self, text):
+        """A later token's chunk, built in the step's columns (as the Responses encoder's)."""
+        self._count("splice")
+        prefix, suffix = self._inner.text_parts()
+        return prefix + orjson.dumps(text) + suffix
 
 
 @pytest.fixture(scope="module", params=["asyncio", "uvloop"])
@@ -125,12 +131,12 @@ def faults(server, monkeypatch):
     num_sent = [0]
 
     def faulty_send_batch(self, items):
-        for st, payload in items:           # one at a time, so the items before a fault are framed
-            if any(payload.startswith(p) for p in session_victims):
+        for item in items:                  # one at a time, so the items before a fault are framed
+            if any(frames.payload(item).startswith(p) for p in session_victims):
                 num_sent[0] += 1
                 if num_sent[0] >= FAIL_AT:
                     raise InjectedFault("injected session fault")
-            send_batch(self, [(st, payload)])
+            send_batch(self, [item])
     monkeypatch.setattr(H2Session, "send_batch", faulty_send_batch)
 
 

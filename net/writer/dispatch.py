@@ -28,7 +28,6 @@ import time
 from collections import deque
 
 from h2.errors import ErrorCodes
-from orjson import dumps
 
 from ...core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, RequestOutput, StepTokens
 from ..access_log import AccessLog, peer_name
@@ -78,8 +77,9 @@ class Exchange:
         self.expired = False                # its deadline passed: cancelled in the engine, ending
         self.send = proto.session.data_writer(stream_id)        # made once: called per token
         self.encode = encoder.token if encoder is not None else None
-        # SSE: a later token's chunk is prefix + orjson.dumps(text) + suffix, spliced inline;
-        # or splice(text), for encoders whose later chunks are not constant around the text
+        # SSE: a later token's chunk is prefix + orjson.dumps(text) + suffix, queued as those
+        # pieces and spliced as it is framed (net/protocol/frames.py); or splice(text), for
+        # encoders whose later chunks are not constant around the text
         self.prefix, self.suffix = encoder.text_parts() if hasattr(encoder, "text_parts") else (None, None)
         self.splice = getattr(encoder, "splice", None) if self.prefix is None else None
         self.key = proto.session.data_key(stream_id)            # such chunks wait in the connection's
@@ -134,10 +134,11 @@ class Dispatcher:
         """Write one engine step's outputs to every stream (hot path: once per step).
 
         Frames for all streams of a connection are gathered in its session and leave in
-        one transport write per connection. An SSE token chunk is spliced inline from the
-        encoder's `text_parts()` and waits in its connection's outbox until the loop is done; each
-        connection's then become DATA frames in one `session.send_batch` pass (same frames
-        and windows as one `send_data` each). A stream's finish chunk follows its token at
+        one transport write per connection. An SSE token chunk waits in its connection's
+        outbox as the encoder's `text_parts()` around its text until the loop is done; each
+        connection's then become DATA frames in one `session.send_batch` pass, which splices
+        and frames them into one bytes object (net/protocol/frames.py, in C when built; same
+        frames and windows as one `send_data` each). A stream's finish chunk follows its token at
         once, so that token goes the general way, in order. The inter-token histogram is fed once per run
         of streams whose previous token went out at the same moment (usually the whole
         step: they were all in the previous one), not once per token.
@@ -175,7 +176,7 @@ class Dispatcher:
                             run_len += 1
                             prefix = ex.prefix
                             if prefix is not None and finish is None and out.logprobs is None:
-                                ex.queue((ex.key, prefix + dumps(out.text) + ex.suffix))
+                                ex.queue((ex.key, prefix, out.text, ex.suffix))
                             else:               # the finish chunk follows at once: this one goes first
                                 if ex.outbox.sends:     # after this stream's earlier tokens of this step
                                     ex.outbox.send_queued()     # (a replayed answer: many in one step)
@@ -247,12 +248,15 @@ class Dispatcher:
                     itl.observe_many_ns(now - run_last, run_len)
                 run_last, run_len = last, 0
             run_len += 1
-            try:            # free until it raises; then this stream fails alone
-                ex.queue((ex.key, prefix + dumps(text) + ex.suffix if prefix is not None else ex.splice(text)))
-            except Exception as exc:
-                num_tokens -= 1
-                self._fail(ex, exc)
-                continue
+            if prefix is not None:      # spliced as it is framed (net/protocol/frames.py)
+                ex.queue((ex.key, prefix, text, ex.suffix))
+            else:
+                try:        # free until it raises; then this stream fails alone
+                    ex.queue((ex.key, ex.splice(text)))
+                except Exception as exc:
+                    num_tokens -= 1
+                    self._fail(ex, exc)
+                    continue
             outbox = ex.outbox
             if not outbox.pending:
                 outbox.pending = True

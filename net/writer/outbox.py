@@ -1,9 +1,10 @@
 """`Outbox`: one connection's side of the per-step write, owned by its ServerProtocol.
 
 While the dispatcher writes a step, a later SSE token is not framed at once: its chunk
-waits in `sends` as (data key, payload), and at the end of the step `write_step()` turns
-all of them into DATA frames in one `session.send_batch` pass (same frames and windows as
-one `send_data` each) and writes the connection once. `pending` says the step writer has
+waits in `sends` as (data key, *pieces) (net/protocol/frames.py: the encoder's prefix, the
+token's text, the suffix), and at the end of the step `write_step()` turns all of them into
+DATA frames in one `session.send_batch` pass (same frames and windows as one `send_data`
+each) and writes the connection once. `pending` says the step writer has
 listed this outbox for the end of the step (it sets it when it first writes to the
 connection in a step, instead of keeping a set: a flag test per token is ~50 ns cheaper
 than a set insert); `write_step` clears it. `streams` maps this connection's stream ids to
@@ -21,7 +22,7 @@ class Outbox:
     __slots__ = ("sends", "pending", "streams", "failed", "proto")
 
     def __init__(self, proto):
-        self.sends = []                     # this step's (data_key, payload) chunks: session.send_batch
+        self.sends = []                     # this step's (data_key, *pieces) chunks: session.send_batch
         self.pending = False                # listed for write_step at the end of this step
         self.streams = {}                   # stream id -> engine request id
         self.failed = []                    # (data_key, exception) of chunks whose framing raised
