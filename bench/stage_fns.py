@@ -34,7 +34,8 @@ from ..net.api.model_info import prompt_encoder
 from ..net.api.openai import parse_chat, parse_completions
 from ..net.metrics import Metrics
 from ..net.protocol.events import Limits
-from ..net.protocol.http2 import MAX_WINDOW, H2Session
+from ..net.protocol import frames
+from ..net.protocol.http2 import HALF_CLOSED_LOCAL, MAX_WINDOW, H2Session
 from ..net.writer import encoders
 from ..net.writer.dispatch import Dispatcher, Exchange
 from ..net.writer.outbox import Outbox
@@ -215,6 +216,33 @@ def session_stages(s: Setup) -> list:
     return out
 
 
+def framing_stages(s: Setup) -> list:
+    """A step's SSE token chunks for one connection as DATA frames (net/protocol/frames.py):
+    the C `frame_data` against its Python twin, on the same items."""
+    prefix, suffix = encoders.CompletionSse("cmpl-7", 1700000000, "model", False, str).text_parts()
+    impls = [("C", frames.frame_data)] if frames.NATIVE else []
+    impls.append(("Python", frames.frame_data_py))
+    stages = []
+    for batch in s.batch_sizes:
+        session, stream_ids = _open_h2_session(batch)
+        items = [(session.data_key(sid), prefix, " the", suffix) for sid in stream_ids]
+        for name, frame_data in impls:
+            def frame_step(session=session, items=items, frame_data=frame_data):
+                frame_data(session, iter(items), [], HALF_CLOSED_LOCAL)
+                _open_windows(session)
+            stages.append(Stage(f"SSE chunks to DATA frames, {name} ({batch} streams)", "wire", frame_step,
+                                num_tokens=batch, note="splice and frame into one bytes object; no socket"))
+    return stages
+
+
+def _open_windows(session: H2Session) -> None:
+    """A bench writes gigabytes: the send windows are opened again whenever they run low."""
+    if session.send_window < MAX_WINDOW // 2:
+        session.send_window = MAX_WINDOW
+        for st in session.streams.values():
+            st.send_window = MAX_WINDOW
+
+
 def _open_h2_session(num_streams: int):
     """A server H2Session with `num_streams` requests open and responding, fed by h2's client side
     with windows of 2**31 - 1 so flow control never queues the timed writes."""
@@ -259,12 +287,8 @@ class _Connection:
         self.outbox = Outbox(self)
 
     def flush(self) -> None:
-        session = self.session
-        session.data_to_send()
-        if session.send_window < MAX_WINDOW // 2:   # a bench writes gigabytes: windows stay open
-            session.send_window = MAX_WINDOW
-            for st in session.streams.values():
-                st.send_window = MAX_WINDOW
+        self.session.data_to_send()
+        _open_windows(self.session)
 
 
 def _dispatcher_step(kind: str, num_streams: int) -> tuple:
@@ -346,4 +370,4 @@ def handoff_stages(s: Setup) -> list:
 
 # in the order a token meets them: the engine thread detokenizes, then hands the step to the loop
 BUILDERS = (request_stages, scheduler_stages, engine_stages, sampling_stages, detokenize_stages, handoff_stages,
-            encode_stages, session_stages, dispatch_stages, socket_stages)
+            encode_stages, session_stages, framing_stages, dispatch_stages, socket_stages)
