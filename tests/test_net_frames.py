@@ -9,6 +9,7 @@ bytearray); an iterator that raises midway; repeated calls that must not leak.
 """
 
 import gc
+import subprocess
 import sys
 import tracemalloc
 
@@ -185,3 +186,10 @@ def test_send_batch_of_pieces_is_send_data_of_their_bytes(monkeypatch, frame_dat
     batch.send_batch([(batch.data_key(sid), *pieces) for sid, pieces in chunks])
     assert batch.data_to_send() == one.data_to_send()
     assert state(batch) == state(one)
+
+
+def test_without_the_extension_the_python_twin_is_chosen_at_import():
+    code = ("import sys; sys.modules['tokenwire.net.protocol._frames'] = None\n"
+            "from tokenwire.net.protocol import frames, http2\n"
+            "assert not frames.NATIVE and frames.frame_data is frames.frame_data_py is http2.frame_data\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
