@@ -4,7 +4,8 @@ H2Session's `send_batch` against one `send_data` per chunk.
 
 Cases: everything fits; stream and connection windows that run out mid-step; a payload over
 the peer's max frame size; a stream that has a queue; a stream whose response ended or was
-reset; 256 streams; pieces the C code hands back (a str subclass, a lone surrogate, a
+reset; 256 streams; keys whose fields are slots and keys whose fields are not, in one
+batch; pieces the C code hands back (a str subclass, a lone surrogate, a
 bytearray); an iterator that raises midway; repeated calls that must not leak.
 """
 
@@ -38,6 +39,13 @@ TEXTS = ["", " the", 'say "hi" \\ back', "tab\tnl\ncr\rbs\bff\f", "\x00\x01\x1f\
 class Stream:
     """The four fields of http2._Stream that framing reads."""
     __slots__ = ("id", "state", "pending", "send_window")
+
+    def __init__(self, sid, send_window=65535, state=HALF_CLOSED_REMOTE, pending=b""):
+        self.id, self.state, self.pending, self.send_window = sid, state, bytearray(pending), send_window
+
+
+class DictStream:
+    """The same fields in an instance dict: read and written through getattr / setattr."""
 
     def __init__(self, sid, send_window=65535, state=HALF_CLOSED_REMOTE, pending=b""):
         self.id, self.state, self.pending, self.send_window = sid, state, bytearray(pending), send_window
@@ -80,6 +88,8 @@ CASES = {
                                [(Stream(1), b"a" * 16384), (Stream(3), b"b" * 16385), (Stream(5), b"c")]),
     "queued stream": lambda: (Session(), sse_items([Stream(1, pending=b"x"), Stream(3)], TEXTS)),
     "ended stream": lambda: (Session(), sse_items([Stream(1, state=HALF_CLOSED_LOCAL), Stream(3)], TEXTS)),
+    "mixed key types": lambda: (Session(), sse_items([Stream(1, 300), DictStream(3, 300), Stream(5), DictStream(7)],
+                                                     TEXTS * 3)),
     "256 streams": lambda: (Session(), sse_items([Stream(2 * i + 1) for i in range(256)], TEXTS * 37)),
     "bytes and empty": lambda: (Session(), [(Stream(1), b""), (Stream(1), b"abc", b"def"), (Stream(3), "t\n")]),
     "handed back": lambda: (Session(), [(Stream(1), PREFIX, type("S", (str,), {})("sub"), SUFFIX),

@@ -23,6 +23,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>       /* T_OBJECT_EX, READONLY: how a __slots__ field is stored */
 #include <string.h>
 
 #define FRAME_HEADER_LEN 9
@@ -30,7 +31,7 @@
 #define MAX_FIRST_CAPACITY (1 << 20)    /* bytes, at most: a long batch grows past it by doubling */
 
 /* interned attribute names, made once at import */
-static PyObject *str_send_window, *str_max_frame_size, *str_pending, *str_state, *str_id;
+static PyObject *str_send_window, *str_max_frame_size;
 
 /* The output: one bytes object grown by doubling, shrunk to its length at the end.
  * `data` is NULL until the first frame. */
@@ -172,7 +173,97 @@ static int measure(PyObject *item, Piece *pieces, Py_ssize_t *num_pieces, Py_ssi
     return 0;
 }
 
-/* An int attribute as a long long; -> 0, or -1 with an exception */
+/* ------------------------------------------------------------------ the stream's fields */
+
+/* A key's four fields (id, state, pending, send_window). The session's `_Stream` keeps them
+ * in __slots__, so they are read and written at their offsets in the object, as CPython's
+ * own specialized LOAD_ATTR_SLOT does: through getattr they cost ~5x more, most of this
+ * file's time per chunk in a server. The offsets are looked up once per call, for the
+ * type of the first key; a key of another type, or a field that is not a plain object
+ * slot, goes through getattr / setattr. */
+enum { FIELD_ID, FIELD_STATE, FIELD_PENDING, FIELD_SEND_WINDOW, NUM_FIELDS };
+static PyObject *field_names[NUM_FIELDS];      /* interned at import */
+
+typedef struct {
+    PyTypeObject *type;                 /* a strong reference, or NULL before the first key */
+    Py_ssize_t offsets[NUM_FIELDS];     /* byte offset of each slot; 0: use getattr */
+} Layout;
+
+static void learn_layout(Layout *layout, PyTypeObject *type) {
+    Py_INCREF(type);
+    Py_XSETREF(layout->type, type);
+    for (int f = 0; f < NUM_FIELDS; f++) {
+        layout->offsets[f] = 0;
+        PyObject *descr = PyObject_GetAttr((PyObject *)type, field_names[f]);     /* a slot's descriptor */
+        if (descr == NULL) {
+            PyErr_Clear();
+            continue;
+        }
+        if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
+            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
+            if (member->type == T_OBJECT_EX && !(member->flags & READONLY)) layout->offsets[f] = member->offset;
+        }
+        Py_DECREF(descr);
+    }
+}
+
+/* The field as a new reference, or NULL with an exception */
+static PyObject *get_field(Layout *layout, PyObject *st, int f) {
+    if (Py_TYPE(st) != layout->type) learn_layout(layout, Py_TYPE(st));
+    Py_ssize_t offset = layout->offsets[f];
+    if (offset == 0) return PyObject_GetAttr(st, field_names[f]);
+    PyObject *value = *(PyObject **)((char *)st + offset);
+    if (value == NULL) {
+        PyErr_SetObject(PyExc_AttributeError, field_names[f]);
+        return NULL;
+    }
+    Py_INCREF(value);
+    return value;
+}
+
+/* -> 0, or -1 with an exception */
+static int get_field_ll(Layout *layout, PyObject *st, int f, long long *value) {
+    PyObject *v = get_field(layout, st, f);
+    if (v == NULL) return -1;
+    *value = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* -> 0, or -1 with an exception */
+static int set_field_ll(Layout *layout, PyObject *st, int f, long long value) {
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL) return -1;
+    if (Py_TYPE(st) != layout->type) learn_layout(layout, Py_TYPE(st));
+    Py_ssize_t offset = layout->offsets[f];
+    if (offset == 0) {
+        int rc = PyObject_SetAttr(st, field_names[f], v);
+        Py_DECREF(v);
+        return rc;
+    }
+    Py_XSETREF(*(PyObject **)((char *)st + offset), v);
+    return 0;
+}
+
+/* Does the stream take a frame of `n` bytes at once?  -> 1 yes (its window in *stream_window
+ * and its id in *stream_id), 0 no, -1 with an exception */
+static int stream_takes(Layout *layout, PyObject *st, Py_ssize_t n, long long closing_state,
+                        long long *stream_window, long long *stream_id) {
+    long long state;
+    if (get_field_ll(layout, st, FIELD_STATE, &state) < 0) return -1;
+    if (state >= closing_state) return 0;
+    PyObject *pending = get_field(layout, st, FIELD_PENDING);
+    if (pending == NULL) return -1;
+    int queued = PyObject_IsTrue(pending);
+    Py_DECREF(pending);
+    if (queued != 0) return queued < 0 ? -1 : 0;
+    if (get_field_ll(layout, st, FIELD_SEND_WINDOW, stream_window) < 0
+        || get_field_ll(layout, st, FIELD_ID, stream_id) < 0)
+        return -1;
+    return n <= *stream_window;
+}
+
+/* A session attribute as a long long; -> 0, or -1 with an exception */
 static int get_ll(PyObject *obj, PyObject *name, long long *value) {
     PyObject *v = PyObject_GetAttr(obj, name);
     if (v == NULL) return -1;
@@ -187,21 +278,6 @@ static int set_ll(PyObject *obj, PyObject *name, long long value) {
     int rc = PyObject_SetAttr(obj, name, v);
     Py_DECREF(v);
     return rc;
-}
-
-/* Does the stream take a frame of `n` bytes at once?  -> 1 yes (its window in *stream_window),
- * 0 no, -1 with an exception */
-static int stream_takes(PyObject *st, Py_ssize_t n, long long closing_state, long long *stream_window) {
-    long long state;
-    if (get_ll(st, str_state, &state) < 0) return -1;
-    if (state >= closing_state) return 0;
-    PyObject *pending = PyObject_GetAttr(st, str_pending);
-    if (pending == NULL) return -1;
-    int queued = PyObject_IsTrue(pending);
-    Py_DECREF(pending);
-    if (queued != 0) return queued < 0 ? -1 : 0;
-    if (get_ll(st, str_send_window, stream_window) < 0) return -1;
-    return n <= *stream_window;
 }
 
 /* ------------------------------------------------------------------ frame_data */
@@ -227,17 +303,18 @@ static PyObject *frame_data(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (iter == NULL) return NULL;
 
     Buffer buf = {NULL, 0, num_expected};
+    Layout layout = {NULL, {0}};
     PyObject *stopped = NULL;       /* the item handed back (a new reference), or NULL */
     int failed = 0;                 /* an exception is set */
     PyObject *item;
     while ((item = PyIter_Next(iter)) != NULL) {
         Piece pieces[MAX_PIECES];
         Py_ssize_t num_pieces, n;
-        long long stream_window;
+        long long stream_window, stream_id;
         int takes = 0;
         if (PyTuple_Check(item) && measure(item, pieces, &num_pieces, &n) == 0
             && n <= window && n <= max_frame) {
-            takes = stream_takes(PyTuple_GET_ITEM(item, 0), n, closing_state, &stream_window);
+            takes = stream_takes(&layout, PyTuple_GET_ITEM(item, 0), n, closing_state, &stream_window, &stream_id);
         }
         if (takes < 0) {
             PyErr_Clear();          /* not a stream this file can read: the general path says why */
@@ -252,9 +329,7 @@ static PyObject *frame_data(PyObject *module, PyObject *const *args, Py_ssize_t 
             stopped = item;
             break;
         }
-        PyObject *st = PyTuple_GET_ITEM(item, 0);
-        long long stream_id;
-        if (get_ll(st, str_id, &stream_id) < 0 || set_ll(st, str_send_window, stream_window - n) < 0) {
+        if (set_field_ll(&layout, PyTuple_GET_ITEM(item, 0), FIELD_SEND_WINDOW, stream_window - n) < 0) {
             Py_DECREF(item);
             failed = 1;
             break;
@@ -277,6 +352,7 @@ static PyObject *frame_data(PyObject *module, PyObject *const *args, Py_ssize_t 
         Py_DECREF(item);
     }
     Py_DECREF(iter);
+    Py_XDECREF(layout.type);
     if (!failed && stopped == NULL && PyErr_Occurred()) failed = 1;    /* the iterator raised */
 
     /* whatever happened: the frames made go out, and the window they left is the session's */
@@ -328,11 +404,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tokenwire.net.protoc
 
 PyMODINIT_FUNC PyInit__frames(void) {
     init_escapes();
-    if (!(str_send_window = PyUnicode_InternFromString("send_window"))
+    if (!(str_send_window = field_names[FIELD_SEND_WINDOW] = PyUnicode_InternFromString("send_window"))
         || !(str_max_frame_size = PyUnicode_InternFromString("max_frame_size"))
-        || !(str_pending = PyUnicode_InternFromString("pending"))
-        || !(str_state = PyUnicode_InternFromString("state"))
-        || !(str_id = PyUnicode_InternFromString("id")))
+        || !(field_names[FIELD_PENDING] = PyUnicode_InternFromString("pending"))
+        || !(field_names[FIELD_STATE] = PyUnicode_InternFromString("state"))
+        || !(field_names[FIELD_ID] = PyUnicode_InternFromString("id")))
         return NULL;
     return PyModule_Create(&module);
 }

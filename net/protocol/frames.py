@@ -44,6 +44,10 @@ def payload(item: tuple) -> bytes:
     if len(item) == 2:
         piece = item[1]
         return piece if type(piece) is bytes else dumps(piece)
+    if len(item) == 4:              # the SSE splice, the common case: two concatenations
+        head, text, tail = item[1], item[2], item[3]
+        if type(head) is bytes and type(text) is str and type(tail) is bytes:
+            return head + dumps(text) + tail
     return b"".join([piece if type(piece) is bytes else dumps(piece) for piece in item[1:]])
 
 
