@@ -77,7 +77,7 @@ class Chat:
         self.engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens), Timeline())
         ttft_ns, ids, text, cached = None, [], "", 0
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            for out in self.engine.step().rows:
                 if ttft_ns is None and out.token_ids:
                     ttft_ns = time.perf_counter_ns() - t0
                 ids += out.token_ids

@@ -117,7 +117,7 @@ def scheduler_stages(s: Setup) -> list:
 
 def _stepper(core):
     def step():
-        outputs = core.step()
+        outputs = core.step().rows
         if len(outputs) and outputs[0].finish_reason is not None:
             raise RuntimeError("a scheduler-stage request finished: raise max_model_len")
     return step

@@ -2,37 +2,27 @@
 
 Contract (net/ builds on it):
 - `add_request` and `cancel` are called on the event loop; they only validate, stamp and
-  append to an inbox under a lock, then wake the engine thread if it sleeps (`wake=False`
-  and one `wake()` after a batch of submissions wakes it once). All scheduler state is
-  touched by the engine thread alone (or by whoever drives `step()` directly: tests, benchmarks).
+  append to an inbox under a lock, then tell the step driver (core/step_driver.py), which
+  wakes whoever runs the steps (`wake=False` and one `wake()` after a batch of submissions
+  wakes it once). All scheduler state is touched by one thread at a time: the driver's (the
+  engine thread, or the host's while the steps are lent), or whoever calls `step()` directly
+  (tests, benchmarks, the warm-up).
   `add_choices` submits the n choices of one API request at once: the first leads, the
   others wait until its prompt is computed and share its blocks through the prefix cache.
 - With `response_cache_size`, an exact repeat of a finished greedy or seeded answer is
   replayed at the start of the next step, without the scheduler or the model
   (core/response_cache.py).
-- `step()` runs one synchronous step: take the inbox and the cancellations, schedule,
-  `executor.step(seqs)`, append tokens, detokenize, check stops, free finished requests.
-  It returns one `RequestOutput` per request that produced a token or ended; with
-  `step_columns` set (the server sets it), a `StepTokens` instead: the same outputs, and
-  from COLUMNS_MIN_RUNNING running requests on the common ones (one token, the request goes
-  on) as columns (core/outputs.py). So the loop receives one step type.
-- Step timing: with `step_times_ns` set to a deque, each executor step's duration (ns) is
-  appended to it on the engine thread (the server's step-time histogram drains it).
-- `start()` runs `step()` on a daemon thread while work exists and sleeps on a `Doorbell`
-  otherwise; after each step with outputs it calls `on_step(outputs)` once — the single
-  hand-off to the event loop per step (the server's rings a Doorbell the loop watches).
-- Inline steps: with an `inline_host` set (the server's hand-off, net/writer/handoff.py), steps
-  whose executor time is at most `inline_step_ns` run on the host's thread instead. A
-  hand-off costs two context switches and four eventfd syscalls per step (~10-15 µs on a
-  shared core): more than a zero-cost mock step or a tiny model's whole step. After
-  INLINE_AFTER_SHORT_STEPS such steps in a row the engine thread lends its steps
-  (`inline` becomes True, `inline_host.take_steps_threadsafe()`) and sleeps; the host then
-  calls `step_or_fail()` and, after writing its outputs, `continue_inline()`, which gives the
-  steps back to the engine thread after one longer executor step (a real model's steps
-  are milliseconds and keep the thread: its kernels release the GIL, so the loop serves
-  sockets meanwhile). While inline, `add_request` / `cancel` / `wake` ask the host for a
-  step instead of ringing the thread; scheduler state is still touched by one thread at a
-  time, and the host writes a step before it runs the next (no step ahead of the wire).
+- `step()` runs one synchronous step and returns one `StepTokens` (core/outputs.py): take the
+  inbox and the cancellations, schedule, `executor.launch` then `collect`, append tokens,
+  detokenize, check stops, free finished requests. Every output is a row; with `columns`
+  (the server's choice, StepHost.columns), from COLUMNS_MIN_RUNNING running requests on, the
+  common ones (one token, the request goes on) are columns instead.
+- The halves of a step, for the driver's overlap: `begin_step()` takes the inbox, schedules
+  and launches (-> an `InFlight`); `finish_step(in_flight)` collects its ids and applies them.
+  A step may begin while the last one is in flight (core/scheduler.py, "Overlapped steps").
+  `last_step_ns` is the executor time of the last step finished.
+- `start()` / `shutdown()` / `is_alive()` are the driver's: a thread that steps while work
+  exists and hands each step to the host net/ attached (`driver.attach(StepHost(...))`).
 - Detokenization and stop strings run here, on the engine thread, because the scheduler must
   know at once that a request stopped (a deliberate change from docs/DESIGN's loop-side text).
 - Warm-up: before `start()`, `warm_up(prompt ids, params, constraints)` runs requests to
@@ -53,11 +43,11 @@ import os
 import random
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from operator import attrgetter
+from typing import NamedTuple, Optional, Sequence
 
 from .block_manager import BlockManager
 from .detokenizer import Detokenizer
-from .doorbell import Doorbell
 from .errors import InvalidRequest, PromptTooLong, QueueFull
 from .executor import Executor
 from .options import DEFAULTS
@@ -65,27 +55,34 @@ from .outputs import EngineStats, RequestOutput, StepTokens, Timeline
 from .request import Request, RequestState
 from .response_cache import ResponseCache
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledStep, Scheduler
+from .step_driver import StepDriver
 
 log = logging.getLogger(__name__)
-OnStep = Callable[[list], None]
-# consecutive executor steps of at most inline_step_ns before the engine thread lends its steps
-# to the inline host: one short step (a prefill chunk of a fast model) does not move them
-INLINE_AFTER_SHORT_STEPS = 4
-# step_columns applies from this many running requests: below it a step's few tokens save
+_sync_only = attrgetter("sync_only")
+# columns apply from this many running requests: below it a step's few tokens save
 # less than the columns' fixed cost (bench peers at concurrency 1 had +6-15 us TTFT with them)
 COLUMNS_MIN_RUNNING = 8
+
+
+class InFlight(NamedTuple):
+    """A step `begin_step()` launched (or a step with nothing to launch: `plan` None)."""
+    plan: Optional[ScheduledStep]       # the scheduler's step, None when nothing was launched
+    handle: object                      # the executor's handle for collect()
+    step: StepTokens                    # its outputs: rows so far (cancellations, replays); filled by finish_step
+    columns: Optional[StepTokens]       # `step` when its common outputs go to columns, else None
+    launched_ns: int                    # when executor.launch was called
 
 
 class EngineCore:
     def __init__(self, executor: Executor, tokenizer, *, eos_token_ids: Sequence[int], max_model_len: int,
                  max_num_seqs: int = DEFAULTS.max_num_seqs,
                  max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens,
-                 max_queued_requests: int = DEFAULTS.max_queued_requests, on_step: Optional[OnStep] = None,
+                 max_queued_requests: int = DEFAULTS.max_queued_requests,
                  enable_prefix_caching: bool = DEFAULTS.enable_prefix_caching, model_identity: Optional[str] = None,
                  response_cache_size: int = DEFAULTS.response_cache_size,
                  inline_step_ns: int = int(DEFAULTS.inline_step_us * 1000), speculator=None,
-                 prefill_cap: int = 0):
+                 prefill_cap: int = 0, overlap: bool = True):
         config = executor.config
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -107,16 +104,12 @@ class EngineCore:
         self._response_cache_size = response_cache_size
         self.speculator = speculator        # core/speculative.Speculator (its proposers), or None
         self._new_books()                   # block_manager, scheduler, response_cache, counters
-        self.on_step = on_step
-        self.step_columns = False           # step() -> StepTokens instead of list[RequestOutput]
-        self.step_times_ns = None           # a deque: each executor step's duration is appended (engine thread)
-        self.inline_step_ns = inline_step_ns    # executor steps at most this long may run inline (0: never)
-        self.inline_host = None             # runs short steps on its own thread (net/handoff.StepHandoff); None: never
-        self.inline = False                 # the host runs the steps now; the engine thread sleeps (set under _lock)
-        self._lock = threading.Lock()       # inbox, cancellations, live ids, the sleeping flag
-        self._doorbell = Doorbell()         # rung to wake the engine thread when it sleeps
+        self.last_step_ns = 0               # the executor time of the last step finished (0: it ran none)
+        self._last_done_ns = 0              # when the last step's ids came back
+        self._lock = threading.Lock()       # inbox, cancellations, live ids; the driver's modes others read
+        # who runs the steps (core/step_driver.py); overlap only where the executor's step overlaps
+        self.driver = StepDriver(self, self._lock, overlap=overlap, inline_step_ns=inline_step_ns)
         self._inbox = []                    # list[Request], appended on the loop thread
-        self._sleeping = False              # the engine thread waits on the doorbell (set under _lock)
         self._cancels = []                  # list[int] request ids, appended on the loop thread
         self._priorities = []               # list[(request id, priority)], appended on the loop thread
         self._live_ids = set()              # ids submitted and not yet finished (duplicate check)
@@ -125,9 +118,6 @@ class EngineCore:
         # costs no syscall. A request's stream is still its own (kernels/sampling.py).
         self._seeds = random.Random(int.from_bytes(os.urandom(16), "little"))
         self._stop_id_sets = {}             # (stop_token_ids, ignore_eos) -> frozenset; requests share them
-        self._thread: Optional[threading.Thread] = None
-        self._stopping = False
-        self._close_on_exit = False         # shutdown() came from the engine thread itself
 
     def _new_books(self) -> None:
         """The request-side state as built: KV block accounting (prefix cache included), the
@@ -146,7 +136,6 @@ class EngineCore:
         self.num_scheduled = 0              # sequences in the last step
         self.num_tokens_generated = 0
         self.num_cancellations = 0
-        self._num_short_steps = 0           # consecutive executor steps of at most inline_step_ns
 
     # ------------------------------------------------------------------ event-loop side
 
@@ -177,10 +166,13 @@ class EngineCore:
     def _request(self, request_id: int, prompt: list, params: SamplingParams, timeline: Timeline,
                  priority: int, constraint=None) -> Request:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(64)
+        spec = self.speculator
+        sync_only = (constraint is not None or params.has_penalties
+                     or (spec is not None and spec.speculates(params, constraint)))
         return Request(request_id, prompt, params, timeline, seed=seed, priority=priority,
                        arrival_seq=next(self._arrival_seq), max_model_len=self.max_model_len,
                        stop_token_ids=self._stop_ids(params), text_stream=self.detokenizer.stream(prompt, params),
-                       constraint=constraint)
+                       constraint=constraint, sync_only=sync_only)
 
     def _enqueue(self, reqs: list, wake: bool, bounded: bool = True) -> None:
         """`bounded`: refuse past `max_queued_requests` (False: the warm-up's, which no client waits behind)."""
@@ -196,24 +188,17 @@ class EngineCore:
                 req.timeline.queued_ns = queued_ns
                 self._live_ids.add(req.request_id)
             self._inbox += reqs
-            ring = wake and self._sleeping
-            if ring:
-                self._sleeping = False
-        if ring:                            # outside the lock: the woken thread takes it first thing
-            self._doorbell.ring()
-        elif wake and self.inline:
-            self.inline_host.steps_wanted()
+            wake_up = self.driver.wake_locked() if wake else None
+        if wake_up is not None:             # outside the lock: the woken thread takes it first thing
+            wake_up()
 
     def wake(self) -> None:
-        """Wake the engine thread if it sleeps while work is waiting (after `add_request(wake=False)`)."""
-        if self._sleeping and self._inbox:
+        """Get a step run if work is waiting (after `add_request(wake=False)`)."""
+        if self._inbox:
             with self._lock:
-                ring = self._sleeping
-                self._sleeping = False
-            if ring:
-                self._doorbell.ring()
-        elif self.inline and self._inbox:
-            self.inline_host.steps_wanted()
+                wake_up = self.driver.wake_locked()
+            if wake_up is not None:
+                wake_up()
 
     def _stop_ids(self, params: SamplingParams) -> frozenset:
         """EOS (unless ignore_eos) plus the request's stop ids, one shared set per combination."""
@@ -245,12 +230,9 @@ class EngineCore:
             if request_id not in self._live_ids:
                 return
             self._cancels.append(request_id)
-            ring = self._sleeping
-            self._sleeping = False
-        if ring:
-            self._doorbell.ring()
-        elif self.inline:
-            self.inline_host.steps_wanted()
+            wake_up = self.driver.wake_locked()
+        if wake_up is not None:
+            wake_up()
 
     def set_priority(self, request_id: int, priority: int) -> None:
         """Thread-safe: a submitted request's new priority (smaller first), applied at the next
@@ -269,7 +251,7 @@ class EngineCore:
         bm = self.block_manager
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting + len(self._inbox),
                            bm.num_used_blocks, bm.num_blocks, self.scheduler.num_preemptions,
-                           self.num_cancellations, self.num_tokens_generated, self.num_steps, self.is_alive(),
+                           self.num_cancellations, self.num_tokens_generated, self.num_steps, self.driver.is_alive(),
                            self.scheduler.num_prefix_queries, self.scheduler.num_prefix_hits, bm.num_cached_blocks,
                            self.response_cache.num_hits if self.response_cache is not None else 0,
                            *self._spec_counts())
@@ -281,9 +263,23 @@ class EngineCore:
 
     # ------------------------------------------------------------------ engine side
 
-    def step(self) -> list | StepTokens:
-        """One scheduler + executor step (hot path). -> list[RequestOutput], or StepTokens
-        when `step_columns` is set (columns from COLUMNS_MIN_RUNNING running requests on)"""
+    def step(self, columns: bool = False) -> StepTokens:
+        """One synchronous step (hot path): `finish_step(begin_step(columns))`."""
+        return self.finish_step(self.begin_step(columns))
+
+    def step_or_fail(self, columns: bool = False) -> StepTokens:
+        """`step()`, with a bug in core failing every request instead of raising: what the
+        driver runs, and the warm-up (hot path: once per step)."""
+        try:
+            return self.step(columns)
+        except Exception as e:
+            log.exception("engine step raised; failing every request")
+            return self.fail_everything(f"internal engine error: {type(e).__name__}: {e}")
+
+    def begin_step(self, columns: bool = False) -> InFlight:
+        """Take the inbox and the cancellations, schedule, launch (hot path: once per step).
+        `columns`: the step's common outputs go to columns, from COLUMNS_MIN_RUNNING running
+        requests on."""
         now_ns = time.monotonic_ns()
         with self._lock:
             inbox, self._inbox = self._inbox, []
@@ -301,19 +297,40 @@ class EngineCore:
             self._apply_priorities()
         if cancels:
             outputs += self._apply_cancels(cancels, now_ns)
-        # with step_columns, every step is a StepTokens whose rows are `outputs` itself (the
-        # executor's RequestOutputs join it in place, +=); its columns fill only from
-        # COLUMNS_MIN_RUNNING running requests on
-        step = StepTokens(outputs) if self.step_columns else None
-        columns = step if step is not None and self.scheduler.num_running >= COLUMNS_MIN_RUNNING else None
-        scheduled, seqs = self.scheduler.schedule(now_ns)
-        self.num_scheduled = len(seqs)
-        if seqs:
-            outputs += self._run_executor(scheduled, seqs, columns)
+        step = StepTokens(outputs)          # the executor's RequestOutputs join `outputs` in place (+=)
+        in_columns = step if columns and self.scheduler.num_running >= COLUMNS_MIN_RUNNING else None
+        plan = self.scheduler.schedule(now_ns)
+        self.num_scheduled = len(plan.seqs)
+        if not plan.seqs:
+            return InFlight(None, None, step, None, now_ns)
+        launched_ns = time.monotonic_ns()
+        try:
+            handle = self.executor.launch(plan.seqs)
+        except Exception as e:
+            outputs += self._fail_running(e)
+            return InFlight(None, None, step, None, launched_ns)
+        return InFlight(plan, handle, step, in_columns, launched_ns)
+
+    def finish_step(self, in_flight: InFlight) -> StepTokens:
+        """Collect a launched step's ids and apply them: append, detokenize, stop, free
+        (hot path: once per step). Steps finish in the order they began. -> its StepTokens"""
+        plan, step = in_flight.plan, in_flight.step
+        self.last_step_ns = 0
         self.num_steps += 1
+        if plan is not None:
+            step.rows += self._collect(in_flight)
         if self.scheduler.finished_ids:
             self._forget_finished()
-        return outputs if step is None else step
+        return step
+
+    def failed_step(self, error: str) -> InFlight:
+        """A step whose beginning raised (a bug in core): every request failed, nothing launched."""
+        return InFlight(None, None, self.fail_everything(error), None, 0)
+
+    def can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the last one's ids are applied: no
+        running request's next row depends on the token just sampled (`Request.sync_only`)."""
+        return not any(map(_sync_only, self.scheduler.running))
 
     def _apply_priorities(self) -> None:
         with self._lock:
@@ -352,24 +369,28 @@ class EngineCore:
                 self.num_cancellations += 1
         return outputs
 
-    def _run_executor(self, scheduled: list, seqs: list, columns: StepTokens | None) -> list:
+    def _collect(self, in_flight: InFlight) -> list:
+        plan = in_flight.plan
         try:
-            start_ns = time.monotonic_ns()
-            result = self.executor.step(seqs)
+            result = self.executor.collect(in_flight.handle)
             done_ns = time.monotonic_ns()
-            step_ns = done_ns - start_ns
-            if self.step_times_ns is not None:
-                self.step_times_ns.append(step_ns)
-            self._num_short_steps = self._num_short_steps + 1 if step_ns <= self.inline_step_ns else 0
-            if len(result.token_ids) != self.scheduler.num_samples:
+            # a step launched while the last one ran started when that one's ids came back
+            self.last_step_ns = done_ns - max(in_flight.launched_ns, self._last_done_ns)
+            step_ns = done_ns - max(plan.scheduled_ns, self._last_done_ns)
+            self._last_done_ns = done_ns
+            if len(result.token_ids) != plan.num_samples:
                 raise RuntimeError(f"the executor returned {len(result.token_ids)} token ids "
-                                   f"for {self.scheduler.num_samples} sampling sequences")
+                                   f"for {plan.num_samples} sampling sequences")
         except Exception as e:
-            log.exception("engine step failed; failing the %d running requests", self.scheduler.num_running)
-            return self.scheduler.fail_running(f"engine step failed: {type(e).__name__}: {e}", time.monotonic_ns())
-        outputs = self.scheduler.update(scheduled, result.token_ids, result.logprobs, done_ns, columns)
+            return self._fail_running(e)
+        columns = in_flight.columns
+        outputs = self.scheduler.update(plan, result.token_ids, result.logprobs, done_ns, step_ns, columns)
         self.num_tokens_generated += len(outputs) + (len(columns.request_ids) if columns is not None else 0)
         return outputs
+
+    def _fail_running(self, e: Exception) -> list:
+        log.exception("engine step failed; failing the %d running requests", self.scheduler.num_running)
+        return self.scheduler.fail_running(f"engine step failed: {type(e).__name__}: {e}", time.monotonic_ns())
 
     def _forget_finished(self) -> None:
         finished, self.scheduler.finished_ids = self.scheduler.finished_ids, []
@@ -391,7 +412,7 @@ class EngineCore:
         prefix cache, scheduler, response cache and counters are as built; the request ids
         used (-1, -2, ...) are none a client ever gets. -> the requests' final RequestOutputs
         (finish_reason "error" with the message where one failed)."""
-        if self._thread is not None:
+        if self.driver.is_alive():
             raise RuntimeError("warm_up runs before the engine thread starts")
         prompt = self._check_prompt(prompt_token_ids)
         constraints = list(constraints) or [None] * len(params)
@@ -399,71 +420,25 @@ class EngineCore:
                        for i, (p, constraint) in enumerate(zip(params, constraints))], wake=False, bounded=False)
         finals = []
         while self.has_unfinished():
-            step = self.step_or_fail()
-            finals += [out for out in (step.rows if type(step) is StepTokens else step) if out.finish_reason]
+            finals += [out for out in self.step_or_fail().rows if out.finish_reason]
         self._new_books()
         return finals
 
-    # ------------------------------------------------------------------ thread
+    # ------------------------------------------------------------------ the driver's
 
     def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("the engine thread is already started")
-        self._thread = threading.Thread(target=self._run, name="tokenwire-engine", daemon=True)
-        self._thread.start()
+        """Step on the engine thread from now on (core/step_driver.py)."""
+        self.driver.start()
 
-    def _run(self) -> None:
-        idle = False
-        while self._wait_for_work(idle):
-            outputs = self.step_or_fail()
-            has_outputs = bool(outputs.rows or outputs.request_ids) if type(outputs) is StepTokens else bool(outputs)
-            if has_outputs:         # no len(): a StepTokens' __len__ is a Python call, and this runs once per step
-                self._deliver(outputs)
-            idle = not has_outputs and not self.num_scheduled
-            if self._num_short_steps >= INLINE_AFTER_SHORT_STEPS and self.inline_host is not None:
-                self._lend_steps()
-        last = self._fail_everything("the engine shut down")
-        if len(last):
-            self._deliver(last)
-        if self._close_on_exit:
-            self.executor.close()
-            self._doorbell.close()
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stop the engine thread (after its current step), fail what is left, close the executor."""
+        self.driver.stop(timeout)
 
-    def step_or_fail(self) -> list | StepTokens:
-        """`step()`, with a bug in core failing every request instead of raising: what the
-        engine thread runs, and the inline host (hot path: once per step)."""
-        try:
-            return self.step()
-        except Exception as e:
-            log.exception("engine step raised; failing every request")
-            return self._fail_everything(f"internal engine error: {type(e).__name__}: {e}")
+    def is_alive(self) -> bool:
+        return self.driver.is_alive()
 
-    def _wait_for_work(self, idle: bool) -> bool:
-        """Block until there is something to do. -> False when shutting down. After a step
-        that did nothing (it should not happen: a lone request always fits), wait 1 ms
-        rather than spin."""
-        if idle:
-            self._doorbell.wait(0.001)
-        while True:
-            with self._lock:
-                if self._stopping:
-                    self._sleeping = False
-                    return False
-                if self._inbox or self._cancels or self.scheduler.has_unfinished():
-                    self._sleeping = False
-                    return True
-                self._sleeping = True       # submitters ring only a sleeping thread: once per sleep
-            self._doorbell.wait()
-
-    def _deliver(self, outputs) -> None:
-        """Hand one step's outputs to `on_step` (engine thread only: the inline host writes its own)."""
-        if self.on_step is not None:
-            try:
-                self.on_step(outputs)
-            except Exception:
-                log.exception("on_step raised; the engine goes on")
-
-    def _fail_everything(self, error: str) -> list:
+    def fail_everything(self, error: str) -> StepTokens:
+        """Fail every request, queued or running (shutdown, a bug in core). -> their final outputs"""
         now_ns = time.monotonic_ns()
         with self._lock:
             inbox, self._inbox = self._inbox, []
@@ -472,61 +447,4 @@ class EngineCore:
             self.scheduler.add(req)
         outputs = self.scheduler.fail_all(error, now_ns)
         self._forget_finished()
-        return StepTokens(outputs) if self.step_columns else outputs
-
-    def shutdown(self, timeout: Optional[float] = None) -> None:
-        """Stop the thread (after its current step), fail what is left, close the executor."""
-        with self._lock:
-            self._stopping = True
-            self.inline = False             # the host's thread calls this: it runs no step any more
-        self._doorbell.ring()
-        if self._thread is threading.current_thread():
-            self._close_on_exit = True      # called from on_step: the loop ends after this step
-            return
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("the engine thread did not stop within %s s; the executor stays open", timeout)
-                return
-        else:
-            self._fail_everything("the engine shut down")
-        self.executor.close()
-        self._doorbell.close()
-
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    # ------------------------------------------------------------------ inline steps
-
-    def _lend_steps(self) -> None:
-        """Engine thread: the last steps were shorter than a hand-off; the host runs the next
-        ones on its thread. Sleeps until they are given back (`continue_inline`) or shutdown."""
-        with self._lock:
-            if self._stopping:
-                return
-            self.inline = True
-            self._sleeping = False          # submitters ask the host now, not this thread's doorbell
-        self.inline_host.take_steps_threadsafe()
-        while True:
-            self._doorbell.wait()
-            with self._lock:
-                if not self.inline or self._stopping:
-                    return
-
-    def continue_inline(self, wrote: bool) -> bool:
-        """Host thread, after an inline `step_or_fail()` and the writing of its outputs, if any
-        (`wrote`) (hot path: once per step). -> whether the host should run another step now:
-        True while work remains. False when none is left (a submission or a cancel asks
-        again), and False after a step that gives the steps back to the engine thread: its
-        executor step was longer than `inline_step_ns`, or it did nothing while work waits
-        (the thread waits 1 ms after such a step rather than spin)."""
-        if self.num_scheduled:
-            if self._num_short_steps:
-                return bool(self._inbox or self._cancels) or self.scheduler.has_unfinished()
-        elif wrote or not self.has_work():
-            return self.has_work()          # cancellations or replayed answers only; or idle
-        with self._lock:
-            self.inline = False
-        self._num_short_steps = 0           # the thread lends them again after as many short steps
-        self._doorbell.ring()
-        return False
+        return StepTokens(outputs)

@@ -36,6 +36,12 @@ class SeqStep(NamedTuple):
     # row j samples as if output_token_ids ended with those proposals' first j (RNG counter
     # len(output_token_ids) + j, penalties over them too): core/speculative.sampling_rows
     num_spec: int = 0
+    # overlapped steps (core/step_driver.py): 1 when the token this step feeds is the one this
+    # executor sampled for the sequence at its previous step, which the host has not read yet
+    # (token_ids[0] is then stale: the executor feeds its own), and output_token_ids lacks it (the
+    # RNG counter is len(output_token_ids) + 1). Only executors with `overlaps` get such rows;
+    # never with num_spec, a constraint or penalties (those rows wait for the host)
+    num_pending: int = 0
 
 
 class DecodeStep:
@@ -53,7 +59,8 @@ class DecodeStep:
 
     def __init__(self, seq_id: int, token_ids: Sequence[int], start_pos: int, block_table: Sequence[int],
                  sample: bool, sampling: SamplingParams, seed: int, prompt_token_ids: Sequence[int],
-                 output_token_ids: Sequence[int], constraint: Optional[TokenConstraint] = None, num_spec: int = 0):
+                 output_token_ids: Sequence[int], constraint: Optional[TokenConstraint] = None, num_spec: int = 0,
+                 num_pending: int = 0):
         self.seq_id = seq_id
         self.token_ids = token_ids
         self.start_pos = start_pos
@@ -65,6 +72,7 @@ class DecodeStep:
         self.output_token_ids = output_token_ids
         self.constraint = constraint
         self.num_spec = num_spec
+        self.num_pending = num_pending
 
     def __repr__(self) -> str:
         return (f"DecodeStep(seq_id={self.seq_id}, token_ids={self.token_ids}, start_pos={self.start_pos}, "
@@ -86,14 +94,43 @@ class StepOutput(NamedTuple):
 
 
 class Executor(Protocol):
+    """A step is `launch(seqs)`, which enqueues it and returns a handle, then `collect(handle)`,
+    which waits for it (releasing the GIL) and returns its ids; `step(seqs)` is both. Steps are
+    collected in launch order, on one thread at a time. The SeqSteps are read during `launch`
+    only: the host may change them (and the lists they share) before `collect`."""
     config: ModelConfig
     block_size: int                     # tokens per KV block
     num_blocks: int                     # KV blocks the executor allocated
+    # launch may run while the previous step runs (its kernels release the GIL or run on a
+    # device), and takes rows with num_pending: the step driver overlaps its host work with it
+    overlaps: bool
+
+    def launch(self, seqs: Sequence[SeqStep]) -> object:
+        """Enqueue one engine step (hot path: once per step). Only executors whose kernels.BACKENDS
+        row has `speculates` get steps with num_spec > 0."""
+        ...
+
+    def collect(self, handle: object) -> StepOutput:
+        """Wait for the launched step `handle` (the oldest not collected) -> its sampled ids."""
+        ...
 
     def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
-        """Run one engine step (hot path: once per step). Called from the engine thread only.
-        Only executors whose kernels.BACKENDS row has `speculates` get steps with num_spec > 0."""
+        """`collect(launch(seqs))`."""
         ...
 
     def close(self) -> None:
         ...
+
+
+class SyncExecutor:
+    """The Executor's launch/collect for an executor whose `step` computes on the calling thread
+    (the CPU model runner, test fakes): `launch` runs the step, `collect` returns it; nothing
+    overlaps."""
+    overlaps = False
+
+    def launch(self, seqs: Sequence[SeqStep]) -> StepOutput:
+        return self.step(seqs)
+
+    @staticmethod
+    def collect(handle: StepOutput) -> StepOutput:
+        return handle

@@ -39,6 +39,11 @@ class EngineOptions:
     # costs ~10 us of CPU and two context switches per step (core/engine_core.py, "Inline steps"), and
     # the loop may wait this long; the mock's steps are ~1 us, stories260K's ~125 us; 0: always the thread
     inline_step_us: float = 50.0
+    # launch each step before the last one's ids are processed, so the host's work (schedule, batch,
+    # detokenize, stops, hand-off) runs while the executor's step does (core/step_driver.py); only
+    # where the executor's step overlaps (cuda, mock: it waits without the GIL); the cpu backend's
+    # step computes on the engine thread and never overlaps
+    overlap: bool = True
     # cpu backend: the INT4 products' activations, "int8" (quantized per group of 64, as llama.cpp's
     # 4-bit products: perplexity +0.01-0.02%, `tokenwire bench numerics`) or "fp32" (exact: matches the
     # numpy reference to float32 rounding, the golden path)

@@ -1,8 +1,8 @@
 """Records that cross from the engine thread to the event loop, once per step.
 
-The engine thread ends every step by handing the loop one list of `RequestOutput`s (one
-per request that produced something or finished), or, for the server, one `StepTokens`
-(the same outputs, the common ones as columns); the server dispatches each to its stream.
+Every engine step is one `StepTokens`: its `RequestOutput`s (one per request that produced
+something or finished), and for the server the common ones as columns; the server
+dispatches each to its stream.
 `Timeline` is the request's clock: the route stamps arrival and tokenization, the
 scheduler the rest, net/ the moment the first token reached the transport.
 """
@@ -52,8 +52,9 @@ class RequestOutput(NamedTuple):
 
 
 class StepTokens:
-    """One step's outputs in columns: what `EngineCore.step()` returns instead of a list when
-    `EngineCore.step_columns` is set (the server sets it) and enough requests run. Building
+    """One step's outputs: what `EngineCore.step()` returns. Without columns (or below
+    COLUMNS_MIN_RUNNING running requests) every output is a row; with them (the server's
+    choice, core/step_driver.StepHost.columns) the common ones are columns. Building
     one RequestOutput per token is most of a step's per-token cost (a tuple subclass: ~180 ns against ~25 ns for
     three list appends), so the common output, one token for a request that goes on, is
     three columns, and every other output (a finish, logprobs, a cancel, an error) is still

@@ -66,11 +66,12 @@ class Request:
                  "max_total_tokens", "max_output_tokens", "stop_token_ids", "text_stream", "state",
                  "num_computed_tokens", "num_scheduled_tokens", "block_table", "decode_step",
                  "finish_reason", "error", "num_preemptions", "block_hashes", "num_hashed_blocks",
-                 "num_cached_tokens", "num_passed_over", "prefix_match", "leader", "followers", "constraint", "spec")
+                 "num_cached_tokens", "num_passed_over", "prefix_match", "leader", "followers", "constraint", "spec",
+                 "num_pending", "sync_only")
 
     def __init__(self, request_id: int, prompt_token_ids: list, params: SamplingParams, timeline: Timeline, *,
                  seed: int, priority: int, arrival_seq: int, max_model_len: int,
-                 stop_token_ids: frozenset, text_stream, constraint=None):
+                 stop_token_ids: frozenset, text_stream, constraint=None, sync_only: bool = False):
         self.request_id = request_id
         self.params = params
         self.timeline = timeline
@@ -90,6 +91,10 @@ class Request:
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0                # tokens whose K/V are in the cache
         self.num_scheduled_tokens = 0               # tokens fed in the current step
+        self.num_pending = 0                        # sampled rows launched whose token is not appended yet
+        # its next step depends on the token just sampled (a grammar's mask, penalties, proposals):
+        # a step is not scheduled ahead of its last one while it runs (core/step_driver.py)
+        self.sync_only = sync_only
         self.block_table = []                       # list[int]: physical KV blocks, in position order
         # this request's SeqStep while DECODING, updated in place each step: token_ids is
         # (output_token_ids[-1],), set when that token is appended; start_pos when scheduled

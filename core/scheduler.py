@@ -21,7 +21,7 @@ Policy, in the order `schedule()` applies it each step:
    and the order is cache-aware within a bound: among the first 8 waiting requests of the
    head's priority the longest cached prefix goes first, the oldest passed over at most 4
    times (prefix_cache.py rule 4).
-`update()` then takes the sampled ids: appends them, checks stop conditions (EOS / stop ids,
+`schedule()` returns a `ScheduledStep`, and `update()` takes it back with the sampled ids: appends them, checks stop conditions (EOS / stop ids,
 stop strings via the request's TextStream, max_tokens, context length; none of EOS, stop ids
 and stop strings before the request's `min_tokens`) and frees finished
 requests' blocks at once. Cancelled and failed requests free theirs when the engine
@@ -36,14 +36,24 @@ request releases its blocks (finish, cancel, preemption: a preempted request usu
 its own prefix again). Never after a failed step: its device state is not trusted, and the
 whole cache is forgotten then.
 
-Invariants: a running request's `block_table` covers its cached tokens; `num_scheduled_tokens`
-is 0 outside a step. No tensor library here: ints, lists, a heap.
+Overlapped steps (core/step_driver.py): the next step may be scheduled before the last one's
+ids are back. A decoding request then has a token sampled and not appended (`num_pending`):
+its decode feeds that token (the executor's own, SeqStep.num_pending) one position further;
+a request whose prefill chunk is in flight (`num_scheduled_tokens` > 0) sits that step out.
+`update()` of the earlier step skips the rows of requests that ended or were preempted
+since it was scheduled: that token (one more than the request's last) is discarded, and its
+blocks were freed when it ended (the device runs the steps in order, so a block freed while
+a step writes it is reused only by a later step).
+
+Invariants: a running request's `block_table` covers its cached tokens and its decode's next
+position; `num_scheduled_tokens` is 0 outside a step (or while a prefill chunk is in flight).
+No tensor library here: ints, lists, a heap.
 """
 
 import bisect
 import heapq
 from operator import attrgetter
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .block_manager import BlockManager
 from .executor import SeqStep
@@ -58,6 +68,18 @@ _new_tuple = tuple.__new__          # NamedTuple construction without the Python
 
 
 GRAMMAR_BROKEN = "the sampled token breaks the request's grammar (the executor must mask constrained rows)"
+
+
+class ScheduledStep(NamedTuple):
+    """One step as `schedule()` made it: what `update()` needs once its ids are back (an
+    overlapped step is updated after the next one is scheduled)."""
+    requests: list                      # list[Request]: decodes first, then prefill chunks
+    seqs: list                          # list[SeqStep]: theirs, in the same order
+    num_samples: int                    # sampled rows: ids the executor returns
+    num_decodes: int                    # the first `num_decodes` requests decode one token each
+    num_spec_rows: int                  # proposed rows beyond one per decode
+    num_prefill_tokens: int             # prompt tokens the step takes
+    scheduled_ns: int                   # when schedule() began
 
 
 class Scheduler:
@@ -79,16 +101,13 @@ class Scheduler:
         self.running = []                   # list[Request], sorted by sort_key
         self.num_preemptions = 0
         self.prefix_cache = PrefixCache(block_manager) if block_manager.enable_prefix_caching else None
-        self.num_samples = 0                # SeqSteps with sample=True in the last schedule()
-        self.num_decodes = 0                # of which the first ones, one token each
         self.speculator = speculator        # core/speculative.Speculator, or None: no speculation
         # -1: measured (step_costs.py; what served engines use, EngineOptions.prefill_cap), 0: none
         # (an engine made here directly: its steps do not depend on the machine's timing), N: at most N
         self.prefill_cap = prefill_cap
         self._costs = StepCosts()           # the step cost model, unless the speculator holds it
-        self.num_prefill_tokens = 0         # prompt tokens the last schedule() took
-        self.num_spec_rows = 0              # proposals the last schedule() added (rows beyond one per decode)
-        self.scheduled_ns = 0               # when the last schedule() began (its step's start)
+        self._num_samples = 0               # sampled rows of the step being scheduled
+        self._num_prefill_tokens = 0        # prompt tokens of the step being scheduled
         self.finished_ids = []              # request ids that ended since the owner last cleared this
         self.finished_now = []              # requests finished by the current update()
 
@@ -129,19 +148,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
 
-    def schedule(self, now_ns: int) -> tuple:
-        """-> (scheduled requests, their SeqSteps), in the same order (hot path: once per step)."""
+    def schedule(self, now_ns: int) -> ScheduledStep:
+        """The next step (hot path: once per step); possibly while the last one runs (see
+        "Overlapped steps")."""
         scheduled, seqs = [], []
         budget, num_preempted, prefilling = self._schedule_decodes(scheduled, seqs)
-        self.num_decodes = self.num_samples = len(seqs)
-        self.num_spec_rows = 0
-        self.scheduled_ns = now_ns
+        num_decodes = self._num_samples = len(seqs)
+        num_spec_rows = 0
         if self.speculator is not None and seqs:
-            num_rows = self.speculator.plan(scheduled, budget, self.block_manager, len(self.running))
-            budget -= num_rows
-            self.num_samples += num_rows
-            self.num_spec_rows = num_rows
-        self.num_prefill_tokens = 0
+            num_spec_rows = self.speculator.plan(scheduled, budget, self.block_manager, len(self.running))
+            budget -= num_spec_rows
+            self._num_samples += num_spec_rows
+        self._num_prefill_tokens = 0
         if seqs and (prefilling or self.waiting):          # a step that carries decodes: capped prefill
             cap = self.prefill_cap if self.prefill_cap >= 0 else self.costs.prefill_cap(len(seqs))
             if cap:
@@ -151,7 +169,8 @@ class Scheduler:
             num_preempted += more
         if not num_preempted and self.waiting and budget:
             self._admit(budget, now_ns, scheduled, seqs)
-        return scheduled, seqs
+        return ScheduledStep(scheduled, seqs, self._num_samples, num_decodes, num_spec_rows,
+                             self._num_prefill_tokens, now_ns)
 
     @property
     def costs(self):
@@ -171,7 +190,10 @@ class Scheduler:
             if req.state is not DECODING:
                 prefilling.append(req)
                 continue
-            start = req.num_computed_tokens
+            pending = req.num_pending
+            if pending and len(req.output_token_ids) + pending >= req.max_output_tokens:
+                continue                    # its last token is in flight: it ends on it
+            start = req.num_computed_tokens + pending   # its pending token goes one position on
             if start >= len(req.block_table) * block_size:     # its next token starts a new block
                 if prefix_cache is not None:
                     prefix_cache.cache_computed(req, start)
@@ -183,6 +205,8 @@ class Scheduler:
             add_scheduled(req)
             step = req.decode_step          # its token_ids were set when the token was appended
             step.start_pos = start
+            step.num_pending = pending      # 1: the executor feeds the token it sampled last
+            req.num_pending = pending + 1
             add_seq(step)
         return self.max_num_batched_tokens - len(seqs), num_preempted, prefilling
 
@@ -204,7 +228,7 @@ class Scheduler:
         for req in prefilling:
             if not budget:
                 break
-            if req.state is not PREFILLING:         # preempted earlier in this pass
+            if req.state is not PREFILLING or req.num_scheduled_tokens:   # preempted earlier; or in flight
                 continue
             start = req.num_computed_tokens
             num_tokens = min(req.num_tokens - start, budget)
@@ -267,9 +291,10 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + num_tokens
         req.num_scheduled_tokens = num_tokens
-        self.num_prefill_tokens += num_tokens
+        self._num_prefill_tokens += num_tokens
         sample = end == req.num_tokens
-        self.num_samples += sample
+        self._num_samples += sample
+        req.num_pending += sample
         scheduled.append(req)
         seqs.append(SeqStep(req.request_id, req.tokens(start, end), start, req.block_table, sample,
                             req.params, req.seed, req.prompt_token_ids, req.output_token_ids, req.constraint))
@@ -297,25 +322,28 @@ class Scheduler:
             req.block_table.clear()
         req.num_hashed_blocks = 0
         req.num_scheduled_tokens = 0
+        req.num_pending = 0                 # a step in flight samples for it: that token is discarded
         if req.spec is not None:
             self.speculator.release(req)
 
     # ------------------------------------------------------------------ update
 
-    def update(self, scheduled: list, sampled_ids, logprobs, now_ns: int, columns: StepTokens | None = None) -> list:
-        """Apply one step's results (hot path: once per step). `scheduled` starts with the
+    def update(self, step: ScheduledStep, sampled_ids, logprobs, now_ns: int, step_ns: int,
+               columns: StepTokens | None = None) -> list:
+        """Apply one step's results (hot path: once per step). Its requests start with the
         `num_decodes` decodes, one sampled id each; then come prefill chunks, and
-        `sampled_ids[k]` belongs to the k-th chunk that reached its last token. -> list[RequestOutput]
+        `sampled_ids[k]` belongs to the k-th chunk that reached its last token. `step_ns`: how
+        long the step took (the cost model's sample). -> list[RequestOutput]
         `columns`: a token for a request that goes on goes there instead of into a RequestOutput
         (not when the step has logprobs: those are matched to the outputs by position)."""
         outputs = []
         if logprobs is not None:
             columns = None
-        num_decodes = self.num_decodes
+        scheduled, num_decodes = step.requests, step.num_decodes
         decode_logprobs = None
         if num_decodes and (self.prefill_cap < 0 or (self.speculator is not None and self.speculator.in_use)):
-            self.costs.observe(num_decodes, self.num_spec_rows, self.num_prefill_tokens, now_ns - self.scheduled_ns)
-        if self.num_spec_rows:
+            self.costs.observe(num_decodes, step.num_spec_rows, step.num_prefill_tokens, step_ns)
+        if step.num_spec_rows:
             k, decode_logprobs = self._append_speculated(scheduled[:num_decodes], sampled_ids, logprobs, now_ns,
                                                          outputs, columns)
         else:
@@ -325,7 +353,10 @@ class Scheduler:
             k = num_decodes
         if decode_logprobs is not None:
             logprobs = decode_logprobs + list(logprobs[k:])
-        for req in scheduled[num_decodes:]:
+        for req, seq in zip(scheduled[num_decodes:], step.seqs[num_decodes:]):
+            if req.state is not PREFILLING:         # ended or preempted since the step was scheduled
+                k += seq.sample
+                continue
             computed = req.num_computed_tokens + req.num_scheduled_tokens
             req.num_scheduled_tokens = 0
             if self.prefix_cache is not None:
@@ -369,6 +400,7 @@ class Scheduler:
             step.num_spec = 0
             rows = sampled_ids[i:i + 1 + num]
             num_new = self.speculator.accept(req, step.token_ids[1:], rows) + 1
+            req.num_pending += num_new - 1  # one row, num_new tokens appended
             for j in range(num_new):
                 self._append_tokens((req,), rows[j:j + 1], now_ns, outputs, None)
                 if kept is not None:
@@ -397,6 +429,9 @@ class Scheduler:
             columns.step_done_ns = now_ns
             add_id, add_token, add_text = columns.request_ids.append, columns.token_ids.append, columns.texts.append
         for req, token_id in zip(reqs, sampled_ids):
+            if not req.num_pending:
+                continue                    # it ended (or was preempted) after the step was launched
+            req.num_pending -= 1
             req.num_computed_tokens += 1
             output_ids = req.output_token_ids
             output_ids.append(token_id)

@@ -179,13 +179,23 @@ class Speculator:
 
     def state(self, req) -> SpecState:
         """A request's SpecState, made at its first decode from its params and the server's."""
-        p = req.params
-        method = p.speculative or self.method
-        k = p.num_speculative_tokens if p.num_speculative_tokens is not None else self.num_tokens
-        proposer = self.proposers.get(method) if k and req.constraint is None else None
+        k = self._k(req.params)
+        proposer = self._proposer(req.params, req.constraint)
         self.in_use = self.in_use or proposer is not None
         req.spec = SpecState(proposer, k)
         return req.spec
+
+    def speculates(self, params, constraint) -> bool:
+        """Whether a request of these params will get proposals."""
+        return self._proposer(params, constraint) is not None
+
+    def _k(self, params) -> int:
+        return params.num_speculative_tokens if params.num_speculative_tokens is not None else self.num_tokens
+
+    def _proposer(self, params, constraint):
+        if not self._k(params) or constraint is not None:
+            return None
+        return self.proposers.get(params.speculative or self.method)
 
     def plan(self, decodes: list, budget: int, block_manager, num_running: int) -> int:
         """Give decoding requests their proposals (rule 2; once per step): within the token

@@ -3,9 +3,12 @@
 Used by `tokenwire bench scheduler`, by the peer benchmarks and by `tokenwire serve
 --backend mock --mock-step-us N`, so everything around the model (scheduler, detokenizer,
 HTTP/2 framing) can be measured without one. Contract:
-- `MockExecutor.step(seqs)` sleeps `step_us` (0: returns at once) and returns, for each
-  sampling sequence, token `i % n` of `MOCK_TEXT`'s encoding, `i = len(output_token_ids)`:
-  every request streams the same story, whatever the batch and across preemptions.
+- `MockExecutor.launch(seqs)` starts a step of `step_us` on a pretend device (when the
+  previous step ends, or now) and returns at once; `collect(handle)` sleeps, without the GIL,
+  for what is left of it, as a CUDA event wait would. Each sampling sequence gets token
+  `i % n` of `MOCK_TEXT`'s encoding, `i = len(output_token_ids) + num_pending` (its place in
+  the output): every request streams the same story, whatever the batch, across preemptions
+  and with its last token not read yet (an overlapped step). `step(seqs)` is both.
 - `build_mock_tokenizer()` is a real byte-level BPE `tokenizers.Tokenizer` built in memory
   (256 byte tokens, merges for the story's words, `<s>` = 0 and `</s>` = 1 special), so
   detokenization is the real code path, multi-byte characters split over tokens included.
@@ -13,7 +16,7 @@ HTTP/2 framing) can be measured without one. Contract:
 """
 
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -69,8 +72,14 @@ def mock_config(vocab_size: int, max_model_len: int) -> ModelConfig:
                        bos_token_id=0, eos_token_ids=(1,))
 
 
+class MockHandle(NamedTuple):
+    output: StepOutput                  # known at launch: the story does not depend on the model
+    done_s: float                       # perf_counter() when the step ends on the pretend device
+
+
 class MockExecutor:
     """Executor with a fixed step time and a fixed token stream (see the module docstring)."""
+    overlaps = True
 
     def __init__(self, *, step_us: float = 0.0, num_blocks: int = NUM_BLOCKS, block_size: int = DEFAULTS.block_size,
                  max_model_len: int = MAX_MODEL_LEN, tokenizer=None):
@@ -83,14 +92,33 @@ class MockExecutor:
         self.num_blocks = num_blocks
         self.step_s = step_us / 1e6
         self.num_steps = 0
+        self._busy_until_s = 0.0            # perf_counter() when the last launched step ends
+
+    def launch(self, seqs: Sequence[SeqStep]) -> MockHandle:
+        """Hot path: once per step. A step launched while the last one runs starts when it ends."""
+        output = self.sample(seqs)
+        self.num_steps += 1
+        if not self.step_s:
+            return MockHandle(output, 0.0)
+        self._busy_until_s = max(time.perf_counter(), self._busy_until_s) + self.step_s
+        return MockHandle(output, self._busy_until_s)
+
+    @staticmethod
+    def collect(handle: MockHandle) -> StepOutput:
+        """Sleeping releases the GIL, as a wait for a real device would."""
+        if handle.done_s:
+            left_s = handle.done_s - time.perf_counter()
+            if left_s > 0:
+                time.sleep(left_s)
+        return handle.output
 
     def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
-        """Hot path: once per step. Sleeping releases the GIL, as a real kernel would."""
-        if self.step_s:
-            time.sleep(self.step_s)
-        self.num_steps += 1
+        return self.collect(self.launch(seqs))
+
+    def sample(self, seqs: Sequence[SeqStep]) -> StepOutput:
+        """The story's next token for each sampling sequence (tests override this)."""
         text, n = self.text_token_ids, len(self.text_token_ids)
-        return StepOutput([text[len(s.output_token_ids) % n] for s in seqs if s.sample])
+        return StepOutput([text[(len(s.output_token_ids) + s.num_pending) % n] for s in seqs if s.sample])
 
     def close(self) -> None:
         pass

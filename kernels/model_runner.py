@@ -14,7 +14,7 @@ import logging
 from typing import Callable, Optional, Sequence
 
 from ..core.config import ModelConfig
-from ..core.executor import SeqStep, StepOutput
+from ..core.executor import SeqStep, StepOutput, SyncExecutor
 from ..core.options import EngineOptions
 from ..core.speculative import sampling_rows
 from .forward_batch import BlockTables, build_forward_batch
@@ -27,8 +27,9 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30        # 1 GiB unless told otherwise
 KV_BYTES_PER_VALUE = 4                  # the numpy reference keeps K and V in float32
 
 
-class ModelRunner:
-    """Executor over a forward object (hot path: `step`, once per engine step)."""
+class ModelRunner(SyncExecutor):
+    """Executor over a forward object (hot path: `step`, once per engine step). Its step runs
+    on the calling thread (`launch` computes it): it never overlaps."""
 
     def __init__(self, model, block_size: int, num_blocks: int):
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):

@@ -143,8 +143,7 @@ class App:
         on: its steps come to the loop as StepTokens through one hand-off per step, or run
         on the loop when they are shorter than a hand-off (net/writer/handoff.py)."""
         self.dispatcher.attach(engine, model, loop)
-        self.handoff = StepHandoff(loop, self.dispatcher.write_step, engine)
-        engine.step_columns = True
+        self.handoff = StepHandoff(loop, self.dispatcher.write_step, engine.driver, self.dispatcher.step_times_ns)
         self.model = model
         self.engine = engine
         self.loop = loop

@@ -3,20 +3,25 @@
 import time
 
 from tokenwire.core.options import EngineOptions
+from tokenwire.core.step_driver import StepHost
 from tokenwire.runtime import build_engine
 
 
 def mock_engine_core(step_us: float = 0.0, *, on_step=None, **options):
-    """An EngineCore (not started) over the mock backend; `options` are EngineOptions fields."""
-    core = build_engine(EngineOptions(backend="mock", mock_step_us=step_us, **options)).core
-    core.on_step = on_step
-    return core
+    """An EngineCore (not started) over the mock backend; `options` are EngineOptions fields.
+    `on_step(outputs)`: called on the engine thread with each step's list of RequestOutputs."""
+    return attached(build_engine(EngineOptions(backend="mock", mock_step_us=step_us, **options)).core, on_step)
 
 
 def engine_core(model, backend: str, *, on_step=None, **options):
     """An EngineCore (not started) over a loaded engine directory on `backend` ("cpu", "reference", ...)."""
-    core = build_engine(EngineOptions(backend=backend, **options), model=model).core
-    core.on_step = on_step
+    return attached(build_engine(EngineOptions(backend=backend, **options), model=model).core, on_step)
+
+
+def attached(core, on_step=None):
+    """`core`, its driver handing each step's rows to `on_step` (no columns: every output a row)."""
+    if on_step is not None:
+        core.driver.attach(StepHost(lambda step: on_step(step.rows)))
     return core
 
 

@@ -14,7 +14,7 @@ import pytest
 
 import tokenwire
 from tokenwire.core.engine_core import EngineCore
-from tokenwire.core.executor import StepOutput
+from tokenwire.core.executor import StepOutput, SyncExecutor
 from tokenwire.core.outputs import EngineStats, FINISH_STOP, Timeline
 from tokenwire.core.sampling_params import InvalidParameter, SamplingParams
 from tokenwire.kernels.mock import build_mock_tokenizer, mock_config
@@ -85,7 +85,7 @@ def test_min_tokens_holds_back_stop_strings(h2):
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
 
 
-class EosExecutor:
+class EosExecutor(SyncExecutor):
     """Always samples EOS (id 1)."""
     def __init__(self):
         self.config = mock_config(64, 128)
@@ -104,7 +104,7 @@ def test_min_tokens_holds_back_eos_in_the_scheduler():
     engine.add_request(2, [5, 6], SamplingParams(), Timeline())
     done = {}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in engine.step().rows:
             if out.finish_reason is not None:
                 done[out.request_id] = (out.finish_reason, out.num_output_tokens)
     assert done == {1: (FINISH_STOP, 6), 2: (FINISH_STOP, 1)}

@@ -349,10 +349,10 @@ def _failing_server(loop_kind, fail_from_step: int):
     from tokenwire.net.api.model_info import ModelInfo
 
     class FailingExecutor(MockExecutor):
-        def step(self, seqs):
+        def sample(self, seqs):
             if self.num_steps + 1 >= fail_from_step:
                 raise RuntimeError("device lost")
-            return super().step(seqs)
+            return super().sample(seqs)
 
     executor = FailingExecutor(max_model_len=512)
     engine = EngineCore(executor, executor.tokenizer, eos_token_ids=(1,), max_model_len=512)

@@ -216,11 +216,11 @@ def test_launch_returns_before_the_work_runs_and_the_ring_wraps():
     with pytest.raises(RuntimeError, match="ring slots"):
         ex.launch([SeqStep(9, prompt, 0, [40], True, GREEDY, 0, prompt, [])])
     with pytest.raises(RuntimeError, match="launch order"):
-        ex.wait(handles[1])
-    assert [ex.wait(h).token_ids for h in handles] == [[want]] * 3
+        ex.collect(handles[1])
+    assert [ex.collect(h).token_ids for h in handles] == [[want]] * 3
     h = ex.launch([SeqStep(0, [want], 6, [0], True, GREEDY, 0, prompt, [want])])
     assert h.slot == 0 and h.graph
-    ex.wait(h)
+    ex.collect(h)
 
 
 @pytest.mark.parametrize("wait", ["spin", "block"])

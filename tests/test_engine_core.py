@@ -8,7 +8,7 @@ import pytest
 from tokenwire.core.engine_core import EngineCore
 from tokenwire.core.errors import InvalidRequest, PromptTooLong, QueueFull
 from tokenwire.core.executor import StepOutput
-from engines import mock_engine_core
+from engines import attached, mock_engine_core
 from tokenwire.kernels.mock import MOCK_TEXT, MockExecutor
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Timeline
 from tokenwire.core.sampling_params import SamplingParams
@@ -20,7 +20,7 @@ def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> dict:
     for _ in range(max_steps):
         if not engine.has_unfinished():
             return outs
-        for out in engine.step():
+        for out in engine.step().rows:
             outs.setdefault(out.request_id, []).append(out)
     raise AssertionError("the engine did not finish")
 
@@ -99,12 +99,12 @@ def test_cancel_gives_one_final_output_and_frees_blocks():
     assert engine.stats().num_kv_blocks_used > 0
     engine.cancel(1)
     engine.cancel(1)                # idempotent
-    outs = engine.step()
+    outs = engine.step().rows
     assert [(o.request_id, o.finish_reason) for o in outs] == [(1, FINISH_CANCELLED)]
     assert engine.stats().num_kv_blocks_used == 0 and not engine.has_unfinished()
-    assert engine.step() == [] and engine.stats().num_cancellations == 1
+    assert engine.step().rows == [] and engine.stats().num_cancellations == 1
     engine.cancel(12345)            # unknown ids are ignored
-    assert engine.step() == []
+    assert engine.step().rows == []
 
 
 class FlakyExecutor(MockExecutor):
@@ -113,10 +113,11 @@ class FlakyExecutor(MockExecutor):
     def __init__(self, fail_on, **kw):
         super().__init__(**kw)
         self.fail_on = set(fail_on)
+        self.num_calls = 0
 
-    def step(self, seqs):
-        self.num_steps += 1
-        if self.num_steps in self.fail_on:
+    def sample(self, seqs):
+        self.num_calls += 1
+        if self.num_calls in self.fail_on:
             raise RuntimeError("device on fire")
         return StepOutput([self.text_token_ids[len(s.output_token_ids) % 10] for s in seqs if s.sample])
 
@@ -127,7 +128,7 @@ def test_engine_exception_fails_running_requests_and_the_engine_goes_on():
     engine.add_request(1, [5, 6], SamplingParams(max_tokens=5), Timeline())
     engine.add_request(2, [5, 6], SamplingParams(max_tokens=5), Timeline())
     engine.step(), engine.step()
-    outs = engine.step()
+    outs = engine.step().rows
     assert sorted((o.request_id, o.finish_reason) for o in outs) == [(1, FINISH_ERROR), (2, FINISH_ERROR)]
     assert "device on fire" in outs[0].error
     assert engine.stats().num_kv_blocks_used == 0
@@ -190,7 +191,7 @@ def test_engine_thread_survives_an_executor_failure():
             assert got.wait_for(lambda: pred(seen), timeout=10)
 
     ex = FlakyExecutor(fail_on={2})
-    engine = EngineCore(ex, ex.tokenizer, eos_token_ids=(1,), max_model_len=128, on_step=on_step)
+    engine = attached(EngineCore(ex, ex.tokenizer, eos_token_ids=(1,), max_model_len=128), on_step)
     engine.start()
     engine.add_request(1, [5, 6], SamplingParams(max_tokens=50), Timeline())
     wait_for(lambda s: any(o.finish_reason == FINISH_ERROR for o in s))
@@ -212,5 +213,5 @@ def test_shutdown_called_from_on_step_does_not_deadlock():
     engine.start()
     engine.add_request(1, [5, 6], SamplingParams(max_tokens=100), Timeline())
     assert stopped.wait(5)
-    engine._thread.join(5)
+    engine.driver._thread.join(5)
     assert not engine.is_alive()

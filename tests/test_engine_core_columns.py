@@ -1,7 +1,7 @@
-"""EngineCore.step_columns: the same outputs as list[RequestOutput], the common ones as columns
-(from COLUMNS_MIN_RUNNING running requests on; smaller steps are StepTokens with rows only).
+"""EngineCore.step(columns=True): the same outputs as rows, the common ones as columns
+(from COLUMNS_MIN_RUNNING running requests on; smaller steps have rows only).
 
-Two engines get the same requests; one returns lists, the other StepTokens. Every request
+Two engines get the same requests; one steps without columns, the other with. Every request
 must end with the same token ids, text, finish reason and usage, and every output that is
 not a plain "one token, goes on" entry must still be a RequestOutput.
 """
@@ -26,29 +26,25 @@ def submit(engine):
                            Timeline())
 
 
-def collect(engine, cancel_at=None):
+def collect(engine, cancel_at=None, columns=False):
     """Drive to completion. -> {request_id: [token ids, text, finish, usage]}, plain entries seen"""
     got, plain, step = {}, 0, 0
     while engine.has_unfinished():
         running = engine.scheduler.num_running
-        out = engine.step()
+        out = engine.step(columns)
         step += 1
         if step == cancel_at:
             engine.cancel(1)
-        if isinstance(out, StepTokens):     # with step_columns every step is one; columns from MIN on
-            assert engine.step_columns and (running >= COLUMNS_MIN_RUNNING or not out.request_ids)
-            assert len(out) == len(out.request_ids) + len(out.rows)
-            for rid, tid, text in zip(out.request_ids, out.token_ids, out.texts):
-                assert rid not in (r.request_id for r in out.rows)
-                g = got.setdefault(rid, [[], "", None, None])
-                g[0].append(tid)
-                g[1] += text
-                plain += 1
-            rows = out.rows
-        else:
-            assert not engine.step_columns
-            rows = out
-        for r in rows:
+        assert type(out) is StepTokens      # every step is one; columns only when asked, from MIN on
+        assert (columns and running >= COLUMNS_MIN_RUNNING) or not out.request_ids
+        assert len(out) == len(out.request_ids) + len(out.rows)
+        for rid, tid, text in zip(out.request_ids, out.token_ids, out.texts):
+            assert rid not in (r.request_id for r in out.rows)
+            g = got.setdefault(rid, [[], "", None, None])
+            g[0].append(tid)
+            g[1] += text
+            plain += 1
+        for r in out.rows:
             g = got.setdefault(r.request_id, [[], "", None, None])
             g[0].extend(r.token_ids)
             g[1] += r.text
@@ -59,11 +55,10 @@ def collect(engine, cancel_at=None):
 
 def test_columns_carry_the_same_outputs_as_lists():
     rows_engine, cols_engine = mock_engine_core(), mock_engine_core()
-    cols_engine.step_columns = True
     submit(rows_engine)
     submit(cols_engine)
     want, none = collect(rows_engine)
-    got, plain = collect(cols_engine)
+    got, plain = collect(cols_engine, columns=True)
     assert got == want and none == 0
     assert all(g[2] is not None for g in got.values())
     assert plain > 50            # the common case took the columns
@@ -72,17 +67,16 @@ def test_columns_carry_the_same_outputs_as_lists():
 
 def test_a_cancelled_request_ends_in_rows_with_columns_on():
     engine = mock_engine_core()
-    engine.step_columns = True
     submit(engine)
-    got, _ = collect(engine, cancel_at=2)
+    got, _ = collect(engine, cancel_at=2, columns=True)
     assert got[1][2] == FINISH_CANCELLED
 
 
 class LogprobExecutor(MockExecutor):
     """The mock stream, with logprobs for request 0's tokens."""
 
-    def step(self, seqs):
-        ids = super().step(seqs).token_ids
+    def sample(self, seqs):
+        ids = super().sample(seqs).token_ids
         sampled = [s for s in seqs if s.sample]
         return StepOutput(ids, [TopLogprobs(-0.5, (t,), (-0.5,)) if s.seq_id == 0 else None
                                 for s, t in zip(sampled, ids)])
@@ -91,15 +85,12 @@ class LogprobExecutor(MockExecutor):
 def test_a_step_with_logprobs_is_all_rows():
     ex = LogprobExecutor()
     engine = EngineCore(ex, ex.tokenizer, eos_token_ids=(1,), max_model_len=512)
-    engine.step_columns = True
     submit(engine)
     num_with_logprobs = 0
     while engine.has_unfinished():
-        out = engine.step()
-        if isinstance(out, StepTokens):
-            assert out.request_ids == []
-            out = out.rows
-        for r in out:
+        out = engine.step(columns=True)
+        assert out.request_ids == []
+        for r in out.rows:
             assert r.finish_reason != "error", r.error
             assert (r.logprobs is not None) == (r.request_id == 0 and bool(r.token_ids))
             num_with_logprobs += r.logprobs is not None
@@ -108,10 +99,9 @@ def test_a_step_with_logprobs_is_all_rows():
 
 def test_small_batches_are_steps_without_columns():
     engine = mock_engine_core()
-    engine.step_columns = True
     ids = engine.tokenizer.encode("Once", add_special_tokens=False).ids
     for i in range(COLUMNS_MIN_RUNNING - 1):
         engine.add_request(i, ids, SamplingParams(max_tokens=4), Timeline())
     while engine.has_unfinished():
-        step = engine.step()
+        step = engine.step(columns=True)
         assert type(step) is StepTokens and not step.request_ids and step.rows

@@ -1,8 +1,8 @@
-"""Inline steps (core/engine_core.py, net/writer/handoff.py): executor steps shorter than a hand-off
+"""Inline steps (core/step_driver.py rule 4, net/writer/handoff.py): executor steps shorter than a hand-off
 run on the event loop, longer ones on the engine thread.
 
 Over a real event loop and the real StepHandoff: the engine lends its steps to the loop
-after INLINE_AFTER_SHORT_STEPS short executor steps and takes them back after a long one;
+after LEND_AFTER_SHORT_STEPS short executor steps and takes them back after a long one;
 every stream gets all its tokens in order whichever thread ran each step; a step is
 written before the next one runs; cancellation, a failing executor, many streams and
 shutdown behave as on the engine thread.
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from engines import mock_engine_core, wait_for
-from tokenwire.core.engine_core import INLINE_AFTER_SHORT_STEPS
+from tokenwire.core.step_driver import LEND_AFTER_SHORT_STEPS
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, Timeline
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.net.writer.handoff import StepHandoff
@@ -31,8 +31,7 @@ class Host:
 
     def __init__(self, inline_step_ns=50_000_000, step_s=0.0, fail_on=()):
         self.engine = mock_engine_core(max_model_len=4096)
-        self.engine.inline_step_ns = inline_step_ns
-        self.engine.step_columns = True
+        self.engine.driver.inline_step_ns = inline_step_ns
         self.step_s = step_s                # executor step time: changed by the tests while it runs
         self.fail_on = set(fail_on)         # executor steps (1-based) that raise
         self.threads = []                   # per executor step: which thread ran it
@@ -43,7 +42,7 @@ class Host:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=LOOP, daemon=True)
         made = threading.Event()
-        self.loop.call_soon(lambda: (setattr(self, "handoff", StepHandoff(self.loop, self._write, self.engine)),
+        self.loop.call_soon(lambda: (setattr(self, "handoff", StepHandoff(self.loop, self._write, self.engine.driver)),
                                      made.set()))
         self._thread.start()
         assert made.wait(5)
@@ -55,16 +54,19 @@ class Host:
 
     def _wrap_executor(self):
         executor = self.engine.executor
-        step = executor.step
+        launch, collect = executor.launch, executor.collect
 
-        def timed_step(seqs):
+        def recorded_launch(seqs):
             self.threads.append(threading.current_thread().name)
             if len(self.threads) in self.fail_on:
                 raise RuntimeError("device on fire")
+            return launch(seqs)
+
+        def timed_collect(handle):
             if self.step_s:
                 time.sleep(self.step_s)
-            return step(seqs)
-        executor.step = timed_step
+            return collect(handle)
+        executor.launch, executor.collect = recorded_launch, timed_collect
 
     def _write(self, step):
         self.num_written += 1
@@ -122,16 +124,16 @@ def test_short_steps_move_to_the_loop_and_long_ones_back_to_the_engine_thread(ho
     h = host(inline_step_ns=50_000_000)
     h.submit(1, 40)
     assert wait_for(lambda: h.finished(1))
-    lent = INLINE_AFTER_SHORT_STEPS
+    lent = LEND_AFTER_SHORT_STEPS
     assert h.threads[:lent] == [ENGINE] * lent and set(h.threads[lent:]) == {LOOP}
-    assert h.engine.inline and h.num_tokens(1) == 40
+    assert h.engine.driver.lent and h.num_tokens(1) == 40
 
     h.step_s = 0.1                                          # 100 ms steps: longer than the limit
     n = len(h.threads)
     h.submit(2, 6)
     assert wait_for(lambda: h.finished(2))
     assert h.threads[n] == LOOP and set(h.threads[n + 1:]) == {ENGINE}   # one long step, then the thread
-    assert not h.engine.inline and h.num_tokens(2) == 6
+    assert not h.engine.driver.lent and h.num_tokens(2) == 6
 
     h.step_s = 0.0
     n = len(h.threads)
@@ -147,15 +149,15 @@ def test_inline_step_us_zero_keeps_every_step_on_the_engine_thread(host):
     h = host(inline_step_ns=0)
     h.submit(1, 30)
     assert wait_for(lambda: h.finished(1))
-    assert set(h.threads) == {ENGINE} and not h.engine.inline
+    assert set(h.threads) == {ENGINE} and not h.engine.driver.lent
 
 
 def test_a_stream_switching_threads_mid_way_gets_every_token_in_order(host):
     h = host(inline_step_ns=50_000_000, step_s=0.0002)     # 0.6 s of short steps: the switch comes mid-way
     h.submit(1, 3000)
-    assert wait_for(lambda: h.engine.inline)
+    assert wait_for(lambda: h.engine.driver.lent)
     h.step_s = 0.1
-    assert wait_for(lambda: not h.engine.inline)
+    assert wait_for(lambda: not h.engine.driver.lent)
     h.step_s = 0.0002
     assert wait_for(lambda: h.finished(1), timeout=30)
     assert {LOOP, ENGINE} <= set(h.threads)
@@ -166,17 +168,17 @@ def test_a_stream_switching_threads_mid_way_gets_every_token_in_order(host):
 def test_cancel_while_inline_ends_the_request_and_frees_its_blocks(host):
     h = host(inline_step_ns=50_000_000, step_s=0.001)       # 1 ms steps, run on the loop
     h.submit(1, 100_000, prompt=list(range(5, 100)))
-    assert wait_for(lambda: h.engine.inline and h.num_tokens(1) > 10)
+    assert wait_for(lambda: h.engine.driver.lent and h.num_tokens(1) > 10)
     assert h.on_loop(lambda: h.engine.block_manager.num_used_blocks) > 0
     h.on_loop(h.engine.cancel, 1)
     assert wait_for(lambda: h.finished(1))
     assert h.outputs[1][-1].finish_reason == FINISH_CANCELLED
     assert h.on_loop(lambda: (h.engine.block_manager.num_used_blocks, h.engine.has_work())) == (0, False)
-    assert h.engine.inline                                  # idle on the loop, the thread still lent
+    assert h.engine.driver.lent                                  # idle on the loop, the thread still lent
 
 
 def test_a_failing_executor_while_inline_fails_the_running_requests_and_serving_goes_on(host):
-    fail_at = INLINE_AFTER_SHORT_STEPS + 5
+    fail_at = LEND_AFTER_SHORT_STEPS + 5
     h = host(inline_step_ns=50_000_000, fail_on={fail_at})     # every mock step short, however loaded
     h.submit(1, 50)
     h.submit(2, 50)
@@ -187,13 +189,13 @@ def test_a_failing_executor_while_inline_fails_the_running_requests_and_serving_
     h.submit(3, 20)
     assert wait_for(lambda: h.finished(3))
     assert h.outputs[3][-1].finish_reason == FINISH_LENGTH and h.num_tokens(3) == 20
-    assert h.engine.inline and h.engine.is_alive()
+    assert h.engine.driver.lent and h.engine.is_alive()
 
 
 def test_many_streams_inline_each_get_one_token_per_step(host):
     h = host(inline_step_ns=50_000_000)     # a 128-row mock step is short by any measure, however loaded the machine
     h.submit(0, 8)                                          # lends the steps to the loop
-    assert wait_for(lambda: h.finished(0) and h.engine.inline)
+    assert wait_for(lambda: h.finished(0) and h.engine.driver.lent)
 
     def submit_all():
         for rid in range(1, 129):
@@ -213,9 +215,10 @@ def test_many_streams_inline_each_get_one_token_per_step(host):
 def test_shutdown_while_inline_fails_what_is_left_on_the_engine_thread(host):
     h = host(inline_step_ns=50_000_000, step_s=0.001)
     h.submit(1, 100_000)
-    assert wait_for(lambda: h.engine.inline and h.num_tokens(1) > 5)
+    assert wait_for(lambda: h.engine.driver.lent and h.num_tokens(1) > 5)
     seen = []
-    h.engine.on_step = lambda step: seen.extend(step.rows)  # the thread's last hand-off, after detach
+    driver = h.engine.driver          # the thread's last hand-off, after detach
+    driver.host = driver.host._replace(deliver=lambda step: seen.extend(step.rows))
     h.on_loop(lambda: (h.handoff.detach(), h.engine.shutdown(timeout=5)))
     assert not h.engine.is_alive()
     assert [(o.request_id, o.finish_reason) for o in seen] == [(1, FINISH_ERROR)] and "shut down" in seen[0].error

@@ -18,6 +18,7 @@ from engines import mock_engine_core, wait_for
 from tokenwire.core.doorbell import Doorbell
 from tokenwire.core.outputs import RequestOutput, Timeline
 from tokenwire.core.sampling_params import SamplingParams
+from tokenwire.core.step_driver import Mode
 from tokenwire.net.api.errors import ApiError
 from tokenwire.net.api.openai import parse_completions
 from tokenwire.net.writer import encoders
@@ -60,21 +61,21 @@ def test_engine_sleeps_until_woken_once_for_a_batch_of_requests():
     engine = mock_engine_core(on_step=seen.extend, max_model_len=256)
     engine.start()
     try:
-        assert wait_for(lambda: engine._sleeping)
+        assert wait_for(lambda: engine.driver.mode is Mode.SLEEPING)
         params = SamplingParams(max_tokens=3)
         for rid in (1, 2):
             engine.add_request(rid, [5, 6], params, Timeline(), wake=False)
         time.sleep(0.05)
-        assert seen == [] and engine._sleeping          # submitted, not woken: nothing ran
+        assert seen == [] and engine.driver.mode is Mode.SLEEPING          # submitted, not woken: nothing ran
         engine.wake()
         assert wait_for(lambda: sum(o.finish_reason is not None for o in seen) == 2)
         engine.add_request(3, [5], params, Timeline())  # the default wakes it at once
         assert wait_for(lambda: any(o.request_id == 3 and o.finish_reason for o in seen))
         engine.cancel(99)                               # a cancel of nothing wakes it and does no harm
-        assert wait_for(lambda: engine._sleeping)
+        assert wait_for(lambda: engine.driver.mode is Mode.SLEEPING)
     finally:
         engine.shutdown(timeout=5)
-    assert not engine.is_alive() and engine._doorbell.closed
+    assert not engine.is_alive() and engine.driver._doorbell.closed
 
 
 def test_steps_reach_the_loop_in_order_and_the_engine_never_runs_ahead():

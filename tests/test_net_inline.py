@@ -49,7 +49,7 @@ def test_streams_run_on_the_loop_and_carry_every_token(inline_server):
     try:
         sid = stream(c, 40)
         c.read_until(lambda: sid in c.ended)
-        assert inline_server.engine.inline                   # the engine thread lent its steps
+        assert inline_server.engine.driver.lent                   # the engine thread lent its steps
         events = sse_events(c.data[sid])
         assert len(events) == 41 and events[-1]["choices"][0]["finish_reason"] == "length"   # 40 tokens, the finish
         assert MOCK_TEXT.startswith(completion_text(events)) and len(completion_text(events)) > 40
@@ -62,7 +62,7 @@ def test_reset_while_inline_frees_the_blocks_and_the_connection_goes_on(inline_s
     try:
         sid = stream(c, 2000, prompt="hello " * 40)
         c.read_until(lambda: c.data.get(sid, b"").count(b"data:") >= 5)
-        assert inline_server.engine.inline
+        assert inline_server.engine.driver.lent
         url = inline_server.url
         assert metric(url, "tokenwire_kv_blocks_used") > 0
         cancelled = metric(url, "tokenwire_cancellations_total")
@@ -86,6 +86,6 @@ def test_many_streams_inline_each_complete(inline_server):
         c.read_until(lambda: all(s in c.ended for s in sids))
         texts = {completion_text(sse_events(c.data[s])) for s in sids}
         assert len(texts) == 1 and MOCK_TEXT.startswith(texts.pop())
-        assert inline_server.engine.inline
+        assert inline_server.engine.driver.lent
     finally:
         c.close()

@@ -260,7 +260,7 @@ def greedy(core, requests, together=False):
         for rid, prompt in batch:
             core.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=12), Timeline())
         while core.has_unfinished():
-            for o in core.step():
+            for o in core.step().rows:
                 assert o.finish_reason != "error", o.error
                 out.setdefault(o.request_id, []).extend(o.token_ids)
     return out
@@ -464,7 +464,7 @@ def test_cuda_executor_prefills_from_a_cached_position():
         for rid, k in enumerate((40, 17, 16, 15, 33, 8)):
             engine.add_request(rid, base[:k] + [5, 6], SamplingParams(temperature=0.0, max_tokens=5), Timeline())
             while engine.has_unfinished():
-                for o in engine.step():
+                for o in engine.step().rows:
                     out.setdefault(o.request_id, []).extend(o.token_ids)
         results.append((out, engine.scheduler.num_prefix_hits))
     assert results[0][0] == results[1][0] and results[0][1] > 0 and results[1][1] == 0

@@ -41,7 +41,7 @@ def server():
 
 
 class FailingExecutor(MockExecutor):
-    def step(self, seqs):
+    def sample(self, seqs):
         raise RuntimeError("device lost")
 
 

@@ -22,7 +22,7 @@ def ask(engine, rid, prompt=PROMPT, **params):
     engine.add_request(rid, prompt, SamplingParams(**params), t)
     outs = []
     while engine.has_unfinished() or not outs:
-        outs += [o for o in engine.step() if o.request_id == rid]
+        outs += [o for o in engine.step().rows if o.request_id == rid]
         if outs and outs[-1].finish_reason:
             break
     assert outs[-1].finish_reason in ("length", "stop"), outs[-1]   # a failed answer is never cached either

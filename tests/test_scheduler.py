@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tokenwire.core.detokenizer import byte_level_alphabet
 from tokenwire.core.engine_core import EngineCore
-from tokenwire.core.executor import StepOutput
+from tokenwire.core.executor import StepOutput, SyncExecutor
 from tokenwire.kernels.mock import build_mock_tokenizer, mock_config
 from tokenwire.core.outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Timeline
 from tokenwire.core.request import RequestState
@@ -23,7 +23,7 @@ VOCAB = 64
 TOKENIZER = build_mock_tokenizer()
 
 
-class KVCheckingExecutor:
+class KVCheckingExecutor(SyncExecutor):
     def __init__(self, num_blocks=64, block_size=4, max_model_len=256, sampled_logits=False, vocab_size=VOCAB):
         self.config = mock_config(vocab_size, max_model_len)
         self.block_size, self.num_blocks = block_size, num_blocks
@@ -101,7 +101,7 @@ class Collector:
         self.engine, self.tokens, self.finish, self.steps = engine, {}, {}, []
 
     def step(self):
-        outs = self.engine.step()
+        outs = self.engine.step().rows
         self.steps.append(outs)
         for o in outs:
             assert o.request_id not in self.finish, "an output after the final one"
@@ -287,7 +287,7 @@ def test_cancel_after_finish_is_a_no_op():
     add(engine, 1, max_tokens=2)
     run(engine)
     engine.cancel(1)
-    assert engine.step() == [] and engine.stats().num_cancellations == 0
+    assert engine.step().rows == [] and engine.stats().num_cancellations == 0
 
 
 # ------------------------------------------------------------------ stop conditions
@@ -319,7 +319,7 @@ def test_stop_string_split_across_single_byte_tokens():
     engine.add_request(1, byte_ids("x"), SamplingParams(stop=("world!", "zzz")), Timeline())
     outs = []
     while engine.has_unfinished():
-        outs += engine.step()
+        outs += engine.step().rows
     assert "".join(o.text for o in outs) == "Hello, "
     assert outs[-1].finish_reason == FINISH_STOP and len(outs) == len(byte_ids("Hello, world!"))
     # the held-back "wor" was never emitted early: text up to each step never ends in a stop prefix
@@ -400,7 +400,7 @@ def test_logprobs_reach_their_own_requests_in_mixed_steps():
             for i in (1, 2, 3):
                 engine.add_request(i, [8 + i, 9], SamplingParams(temperature=0.0, max_tokens=6, logprobs=asks[i]),
                                    Timeline())
-        for out in engine.step():
+        for out in engine.step().rows:
             seen[out.request_id] += 1
             if asks[out.request_id] is None:
                 assert out.logprobs is None

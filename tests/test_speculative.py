@@ -73,7 +73,7 @@ def generate(core, requests, cancel_at=None, check=None):
         for rid, at in (cancel_at or {}).items():
             if at == step_no:
                 core.cancel(rid)
-        for o in core.step():
+        for o in core.step().rows:
             assert len(o.token_ids) <= 1            # one output per token, speculated or not
             tokens.setdefault(o.request_id, []).extend(o.token_ids)
             texts[o.request_id] = texts.get(o.request_id, "") + o.text
@@ -234,7 +234,7 @@ def test_penalties_logprobs_stops_min_tokens_and_choices_match_without_speculati
                                                            method) for s in (1, 2, 3)], [Timeline() for _ in range(3)])
         outs = {}
         while core.has_unfinished():
-            for o in core.step():
+            for o in core.step().rows:
                 outs.setdefault(o.request_id, []).append((tuple(o.token_ids), o.text, o.finish_reason, o.logprobs))
         return outs
 
@@ -272,7 +272,7 @@ def test_constrained_rows_do_not_speculate(stories):
                          constraint=compiled.constraint())
         toks = []
         while core.has_unfinished():
-            toks += [t for o in core.step() for t in o.token_ids]
+            toks += [t for o in core.step().rows for t in o.token_ids]
         out[method] = toks
         assert core.stats().num_spec_proposed == 0
     assert out["ngram"] == out["off"] and out["off"]

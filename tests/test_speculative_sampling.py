@@ -39,7 +39,7 @@ def sample_pairs(engine, settings: dict, method: str, first_seed: int):
         core.add_request(i, PROMPT, p, Timeline())
     tokens = {}
     while core.has_unfinished():
-        for o in core.step():
+        for o in core.step().rows:
             tokens.setdefault(o.request_id, []).extend(o.token_ids)
     pairs = np.array([(t[1], t[2]) for t in tokens.values()])
     return pairs, core.stats()

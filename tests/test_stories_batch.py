@@ -50,7 +50,7 @@ def generate(core, requests):
         core.add_request(rid, prompt, params, Timeline())
     tokens, texts, finish = {}, {}, {}
     while core.has_unfinished():
-        for o in core.step():
+        for o in core.step().rows:
             tokens.setdefault(o.request_id, []).extend(o.token_ids)
             texts[o.request_id] = texts.get(o.request_id, "") + o.text
             if o.finish_reason:
@@ -156,7 +156,7 @@ def test_logprobs_reach_the_request_outputs(engines, build):
     core.add_request(2, prompt, SamplingParams(temperature=0.0, max_tokens=6), Timeline())
     outs = []
     while core.has_unfinished():
-        outs += core.step()
+        outs += core.step().rows
     mine = [o for o in outs if o.request_id == 1]
     assert len(mine) == 6 and all(o.logprobs is not None and len(o.logprobs) == 1 for o in mine)
     for o in mine:

@@ -74,7 +74,7 @@ def run_constrained(built, spec: ConstraintSpec, num: int, temperature: float = 
                          SamplingParams(temperature=temperature, seed=k, max_tokens=MAX_TOKENS),
                          Timeline(), constraint=compiled.constraint())
     while core.has_unfinished():
-        for out in core.step():
+        for out in core.step().rows:
             texts[out.request_id] = texts.get(out.request_id, "") + out.text
             if out.finish_reason is not None:
                 finish[out.request_id] = out.finish_reason
@@ -234,7 +234,7 @@ def test_a_token_the_grammar_refuses_fails_only_that_request():
     core.add_request(2, [1, 2], SamplingParams(max_tokens=5), Timeline())
     finished = {}
     while core.has_unfinished():
-        for out in core.step():
+        for out in core.step().rows:
             if out.finish_reason is not None:
                 finished[out.request_id] = out
     assert finished[1].finish_reason == "error" and "grammar" in finished[1].error
@@ -250,7 +250,7 @@ def test_a_constrained_request_is_never_answered_from_the_response_cache():
         core.add_request(request_id, prompt, params, Timeline(),
                          constraint=constraint.constraint() if constraint else None)
         while core.has_unfinished():
-            for out in core.step():
+            for out in core.step().rows:
                 texts[out.request_id] = texts.get(out.request_id, "") + out.text
     assert re.fullmatch("[0-9]{4}", texts[2]), texts
     assert core.response_cache.num_hits == 0

@@ -19,6 +19,7 @@ from tokenwire import kernels
 from tokenwire.core.constraint import ConstraintSpec
 from tokenwire.core.engine_core import EngineCore
 from tokenwire.core.outputs import EngineStats
+from tokenwire.core.executor import SyncExecutor
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.core.options import EngineOptions
 from tokenwire.kernels.mock import build_mock_tokenizer
@@ -34,7 +35,7 @@ def engine_dir(stories260k_dir, tmp_path_factory):
                         tmp_path_factory.mktemp("warm") / "engine", BuildOptions(QuantOptions(method="none")))
 
 
-class Recorder:
+class Recorder(SyncExecutor):
     """The cpu backend's executor, noting what each step held and whether the server was
     ready (its `start()` had returned) when the step ran. Set `fail_constrained` to make
     every step with a constrained row raise, as a broken sampler would."""

@@ -60,7 +60,7 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
                       max_num_seqs=options.max_num_seqs, max_num_batched_tokens=options.max_num_batched_tokens,
                       prefill_cap=options.prefill_cap, max_queued_requests=options.max_queued_requests,
                       enable_prefix_caching=options.enable_prefix_caching, response_cache_size=options.response_cache_size,
-                      inline_step_ns=int(options.inline_step_us * 1000), speculator=speculator,
+                      inline_step_ns=int(options.inline_step_us * 1000), overlap=options.overlap, speculator=speculator,
                       model_identity=f"{options.backend}:{model.name}:{getattr(model, 'path', '')}")
     card = ModelCard(name=options.served_model_name or model.name, description=model.description,
                      backend=options.backend, tokenizer=model.tokenizer, encode_prompt=model.encode_prompt,

@@ -158,6 +158,10 @@ def add_arguments(parser) -> None:
                         help="run engine steps whose executor time is at most this on the event loop instead of "
                              "the engine thread, where the thread hand-off would cost more than the step "
                              "(default: %(default)s; 0: always the engine thread)")
+    parser.add_argument("--no-overlap", dest="overlap", action="store_false", default=DEFAULTS.overlap,
+                        help="process each engine step's outputs before launching the next, instead of while "
+                             "it runs (overlap is on where the backend's step releases the GIL: cuda, mock; "
+                             "the cpu backend's step never overlaps)")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
     parser.add_argument("--http2-only", action="store_true", default=d.http2_only,
@@ -264,6 +268,7 @@ def run(args) -> int:
                         access_log=args.access_log,
                         enable_prefix_caching=args.enable_prefix_caching,
                         response_cache_size=args.response_cache_size, inline_step_us=args.inline_step_us,
+                        overlap=args.overlap,
                         activations=args.activations, warm_up=args.warm_up, speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens,
                         speculative_model=args.speculative_model,

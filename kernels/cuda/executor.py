@@ -11,15 +11,21 @@ Contract:
   sequence, all sampling) replays the CUDA graph of its batch-size bucket, any other step
   launches the kernels eagerly; sampling runs on the device; the ids are copied
   asynchronously (copy stream) into the slot's pinned buffer and an event marks them ready.
-- `wait(handle) -> StepOutput` waits for that event on the calling thread (the engine
-  thread; never the event loop's) and reads the slot. `step(seqs)` is launch + wait.
+- `collect(handle) -> StepOutput` waits for that event on the calling thread (the engine
+  thread; never the event loop's) and reads the slot. `step(seqs)` is launch + collect.
   The wait is one cuEventSynchronize with the GIL released (kernels/cuda/driver.py): the
   driver spins for it (wait="spin", the lowest wake-up latency) or sleeps (wait="block");
   no Python polls the event and none runs in a CUDA host callback, so the event loop thread
-  keeps the GIL while the GPU works. The engine thread's own hand-off to the loop (EngineCore's
-  on_step, the server's eventfd Doorbell) follows the wait.
+  keeps the GIL while the GPU works. The engine thread's own hand-off to the loop (the step
+  driver's StepHost.deliver, the server's eventfd Doorbell) follows the wait.
+- Overlapped steps (core/step_driver.py): a step may be launched while the last one runs. A
+  row with `num_pending` feeds the token the last step sampled for its sequence straight from
+  the device: after the step's metadata is copied, `acts.tokens` (the last step's sampled ids,
+  by row) is copied device to device into this step's token ids, one copy per run of rows
+  whose source rows are consecutive (usually one run: the decode rows keep their order).
+  The host never reads that token first; its RNG counter counts it (meta.fill_sampling).
 - Ring slots are used in order; at most `ring_slots` steps may be launched and not yet
-  waited, and they must be waited in launch order.
+  collected, and they must be collected in launch order.
 """
 
 import threading
@@ -96,6 +102,8 @@ class StepHandle(NamedTuple):
 
 
 class CudaExecutor:
+    overlaps = True
+
     def __init__(self, config: ModelConfig, tensors: Mapping[str, np.ndarray], options: CudaOptions = CudaOptions(),
                  driver=None, image_fn: Callable[[str], bytes] = kernel_image):
         o = self.options = options
@@ -132,6 +140,7 @@ class CudaExecutor:
         self.graphs_enabled = o.use_graphs      # a benchmark may switch to eager launches to profile
         self.num_launched = self.num_waited = 0
         self._last_handle: Optional[StepHandle] = None
+        self._last_rows: Sequence[SeqStep] = ()  # the last launched step's sampled rows, in order
         self._thread = threading.get_ident()     # the thread the context is current on
         self.drv.stream_synchronize(self.dev.copy_stream)
         if o.use_graphs and o.capture_at_start:
@@ -158,9 +167,12 @@ class CudaExecutor:
                              self.max_tokens + o.max_num_seqs, o.max_penalty_tokens)
         graph = decode_layout(o.max_num_seqs, self.max_blocks, o.max_penalty_tokens)
         nbytes = max(worst.nbytes, graph.nbytes)
-        base = self.drv.mem_alloc(nbytes + 12 * o.max_num_seqs)
+        base = self.drv.mem_alloc(nbytes + 16 * o.max_num_seqs)
         # static attention work items of the decode graphs: row i is sequence i's one query
         self.static_items = base + nbytes
+        # int32 [max_num_seqs]: the last step's sampled ids, kept while a graph capture runs the
+        # kernels (and overwrites acts.tokens) before a step that feeds them (_launch_decode)
+        self.kept_tokens = base + nbytes + 12 * o.max_num_seqs
         items = np.stack([np.arange(o.max_num_seqs), np.arange(o.max_num_seqs), np.ones(o.max_num_seqs)], 1).astype(np.int32)
         self._static_items_host = items
         self.drv.memcpy_htod_async(self.static_items, items, items.nbytes, self.dev.copy_stream)
@@ -214,7 +226,7 @@ class CudaExecutor:
 
     def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
         """Run one engine step (hot path: once per step). Called from the engine thread only."""
-        return self.wait(self.launch(seqs))
+        return self.collect(self.launch(seqs))
 
     def launch(self, seqs: Sequence[SeqStep]) -> StepHandle:
         """Enqueue one step and return without waiting for the GPU (hot path)."""
@@ -223,7 +235,7 @@ class CudaExecutor:
         slot_index = self.num_launched % len(self.ring)
         slot = self.ring[slot_index]
         if slot.in_flight:
-            raise RuntimeError(f"all {len(self.ring)} ring slots hold steps not yet waited; wait() the oldest first")
+            raise RuntimeError(f"all {len(self.ring)} ring slots hold steps not yet collected; collect() the oldest first")
         if self._last_handle is not None and self.num_waited < self.num_launched:
             # the previous step's ids may still be on their way to the host: keep acts.tokens
             self.drv.stream_wait_event(self.dev.compute_stream, self.ring[self._last_handle.slot].ready)
@@ -243,6 +255,7 @@ class CudaExecutor:
         handle = StepHandle(slot_index, self.num_launched, len(rows), logprobs, bool(bucket), start_ns)
         self.num_launched += 1
         self._last_handle = handle
+        self._last_rows = rows
         return handle
 
     def _bind_thread(self) -> None:
@@ -277,9 +290,16 @@ class CudaExecutor:
         full = fill_decode(views, seqs, bucket, self.max_blocks, o.block_size, self.kv.scratch_block,
                            slot.row_keys, self._limits)
         entries = fill_sampling(views, seqs, o.max_penalty_tokens) if full else 0
-        graph = self._graph(bucket, "full" if full else "greedy")     # first use captures: before our copy
+        mode = "full" if full else "greedy"
         stream = self.dev.compute_stream
+        fed_from = self.acts.tokens
+        if (bucket, mode) not in self.graphs and any(s.num_pending for s in seqs):
+            # the capture runs the kernels once, over acts.tokens: keep the last step's ids first
+            self.drv.memcpy_dtod_async(self.kept_tokens, self.acts.tokens, 4 * len(self._last_rows), stream)
+            fed_from = self.kept_tokens
+        graph = self._graph(bucket, mode)         # first use captures: before our copy
         self.drv.memcpy_htod_async(self.meta, slot.staging, layout.used_bytes(full, entries), stream)
+        self._feed_pending(seqs, layout.fields["token_ids"][0], fed_from)
         self.drv.graph_launch(graph, stream)
 
     def _launch_eager(self, slot: RingSlot, seqs: Sequence[SeqStep], rows: Sequence[SeqStep]) -> None:
@@ -298,6 +318,7 @@ class CudaExecutor:
         entries = fill_sampling(views, rows, o.max_penalty_tokens) if rows and full else 0
         stream = self.dev.compute_stream
         self.drv.memcpy_htod_async(self.meta, slot.staging, layout.used_bytes(bool(rows) and full, entries), stream)
+        self._feed_pending(seqs, layout.fields["token_ids"][0], self.acts.tokens)
         max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs)
         splits = 1
         if max_ctx > o.split_size:
@@ -306,6 +327,26 @@ class CudaExecutor:
         g = self._geometry(layout.ptrs(self.meta), T, len(rows), ld_bt, num_items, splits,
                            items=None, logits_rows=True)
         launch_step(self.dev, c, self.weights, self.acts, self.kv, g, "full" if full else "greedy", stream, o.fused)
+
+    def _feed_pending(self, seqs: Sequence[SeqStep], token_ids_offset: int, sampled: int) -> None:
+        """Rows with num_pending take the last step's sampled ids (int32 by row at `sampled`, on the
+        device) after the metadata copy (hot path). They are decodes, and decodes come first:
+        row i's token is token i."""
+        last = None
+        runs = []                           # [first row, first source row, length]
+        for i, s in enumerate(seqs):
+            if not s.num_pending:
+                continue
+            if last is None:
+                last = {r.seq_id: j for j, r in enumerate(self._last_rows)}
+            src = last[s.seq_id]
+            if runs and runs[-1][1] + runs[-1][2] == src and runs[-1][0] + runs[-1][2] == i:
+                runs[-1][2] += 1
+            else:
+                runs.append([i, src, 1])
+        dst = self.meta + token_ids_offset
+        for i, src, n in runs:
+            self.drv.memcpy_dtod_async(dst + 4 * i, sampled + 4 * src, 4 * n, self.dev.compute_stream)
 
     def _forget_tables(self, seqs: Sequence[SeqStep]) -> None:
         """A prefilled sequence may hold new blocks (recompute after preemption): no graph
@@ -324,10 +365,11 @@ class CudaExecutor:
         drv.event_record(slot.ready, copy)
         slot.in_flight = True
 
-    def wait(self, handle: StepHandle) -> StepOutput:
+    def collect(self, handle: StepHandle) -> StepOutput:
         """Block the calling (engine) thread until the step's ids are in the host ring."""
         if handle.number != self.num_waited:
-            raise RuntimeError(f"steps must be waited in launch order: expected step {self.num_waited}, got {handle.number}")
+            raise RuntimeError(f"steps must be collected in launch order: expected step {self.num_waited}, "
+                               f"got {handle.number}")
         self._bind_thread()
         slot = self.ring[handle.slot]
         self.drv.event_synchronize(slot.ready)          # GIL released for the whole wait

@@ -162,7 +162,7 @@ def fill_sampling(v: dict, seqs: Sequence[SeqStep], capacity: int) -> int:
         d[r] = (p.temperature, p.top_p, p.min_p, 0.0)
         f[r] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, 0.0)
         ip[r] = (p.top_k, -1 if p.logprobs is None else p.logprobs, int(p.has_penalties), 0)
-        rng[r] = (s.seed, len(s.output_token_ids))
+        rng[r] = (s.seed, len(s.output_token_ids) + s.num_pending)     # a pending token counts (executor.py)
         row_ptr[r] = e
         if p.has_penalties:
             e = _penalty_entries(entries, e, s, capacity)

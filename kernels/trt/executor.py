@@ -20,7 +20,7 @@ Contract:
   ArgMax (`next_token`) into the slot's pinned bytes on the copy stream; rows that need
   temperature, penalties or logprobs bring their logits back and are sampled by
   kernels/sampling.py, as the CPU backend does.
-- `launch(seqs) -> handle` returns without waiting; `wait(handle)` waits (spin or blocking)
+- `launch(seqs) -> handle` returns without waiting; `collect(handle)` waits (spin or blocking)
   on the slot's `ready` event and reads it; `on_ready(slot)` runs from a CUDA host function.
 """
 
@@ -75,6 +75,10 @@ class TrtHandle(NamedTuple):
 
 
 class TrtExecutor:
+    # its token ids are staged from the host: a row fed the last step's token on the device
+    # (SeqStep.num_pending) is not done yet, so the step driver does not overlap TensorRT steps
+    overlaps = False
+
     def __init__(self, config: ModelConfig, options: TrtOptions = TrtOptions(), *, manifest: dict,
                  engine_fn: Callable, driver=None, on_ready: Optional[Callable[[int], None]] = None):
         """`engine_fn(graph, profile, device)` -> an engine with `.context()` (kernels/trt/engine.py's
@@ -156,7 +160,7 @@ class TrtExecutor:
 
     def step(self, seqs: Sequence[SeqStep]) -> StepOutput:
         """Run one engine step (hot path: once per step). Called from the engine thread only."""
-        return self.wait(self.launch(seqs))
+        return self.collect(self.launch(seqs))
 
     def launch(self, seqs: Sequence[SeqStep]) -> TrtHandle:
         """Enqueue one step and return without waiting for the GPU (hot path)."""
@@ -164,7 +168,7 @@ class TrtExecutor:
         slot_index = self.num_launched % len(self.ring)
         slot = self.ring[slot_index]
         if slot.in_flight:
-            raise RuntimeError(f"all {len(self.ring)} ring slots hold steps not yet waited; wait() the oldest first")
+            raise RuntimeError(f"all {len(self.ring)} ring slots hold steps not yet collected; collect() the oldest first")
         if self.num_waited < self.num_launched:             # the previous step's ids may still be on their way
             self.drv.stream_wait_event(self.compute_stream, self.ring[(slot_index - 1) % len(self.ring)].ready)
         decode = [s for s in seqs if len(s.token_ids) == 1]
@@ -298,7 +302,7 @@ class TrtExecutor:
         floats = slot.out[4 * self.cap_ids:].view(np.float32)
         return floats[:o.max_batch * V].reshape(-1, V), floats[o.max_batch * V:].reshape(-1, Vp)
 
-    def wait(self, handle: TrtHandle) -> StepOutput:
+    def collect(self, handle: TrtHandle) -> StepOutput:
         """Block the calling (engine) thread until the step's ids are in the host ring."""
         if handle.number != self.num_waited:
             raise RuntimeError(f"steps must be waited in launch order: expected step {self.num_waited}, "

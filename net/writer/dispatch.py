@@ -100,7 +100,7 @@ class Dispatcher:
         self.trace = trace                  # trace.TraceWriter or None
         self.access_log = access_log or AccessLog(False)
         self.exchanges: dict[int, Exchange] = {}
-        self.step_times_ns = deque()        # filled by the engine (EngineCore.step_times_ns), drained here in batches
+        self.step_times_ns = deque()        # filled by the engine (StepHost.step_times_ns), drained here in batches
         self.busy_poll = BusyPoller(self.exchanges)
         self._touched = []                  # outboxes written during this step (Outbox.pending set)
         self._firsts = []                   # exchanges whose first token went out this step
@@ -110,7 +110,6 @@ class Dispatcher:
         self.engine, self.model = engine, model
         self.served = Served(model.name, engine.detokenizer.token_text, engine.eos_token_ids)
         self.busy_poll.loop = loop
-        engine.step_times_ns = self.step_times_ns
 
     def add(self, ex: "Exchange", deadline_ns: int | None = None) -> None:
         """Write `ex`'s outputs from now on; `deadline_ns` (monotonic): when to give up on it."""

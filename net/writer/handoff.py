@@ -1,6 +1,6 @@
 """The engine -> loop hand-off: one step at a time, two doorbells; or steps run on the loop.
 
-The engine thread calls `on_step_threadsafe(step)` once per step (EngineCore.on_step): it
+The engine thread calls `on_step_threadsafe(step)` once per step (StepHost.deliver): it
 queues the step, rings a doorbell the loop watches (an eventfd; core/doorbell.py) and waits
 on a second one until the loop has written the step, so the engine runs at most one step
 ahead of the wire: a slow loop makes batches bigger instead of letting steps pile up. Both
@@ -12,11 +12,12 @@ On the loop, `write_pending()` hands each queued step to the writer (net/writer/
 read's new requests and releases the engine after them, so the engine's next step takes
 those requests (App.on_events).
 
-Inline steps: this is also the engine's `inline_host` (core/engine_core.py). When the
-executor's steps are shorter than the hand-off itself (the zero-cost mock, a tiny model),
-the engine thread lends its steps: `take_steps_threadsafe()`, then each step is one loop
-callback, `_step_inline`, that runs `EngineCore.step_or_fail()`, writes its outputs and asks
-for the next one while work remains (`EngineCore.continue_inline`); steps follow each other
+Inline steps: this is the host the engine's step driver lends its steps to
+(core/step_driver.py, rule 4). When the executor's steps are shorter than the hand-off itself
+(the zero-cost mock, a tiny model), the engine thread lends its steps:
+`take_steps_threadsafe()`, then each step is one loop callback, `_step_inline`, that runs
+`StepDriver.lent_step()`, writes its outputs and asks for the next one while work remains
+(`StepDriver.keep_lent`); steps follow each other
 in one callback for at most `inline_step_ns`, then reads and resets are handled before the
 next; a step is written before the next one runs. No doorbell, no thread switch: a lone
 stream's token costs its step and its frames. A longer executor step gives the steps back
@@ -28,12 +29,15 @@ from collections import deque
 from typing import Callable
 
 from ...core.doorbell import Doorbell
+from ...core.step_driver import StepHost
 
 
 class StepHandoff:
-    def __init__(self, loop, write_step: Callable[[object], None], engine=None):
+    def __init__(self, loop, write_step: Callable[[object], None], driver=None, step_times_ns: deque = None):
+        """`driver`: the engine's core.step_driver.StepDriver, attached to here (None: steps are
+        handed over by hand, as tests do); `step_times_ns`: where it appends each step's time."""
         self.loop = loop
-        self.engine = engine                # core.engine_core.EngineCore whose inline steps this runs (or None)
+        self.driver = driver
         self._write_step = write_step       # called on the loop with each step (a core.outputs.StepTokens)
         self._steps = deque()               # steps handed over by the engine thread, oldest first
         self._step_ready = Doorbell()       # the engine rang, a step waits (watched by the loop)
@@ -42,9 +46,9 @@ class StepHandoff:
         self._inline_scheduled = False      # an `_step_inline` callback is queued on the loop
         self.detached = False
         loop.add_reader(self._step_ready.fileno(), self._on_ready)
-        if engine is not None:
-            engine.on_step = self.on_step_threadsafe
-            engine.inline_host = self
+        if driver is not None:
+            driver.attach(StepHost(self.on_step_threadsafe, self.take_steps_threadsafe, self.steps_wanted,
+                                   step_times_ns, columns=True))
 
     def on_step_threadsafe(self, step) -> None:
         """Engine thread, once per step: hand the step over, then wait until the loop wrote it."""
@@ -89,7 +93,7 @@ class StepHandoff:
                 pass
 
     def _take_steps(self) -> None:
-        if self.engine.inline and self.engine.has_work():
+        if self.driver.lent and self.driver.core.has_work():
             self.steps_wanted()
 
     def steps_wanted(self) -> None:
@@ -100,22 +104,22 @@ class StepHandoff:
 
     def _step_inline(self) -> None:
         """Engine steps on the loop, each written at once (hot path: once per step). Steps
-        follow each other in one callback for up to the engine's `inline_step_ns` (what one
+        follow each other in one callback for up to the driver's `inline_step_ns` (what one
         step may hold the loop anyway), then the loop polls its sockets before the next: a
         lone stream's tokens do not each pay a loop iteration and an epoll."""
         self._inline_scheduled = False
-        engine = self.engine
-        if self.detached or not engine.inline:
+        driver = self.driver
+        if self.detached or not driver.lent:
             return
-        until_ns = time.monotonic_ns() + engine.inline_step_ns
+        until_ns = time.monotonic_ns() + driver.inline_step_ns
         go_on = True                        # also when a write raised: the next callback goes on
         try:
             while True:
-                step = engine.step_or_fail()
+                step = driver.lent_step()
                 wrote = bool(step.rows or step.request_ids)
                 if wrote:
                     self._write_step(step)
-                go_on = engine.continue_inline(wrote) and not self.detached
+                go_on = driver.keep_lent(wrote) and not self.detached
                 if not go_on or time.monotonic_ns() >= until_ns:
                     break
         finally:
