@@ -38,8 +38,9 @@ whole cache is forgotten then.
 
 Overlapped steps (core/step_driver.py): the next step may be scheduled before the last one's
 ids are back. A decoding request then has a token sampled and not appended (`num_pending`):
-its decode feeds that token (the executor's own, SeqStep.num_pending) one position further;
-a request whose prefill chunk is in flight (`num_scheduled_tokens` > 0) sits that step out.
+its decode feeds that token (the executor's own, SeqStep.num_pending) one position further,
+and so does a request whose last prefill chunk is in flight (it decodes after it, as
+synchronous steps would have it); one whose earlier chunk is in flight sits that step out.
 `update()` of the earlier step skips the rows of requests that ended or were preempted
 since it was scheduled: that token (one more than the request's last) is discarded, and its
 blocks were freed when it ended (the device runs the steps in order, so a block freed while
@@ -67,6 +68,9 @@ _sort_key = attrgetter("sort_key")
 _new_tuple = tuple.__new__          # NamedTuple construction without the Python-level __new__ (hot path)
 
 
+# the token_ids of a decode whose token is still in flight, as its prefill's only sample: a
+# placeholder the executor does not read (SeqStep.num_pending)
+PENDING_FEED = (0,)
 GRAMMAR_BROKEN = "the sampled token breaks the request's grammar (the executor must mask constrained rows)"
 
 
@@ -187,19 +191,23 @@ class Scheduler:
         num_preempted, prefilling = 0, []
         add_scheduled, add_seq = scheduled.append, seqs.append
         for req in running:                 # _preempt_for pops from the end: the iterator just stops sooner
-            if req.state is not DECODING:
+            pending = req.num_pending
+            if req.state is DECODING:
+                start = req.num_computed_tokens + pending   # its pending token goes one position on
+            elif pending:                   # its last prefill chunk is in flight: it decodes after it
+                start = req.num_computed_tokens + req.num_scheduled_tokens
+                req.decode_step.token_ids = PENDING_FEED
+            else:
                 prefilling.append(req)
                 continue
-            pending = req.num_pending
             if pending and len(req.output_token_ids) + pending >= req.max_output_tokens:
                 continue                    # its last token is in flight: it ends on it
-            start = req.num_computed_tokens + pending   # its pending token goes one position on
             if start >= len(req.block_table) * block_size:     # its next token starts a new block
                 if prefix_cache is not None:
                     prefix_cache.cache_computed(req, start)
                 if not free_block_ids and not evictable:
                     num_preempted += self._preempt_for(req)
-                    if req.state is not DECODING:
+                    if req.state is WAITING:
                         break               # it preempted itself: every newer request is gone too
                 bm.append_block(req.block_table)
             add_scheduled(req)
