@@ -24,6 +24,7 @@ BENCHES = {
     "engine": ("tokenwire.bench.engine", "decode/prefill tokens/s against the memory-bandwidth roofline"),
     "numerics": ("tokenwire.bench.numerics", "accuracy of int8 activations against the exact path (perplexity, greedy)"),
     "scheduler": ("tokenwire.bench.scheduler", "scheduler overhead per step with a zero-cost engine"),
+    "overlap": ("tokenwire.bench.overlap", "overlapped engine steps against synchronous ones on the mock's step time"),
     "stages": ("tokenwire.bench.stages", "per-stage microbenchmarks of the request pipeline"),
     "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),
     "timeline": ("tokenwire.bench.timeline", "an engine's steps one by one under load, and what the slowest held"),

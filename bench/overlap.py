@@ -1,0 +1,111 @@
+"""`tokenwire bench overlap`: overlapped engine steps against synchronous ones, on the mock's step time.
+
+The mock executor's step waits without the GIL, as a wait for a GPU does, so it shows how
+much of the host's per-step work (schedule, batch, detokenize, stops, hand-off, frames) the
+step driver hides behind the step (core/step_driver.py rule 3). For each step time S, a
+`tokenwire serve --backend mock --mock-step-us S` runs with overlap and with `--no-overlap`,
+in alternating order over `--rounds`, and every concurrency level is loaded in a closed loop
+(the C client by default). Printed per S, concurrency and mode, medians over the rounds:
+achieved tokens/s against the ideal concurrency / S (every step carries every stream), the
+inter-token p50 against S, and the server's CPU per streamed token; the load average beside.
+"""
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+
+from . import fast_client
+from .load import make_target
+from .peers.runner import HOST, PeerSpec, free_port, measure_server
+from .stats import table
+
+DEFAULT_STEPS_US = "1000,300"
+DEFAULT_CONCURRENCY = "1,64,256"
+# (S µs, concurrency) -> (least tokens/s ÷ ideal, most inter-token p50 ÷ S) that issue 27 asks of overlap
+TARGETS = {(1000, 64): (0.98, None), (1000, 256): (0.95, None), (300, 64): (0.95, None),
+           (1000, 1): (None, 1.03), (300, 1): (None, 1.03)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--step-us", default=DEFAULT_STEPS_US,
+                        help=f"comma-separated mock step times, µs (default {DEFAULT_STEPS_US})")
+    parser.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
+                        help=f"comma-separated closed-loop levels (default {DEFAULT_CONCURRENCY})")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating on/off rounds (default 3)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per response (default 64)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="measured requests per level (default: max(64, 4 x concurrency))")
+    parser.add_argument("--client", choices=fast_client.CLIENTS, default="c",
+                        help="load client (default c: the C HTTP/2 client; python, node)")
+    parser.add_argument("--server-core", type=int, default=None, help="pin the servers to this core (default: none)")
+
+
+def run(args) -> int:
+    try:
+        steps_us = [float(s) for s in args.step_us.split(",")]
+        levels = [int(c) for c in args.concurrency.split(",")]
+        if args.client != "python":
+            fast_client.check_available(args.client)
+    except ValueError as exc:
+        print(f"tokenwire bench overlap: {exc}", file=sys.stderr)
+        return 2
+    print(f"tokenwire bench overlap: mock steps of {args.step_us} µs, closed loop at {args.concurrency}, "
+          f"{args.max_tokens} tokens per response, {args.rounds} alternating rounds, client {args.client}")
+    rows = asyncio.run(measure(args, steps_us, levels))
+    print(format_rows(rows, args.rounds))
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+async def measure(args, steps_us: list, levels: list) -> list:
+    """-> one row per (S, overlap, round, concurrency): the load generator's row, tagged."""
+    rows = []
+    for step_us in steps_us:
+        for round_index in range(args.rounds):
+            modes = (True, False) if round_index % 2 == 0 else (False, True)
+            for overlap in modes:
+                for row in await measure_one(args, step_us, overlap, levels):
+                    row.update(step_us=step_us, overlap=overlap, round=round_index)
+                    rows.append(row)
+    return rows
+
+
+async def measure_one(args, step_us: float, overlap: bool, levels: list) -> list:
+    """Start one server, load it at every level, stop it."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tokenwire", "serve", "--backend", "mock", "--mock-step-us", f"{step_us:g}",
+            "--no-access-log", "--host", HOST, "--port", str(port)] + ([] if overlap else ["--no-overlap"])
+    name = f"tokenwire{'' if overlap else ' --no-overlap'}"
+    spec = PeerSpec(name, f"mock {step_us:g} µs", argv, "h2", "sse", "/v1/completions")
+    target = make_target(HOST, port, spec.path, "h2", "sse", 16, args.max_tokens)
+    plan = [(c, args.requests or max(64, 4 * c), c) for c in levels]
+    return await measure_server(spec, target, plan, args.server_core, args.max_tokens, args.client)
+
+
+def format_rows(rows: list, num_rounds: int) -> str:
+    """Medians over the rounds per (S, concurrency, mode), against the ideal and the targets."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["step_us"], r["concurrency"], r["overlap"]), []).append(r)
+    lines = []
+    for (step_us, concurrency, overlap), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], not kv[0][2])):
+        ideal = concurrency * 1e6 / step_us
+        ratios = [r["tokens_per_s"] / ideal for r in rs]
+        itl = [r["itl_us_p50"] / step_us for r in rs if r.get("itl_us_p50") is not None]
+        cpu = [r["cpu_us_per_token"] for r in rs if r.get("cpu_us_per_token") is not None]
+        want_ratio, want_itl = TARGETS.get((int(step_us), concurrency), (None, None)) if overlap else (None, None)
+        lines.append([f"{step_us:g}", str(concurrency), "on" if overlap else "off",
+                      f"{statistics.median(r['tokens_per_s'] for r in rs):,.0f}", f"{ideal:,.0f}",
+                      _range(ratios) + (f" (≥ {want_ratio})" if want_ratio else ""),
+                      (_range(itl) if itl else "-") + (f" (≤ {want_itl})" if want_itl else ""),
+                      f"{statistics.median(cpu):.1f}" if cpu else "-",
+                      str(sum(r["num_errors"] for r in rs))])
+    headers = ["S µs", "conc", "overlap", "tok/s", "ideal", "÷ ideal: median [range]", "ITL p50 ÷ S",
+               "server CPU µs/tok", "errors"]
+    return table(headers, lines)
+
+
+def _range(values: list) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
