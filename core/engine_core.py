@@ -72,6 +72,8 @@ class InFlight(NamedTuple):
     step: StepTokens                    # its outputs: rows so far (cancellations, replays); filled by finish_step
     columns: Optional[StepTokens]       # `step` when its common outputs go to columns, else None
     launched_ns: int                    # when executor.launch was called
+    error: Optional[Exception] = None   # launch raised: finish_step fails the running requests (in
+                                        # step order: a step in flight before it is applied first)
 
 
 class EngineCore:
@@ -307,8 +309,7 @@ class EngineCore:
         try:
             handle = self.executor.launch(plan.seqs)
         except Exception as e:
-            outputs += self._fail_running(e)
-            return InFlight(None, None, step, None, launched_ns)
+            return InFlight(None, None, step, None, launched_ns, e)
         return InFlight(plan, handle, step, in_columns, launched_ns)
 
     def finish_step(self, in_flight: InFlight) -> StepTokens:
@@ -319,6 +320,8 @@ class EngineCore:
         self.num_steps += 1
         if plan is not None:
             step.rows += self._collect(in_flight)
+        elif in_flight.error is not None:
+            step.rows += self._fail_running(in_flight.error)
         if self.scheduler.finished_ids:
             self._forget_finished()
         return step
@@ -389,7 +392,7 @@ class EngineCore:
         return outputs
 
     def _fail_running(self, e: Exception) -> list:
-        log.exception("engine step failed; failing the %d running requests", self.scheduler.num_running)
+        log.error("engine step failed; failing the %d running requests", self.scheduler.num_running, exc_info=e)
         return self.scheduler.fail_running(f"engine step failed: {type(e).__name__}: {e}", time.monotonic_ns())
 
     def _forget_finished(self) -> None:

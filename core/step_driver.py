@@ -199,12 +199,10 @@ class StepDriver:
         while not self._stop and not self._num_short_steps and core.can_overlap():
             launched = self._begin()
             self._finish(in_flight, launched)
-            if launched.plan is None:       # its outputs went out with the last step
-                in_flight = None
-                break
             in_flight = launched
-        if in_flight is not None:
-            self._finish(in_flight)
+            if launched.plan is None:       # nothing launched (or its launch failed)
+                break
+        self._finish(in_flight)
         self._to(Mode.RUNNING)
         return False
 

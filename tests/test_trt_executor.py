@@ -138,9 +138,9 @@ def test_launch_returns_before_the_engine_ran_and_on_ready_fires(stories):
     assert engine.num_enqueued == 0 and ready == []            # queued, not run
     second = ex.launch([step(1, reference["prompt_token_ids"][:4], 0, 1)])
     with pytest.raises(RuntimeError, match="launch order"):
-        ex.wait(second)
+        ex.collect(second)
     assert len(ex.collect(handle).token_ids) == 1 and engine.num_enqueued >= 1
-    assert len(ex.wait(second).token_ids) == 1
+    assert len(ex.collect(second).token_ids) == 1
     drv.run_pending()                                          # the host function queued after `ready`
     assert ready == [0, 1]
 

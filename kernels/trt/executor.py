@@ -305,7 +305,7 @@ class TrtExecutor:
     def collect(self, handle: TrtHandle) -> StepOutput:
         """Block the calling (engine) thread until the step's ids are in the host ring."""
         if handle.number != self.num_waited:
-            raise RuntimeError(f"steps must be waited in launch order: expected step {self.num_waited}, "
+            raise RuntimeError(f"steps must be collected in launch order: expected step {self.num_waited}, "
                                f"got {handle.number}")
         self._bind_thread()
         slot = self.ring[handle.slot]
