@@ -72,12 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class Recorder:
-    """Wraps the engine's executor to time its part of each step; the C pool's state and the
-    collector's pauses are read around it."""
+    """Wraps the engine's executor to count each step's prompt tokens (its time is the engine's
+    `last_step_ns`); the C pool's state and the collector's pauses are read around it."""
 
     def __init__(self, executor):
         self._executor = executor
-        self.last_ns = 0
         self.last_prompt_tokens = 0
         self.gc_ns = 0
         self._gc_start = 0
@@ -86,13 +85,9 @@ class Recorder:
     def __getattr__(self, name):
         return getattr(self._executor, name)
 
-    def step(self, seqs):
-        start = time.monotonic_ns()
-        try:
-            return self._executor.step(seqs)
-        finally:
-            self.last_ns = time.monotonic_ns() - start
-            self.last_prompt_tokens = sum(len(s.token_ids) for s in seqs if len(s.token_ids) > 1)
+    def launch(self, seqs):
+        self.last_prompt_tokens = sum(len(s.token_ids) for s in seqs if len(s.token_ids) > 1)
+        return self._executor.launch(seqs)
 
     def _on_gc(self, phase, info) -> None:
         if phase == "start":
@@ -124,12 +119,12 @@ def run_level(core, prompt: list, concurrency: int, num_requests: int, max_token
                 next_id += 1
             before = cpu.pool_state()
             gc_before = recorder.gc_ns
-            recorder.last_ns = recorder.last_prompt_tokens = 0
+            recorder.last_prompt_tokens = 0
             start = time.monotonic_ns()
-            outputs = core.step()
+            outputs = core.step().rows
             end = time.monotonic_ns()
             after = cpu.pool_state()
-            steps.append(Step(start, end, recorder.last_ns, core.num_scheduled, recorder.last_prompt_tokens,
+            steps.append(Step(start, end, core.last_step_ns, core.num_scheduled, recorder.last_prompt_tokens,
                               after[0] if on_cpu else 0, after[1] - before[1], recorder.gc_ns - gc_before))
             for out in outputs:
                 tokens[out.request_id].extend([index] * len(out.token_ids))

@@ -317,8 +317,8 @@ class EngineCore:
         (hot path: once per step). Steps finish in the order they began. -> its StepTokens"""
         plan, step = in_flight.plan, in_flight.step
         self.last_step_ns = 0
-        self.num_steps += 1
         if plan is not None:
+            self.num_steps += 1             # steps the executor ran (cancellations alone are none)
             step.rows += self._collect(in_flight)
         elif in_flight.error is not None:
             step.rows += self._fail_running(in_flight.error)
