@@ -160,7 +160,7 @@ async def closed_loop(pool, concurrency: int, num_requests: int) -> list:
 
 
 async def staggered_loop(pool, concurrency: int, num_requests: int, num_warmup: int, spread_s: float,
-                         mark: Callable[[], object]) -> tuple:
+                         mark: Callable[[], object], stall_s: float = STALL_TIMEOUT_S) -> tuple:
     """A closed loop whose streams are out of step, as users' requests are: the first
     `concurrency` streams start `spread_s / concurrency` apart, and the loop runs from warm-up
     into the measured window without a break, so the offsets persist (`closed_loop` starts its
@@ -171,7 +171,7 @@ async def staggered_loop(pool, concurrency: int, num_requests: int, num_warmup: 
     unmeasured. -> (measured records, (the two values mark() returned))"""
     loop = asyncio.get_running_loop()
     finished, drained = loop.create_future(), loop.create_future()
-    records, marks = [], []
+    records, marks, completed = [], [], []        # completed: every request, warm-up and drain included
     issued = in_flight = 0
 
     def issue():
@@ -185,6 +185,7 @@ async def staggered_loop(pool, concurrency: int, num_requests: int, num_warmup: 
         nonlocal in_flight
         rec.end_ns = now_ns()
         in_flight -= 1
+        completed.append(rec)
         if num_warmup <= index < num_warmup + num_requests:
             records.append(rec)
             if len(records) == num_requests:
@@ -197,7 +198,8 @@ async def staggered_loop(pool, concurrency: int, num_requests: int, num_warmup: 
 
     for i in range(concurrency):
         loop.call_later(spread_s * i / concurrency, issue)
-    await wait_with_progress(finished, records, num_requests)
+    # progress is any completion: the first measured one ends a warm-up and a request's life in
+    await wait_with_progress(finished, completed, num_warmup + num_requests, stall_s)
     if in_flight:
         await asyncio.wait_for(drained, STALL_TIMEOUT_S)
     return records, marks

@@ -277,6 +277,20 @@ def test_staggered_loop_keeps_streams_out_of_step_and_measures_after_warm_up():
     assert 20 <= len(pool.starts) < 20 + 4                               # load held until the last measured one
 
 
+def test_staggered_loop_counts_warm_up_completions_as_progress():
+    """The first measured request ends a warm-up and a whole request's life after the start:
+    longer than the stall limit here, while warm-up streams keep completing."""
+    class Pool:
+        def start(self, done):
+            asyncio.get_running_loop().call_later(0.05, done, SimpleNamespace(start_ns=loadgen.now_ns(), error=None))
+
+    async def go():
+        return await loadgen.staggered_loop(Pool(), 2, 2, 10, 0.05, lambda: None, stall_s=0.2)
+
+    records, _ = asyncio.run(go())                      # 10 warm-up requests: ~0.25 s before any measured one
+    assert len(records) == 2
+
+
 def test_staggered_level_against_tokenwire(mock_server):
     target = make_target("127.0.0.1", mock_server.port, "/v1/completions", "h2", "sse", 2, 5)
     row = asyncio.run(loadgen.run_level(target, 4, 12, num_warmup=4, mode="staggered", spread_s=0.05,
