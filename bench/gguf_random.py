@@ -10,9 +10,16 @@ adjacent RoPE pairs) before quantizing, as its converter does. Returns the float
 file's own dequantization gives back, in Hugging Face layout, by GGUF tensor name.
 """
 
-import gguf
 import numpy as np
 from tokenizers.pre_tokenizers import ByteLevel
+
+try:
+    import gguf
+except ImportError as exc:      # optional where it is missing (the GPU image has none): `bench engine`
+    gguf = None                 # still runs; only writing a GGUF (--vs llama.cpp) says why it cannot
+    MISSING = f"writing GGUF files needs the gguf package (pip install gguf): {exc}"
+else:
+    MISSING = None
 
 SHAPE = dict(vocab=300, dim=64, hidden=96, layers=2, heads=4, kv_heads=2, context=128)
 SPM_PIECES = ["\u2581the", "\u2581a", "he", "th", "in", "er", "an", "\u2581t", "\u2581o", "on", "at", "en"]
@@ -117,6 +124,8 @@ def write_gguf(path, arch="llama", types="Q4_0", tied=False, seed=0, shape=None,
     written with random weights of a wrong shape; `meta_overrides`: SHAPE keys the metadata states
     differently from the tensors; `rope_freqs`: llama.cpp's per-frequency RoPE divisors. -> {GGUF name: float32 weights as the file dequantizes them,
     Hugging Face layout (Q/K unpermuted)}."""
+    if MISSING:
+        raise RuntimeError(MISSING)
     shape = dict(SHAPE, **(shape or {}))
     rng = np.random.default_rng(seed)
     weights = hf_weights(shape, rng, qkv_bias=arch == "qwen2", tied=tied, qk_norm=arch == "qwen3")

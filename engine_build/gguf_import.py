@@ -31,9 +31,15 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-from gguf import GGUFReader
-from gguf import dequantize as gguf_dequantize
-from gguf.quants import Q4_K
+try:
+    from gguf import GGUFReader
+    from gguf import dequantize as gguf_dequantize
+    from gguf.quants import Q4_K
+except ImportError as exc:              # optional where it is missing (the GPU image has none): only
+    GGUFReader = None                   # a GGUF file then fails to build, saying why
+    MISSING = f"reading GGUF files needs the gguf package (pip install gguf): {exc}"
+else:
+    MISSING = None
 
 from ..core.config import ModelConfig
 from ..core.errors import BuildError
@@ -76,6 +82,8 @@ def import_gguf(path, name: Optional[str] = None) -> SourceModel:
 
 
 def open_reader(path: Path):
+    if MISSING:
+        raise BuildError(path, MISSING)
     try:
         return GGUFReader(path)
     except ValueError as exc:

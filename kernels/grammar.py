@@ -29,8 +29,14 @@ import time
 from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
-import llguidance
-import llguidance.numpy as llg_np
+try:
+    import llguidance
+    import llguidance.numpy as llg_np
+except ImportError as exc:              # optional where it is missing (the GPU image has none): the
+    llguidance = llg_np = None          # server then has no constrained decoding, and says why at start
+    MISSING = f"structured output needs llguidance (pip install llguidance): {exc}"
+else:
+    MISSING = None
 import numpy as np
 
 from ..core.constraint import ConstraintSpec, InvalidConstraint
@@ -42,7 +48,7 @@ SPARSE_WORDS_DIVISOR = 64              # a row is masked the sparse way while at
 PARALLEL_FILL_MIN_ROWS = 16             # fewer rows: one by one (llguidance's pool costs more than it saves;
                                         # 64 rows at 150k on the shared 2-core machine: pool 7 ms, serial 0.7 ms)
 NEG_INF = np.float32(-np.inf)
-_EXECUTOR = llguidance.LLExecutor()     # llguidance's own thread pool for batch mask fills
+_EXECUTOR = llguidance.LLExecutor() if llguidance is not None else None     # llguidance's own thread pool for batch mask fills
 JSON_OPTIONS = {"whitespace_flexible": False}   # compact JSON: a model cannot pad it with endless spaces
 
 

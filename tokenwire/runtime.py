@@ -36,6 +36,7 @@ from .core.speculative import Speculator
 from .engine_build.resolve import resolve_model
 from .kernels import backend
 from .kernels.engine_format import load_engine
+from .kernels.grammar import MISSING as GRAMMARS_MISSING
 from .kernels.grammar import GrammarCompiler
 
 log = logging.getLogger("tokenwire")
@@ -53,6 +54,8 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
     template = read_chat_template(options.chat_template) if options.chat_template else None
     if model is None:
         model = row.builtin_model(options) if row.builtin_model is not None else load_model(options.model)
+    if row.samples_constrained and GRAMMARS_MISSING:
+        log.warning("no constrained decoding on this server (a constrained request is a 400): %s", GRAMMARS_MISSING)
     max_model_len = context_length(options.max_model_len, model.config.max_position_embeddings)
     executor = row.create_executor(model, options, max_model_len)
     speculator = build_speculator(options, row, model, max_model_len, getattr(executor, "max_sample_rows", None))
@@ -68,7 +71,7 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
                      chat_template=template or model.chat_template, special_tokens=model.special_tokens,
                      max_model_len=max_model_len, supports_logprobs=row.samples_logprobs,
                      grammars=GrammarCompiler(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
-                     if row.samples_constrained else None,
+                     if row.samples_constrained and not GRAMMARS_MISSING else None,
                      speculative_methods=tuple(speculator.proposers) if speculator is not None else ())
     return BuiltEngine(core, card)
 
