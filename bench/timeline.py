@@ -106,7 +106,7 @@ def run_level(core, prompt: list, concurrency: int, num_requests: int, max_token
     recorder = Recorder(core.executor)
     core.executor = recorder
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    gap = max(1, max_tokens // concurrency)         # the first arrivals, one request's life apart
+    gap = max(1, max_tokens // concurrency)         # steps between the first arrivals: spread over one request's life
     steps, tokens, next_id, done = [], {}, 0, 0
     total = concurrency + num_requests
     try:

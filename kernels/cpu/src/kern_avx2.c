@@ -257,6 +257,14 @@ INLINE void rows_block_avx2(const void *w, const uint16_t *row_scales, int kind,
     }
 }
 
+/* NB weight rows against every activation row, two at a time (inlined for NB 4 and 1). */
+INLINE void rows_pass_avx2(const void *w, const uint16_t *row_scales, int kind, int k, const float *x, int ldx,
+                           int m, float *y, int ldy, int n, const int NB) {
+    int i = 0;
+    for (; i + 2 <= m; i += 2) rows_block_avx2(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, NB, 2);
+    if (i < m) rows_block_avx2(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, NB, 1);
+}
+
 static void rows_avx2(const void *w, const uint16_t *row_scales, int kind, int k,
                       const float *x, int ldx, int m, float *y, int ldy, int n0, int n1) {
     const size_t row_bytes = (size_t)k * (kind == TW_W_F32 ? 4 : kind == TW_W_F16 ? 2 : 1);
@@ -265,15 +273,9 @@ static void rows_avx2(const void *w, const uint16_t *row_scales, int kind, int k
     for (; n + 4 <= n1; n += 4) {
         if (n + ROWS_AHEAD + 4 <= n1)        /* the block ROWS_AHEAD rows on, while this one computes */
             for (size_t b = 0; b < 4 * row_bytes; b += 64) _mm_prefetch(base + (n + ROWS_AHEAD) * row_bytes + b, _MM_HINT_T0);
-        int i = 0;
-        for (; i + 2 <= m; i += 2) rows_block_avx2(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, 4, 2);
-        if (i < m) rows_block_avx2(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, 4, 1);
+        rows_pass_avx2(w, row_scales, kind, k, x, ldx, m, y, ldy, n, 4);
     }
-    for (; n < n1; n++) {
-        int i = 0;
-        for (; i + 2 <= m; i += 2) rows_block_avx2(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, 1, 2);
-        if (i < m) rows_block_avx2(w, row_scales, kind, k, x + (size_t)i * ldx, ldx, y + (size_t)i * ldy, ldy, n, 1, 1);
-    }
+    for (; n < n1; n++) rows_pass_avx2(w, row_scales, kind, k, x, ldx, m, y, ldy, n, 1);
 }
 
 /* ---------------------------------------------------------------- vector helpers (attention) */
