@@ -176,6 +176,8 @@ async def staggered_loop(pool, concurrency: int, num_requests: int, num_warmup: 
 
     def issue():
         nonlocal issued, in_flight
+        if finished.done():             # a completion's reissue queued beside the last measured one's
+            return
         if issued == num_warmup:
             marks.append(mark())
         index, issued, in_flight = issued, issued + 1, in_flight + 1
@@ -209,7 +211,7 @@ async def wait_with_progress(finished, records: list, num_requests: int, stall_s
     """Wait for `finished`; TimeoutError once no stream has completed for `stall_s` seconds."""
     count, changed = len(records), time.monotonic()
     while not finished.done():
-        await asyncio.wait([finished], timeout=1.0)
+        await asyncio.wait([finished], timeout=min(1.0, stall_s / 2))
         if len(records) != count:
             count, changed = len(records), time.monotonic()
         elif time.monotonic() - changed > stall_s:

@@ -285,9 +285,9 @@ def test_staggered_loop_counts_warm_up_completions_as_progress():
             asyncio.get_running_loop().call_later(0.05, done, SimpleNamespace(start_ns=loadgen.now_ns(), error=None))
 
     async def go():
-        return await loadgen.staggered_loop(Pool(), 2, 2, 10, 0.05, lambda: None, stall_s=0.2)
+        return await loadgen.staggered_loop(Pool(), 2, 2, 60, 0.05, lambda: None, stall_s=1.0)
 
-    records, _ = asyncio.run(go())                      # 10 warm-up requests: ~0.25 s before any measured one
+    records, _ = asyncio.run(go())                      # 60 warm-up requests: ~1.5 s before any measured one
     assert len(records) == 2
 
 
