@@ -10,8 +10,8 @@ connections, SSE counting) and report per request:
   node  bench/node/h2_client.mjs: Node's http2 module (nghttp2 in C, but a JavaScript stream
         object and event per DATA frame: ~7 µs per token measured, slower than Python at load)
 
-`run_level` has loadgen.run_level's signature and returns the same row (closed loop only, with
-client="c"/"node"), so `tokenwire bench load --client` and `tokenwire bench peers --client` feed
+`run_level` has loadgen.run_level's signature and returns the same row (closed loop; the C
+client also staggered; with client="c"/"node"), so `tokenwire bench load --client` and `tokenwire bench peers --client` feed
 the same reports. The child inherits this process's core pinning.
 
 Stdio protocol (each program's header says it in full): the child warms up and prints
@@ -41,6 +41,7 @@ C_SOURCE = HERE / "cclient" / "h2_client.c"
 NODE_SCRIPT = HERE / "node" / "h2_client.mjs"
 CLIENTS = ("python", "c", "node")
 FRAMINGS = {"c": ("sse",), "node": ("sse", "ndjson")}
+CLIENT_MODES = {"c": ("closed", "staggered"), "node": ("closed",)}
 TIMEOUT_S = 120.0           # a phase of the child (warm-up, measured window) that takes longer fails
 
 
@@ -51,8 +52,8 @@ def check(client: str, target: Target, mode: str = "closed") -> None:
     if target.protocol != "h2" or target.framing not in FRAMINGS[client]:
         raise ValueError(f"--client {client} speaks HTTP/2 with {' or '.join(FRAMINGS[client])} framing, "
                          f"not {target.protocol} with {target.framing}")
-    if mode != "closed":
-        raise ValueError(f"--client {client} runs closed-loop levels only")
+    if mode not in CLIENT_MODES[client]:
+        raise ValueError(f"--client {client} runs {' and '.join(CLIENT_MODES[client])} levels only")
     check_available(client)
 
 
@@ -84,12 +85,14 @@ def c_client_path() -> Path:
 
 
 def argv(client: str, target: Target, concurrency: int, num_requests: int, num_warmup: int,
-         num_connections: int) -> list:
+         num_connections: int, spread_s: Optional[float] = None) -> list:
+    """`spread_s`: the C client's staggered mode (None: closed loop)."""
     headers = [("content-type", target.content_type), *target.headers]
     if client == "c":
         template = RequestTemplate(f"{target.host}:{target.port}", target.path, target.body, headers)
+        spread = [str(max(1, round(spread_s * 1e6)))] if spread_s is not None else []
         return [str(c_client_path()), target.host, str(target.port), str(num_connections), str(concurrency),
-                str(num_warmup), str(num_requests), template.frames(1).hex()]
+                str(num_warmup), str(num_requests), template.frames(1).hex(), *spread]
     config = {"url": f"http://{target.host}:{target.port}", "path": target.path,
               "body_b64": base64.b64encode(target.body).decode(), "headers": [list(h) for h in headers],
               "framing": target.framing, "concurrency": concurrency, "connections": num_connections,
@@ -99,11 +102,15 @@ def argv(client: str, target: Target, concurrency: int, num_requests: int, num_w
 
 async def run_level(target: Target, concurrency: int, num_requests: int, *, num_warmup: int, client: str,
                     num_connections: int = 1, mode: str = "closed", rate: Optional[float] = None,
-                    server_pid: Optional[int] = None, expected_tokens: Optional[int] = None) -> dict:
-    """One level through the C or Node client: loadgen.run_level's row, with `client` set."""
+                    server_pid: Optional[int] = None, expected_tokens: Optional[int] = None,
+                    spread_s: float = 1.0) -> dict:
+    """One level through the C or Node client: loadgen.run_level's row, with `client` set.
+    Staggered (the C client): its throughput is every stream's tokens inside the window."""
     check(client, target, mode)
+    staggered = mode == "staggered"
     child = await asyncio.create_subprocess_exec(
-        *argv(client, target, concurrency, num_requests, num_warmup, num_connections),
+        *argv(client, target, concurrency, num_requests, num_warmup, num_connections,
+              spread_s if staggered else None),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=2**24)
     try:
         await _expect(child, client, "warm")
@@ -117,11 +124,16 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
         if child.returncode is None:
             child.kill()
         await child.wait()
-    records = [to_record(orjson.loads(line)) for line in lines if line.strip()]
+    docs = [orjson.loads(line) for line in lines if line.strip()]
+    every = [to_record(doc) for doc in docs]
+    records = [rec for rec, doc in zip(every, docs) if doc.get("measured", 1)]
     server_ns = cpu_delta_ns(server_before, server_after) if server_before and server_after else None
-    row = summarize_level(records, done["wall_ns"], done["cpu_ns"], server_ns, expected_tokens)
+    window = (tuple(done["window_ns"]), every) if staggered else None
+    row = summarize_level(records, done["wall_ns"], done["cpu_ns"], server_ns, expected_tokens, window)
     row.update(concurrency=concurrency, mode=mode, rate=rate, protocol=target.protocol,
                num_connections=done["num_connections"], num_queued=0, client=client)
+    if staggered:
+        row["spread_s"] = spread_s
     return row
 
 

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client", choices=fast_client.CLIENTS, default="python",
                         help="load client: python (the lean asyncio client, default), c (hand-written HTTP/2 in C, "
                              "built on first use: resolves sub-millisecond TTFT at concurrency 64), node (Node's "
-                             "http2); c and node: HTTP/2, closed loop")
+                             "http2); c and node: HTTP/2, closed loop (c: also staggered)")
     parser.add_argument("--connections", type=int, default=1,
                         help="HTTP/2 connections to spread streams over (more if the server caps streams)")
     parser.add_argument("--model", default=None, help="model name to put in the body (default: none)")

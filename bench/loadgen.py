@@ -11,6 +11,7 @@ Everything here runs on one asyncio loop; per-token work lives in the clients
 """
 
 import asyncio
+import bisect
 import collections
 import math
 import random
@@ -160,7 +161,8 @@ async def closed_loop(pool, concurrency: int, num_requests: int) -> list:
 
 
 async def staggered_loop(pool, concurrency: int, num_requests: int, num_warmup: int, spread_s: float,
-                         mark: Callable[[], object], stall_s: float = STALL_TIMEOUT_S) -> tuple:
+                         mark: Callable[[], object], stall_s: float = STALL_TIMEOUT_S,
+                         every: Optional[list] = None) -> tuple:
     """A closed loop whose streams are out of step, as users' requests are: the first
     `concurrency` streams start `spread_s / concurrency` apart, and the loop runs from warm-up
     into the measured window without a break, so the offsets persist (`closed_loop` starts its
@@ -168,10 +170,12 @@ async def staggered_loop(pool, concurrency: int, num_requests: int, num_warmup: 
     lands in one step). Measured: the `num_requests` requests issued after the first
     `num_warmup`; `mark()` is called as the first of them is issued and as the last completes.
     Streams are issued until then (the load stays at `concurrency`), and the rest drain
-    unmeasured. -> (measured records, (the two values mark() returned))"""
+    unmeasured; `every` gets every request's record, warm-up and drain included.
+    -> (measured records, (the two values mark() returned))"""
     loop = asyncio.get_running_loop()
     finished, drained = loop.create_future(), loop.create_future()
-    records, marks, completed = [], [], []        # completed: every request, warm-up and drain included
+    records, marks = [], []
+    completed = every if every is not None else []  # every request, warm-up and drain included
     issued = in_flight = 0
 
     def issue():
@@ -315,39 +319,46 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
 async def run_staggered(pool, target: Target, concurrency: int, num_requests: int, num_warmup: int,
                         spread_s: float, server_pid: Optional[int], expected_tokens: Optional[int]) -> dict:
     """run_level's staggered mode. The server is read while it runs (the window is seconds, a
-    reading lags by at most a scheduler tick), and its CPU per token is its CPU over the
-    window against the tokens of the requests measured: with the load steady, as many."""
+    reading lags by at most a scheduler tick); throughput and its CPU per token count every
+    stream's tokens inside the window (summarize_level)."""
     def readings():
         return now_ns(), time.process_time_ns(), read_cpu(server_pid) if server_pid else None
 
+    every = []
     records, ((start, client_before, server_before), (end, client_after, server_after)) = await staggered_loop(
-        pool, concurrency, num_requests, num_warmup, spread_s, readings)
+        pool, concurrency, num_requests, num_warmup, spread_s, readings, every=every)
     server_ns = cpu_delta_ns(server_before, server_after) if server_before and server_after else None
-    row = summarize_level(records, end - start, client_after - client_before, server_ns, expected_tokens)
+    row = summarize_level(records, end - start, client_after - client_before, server_ns, expected_tokens,
+                          ((start, end), every))
     row.update(concurrency=concurrency, mode="staggered", rate=None, spread_s=spread_s, protocol=target.protocol,
                num_connections=pool.num_connections, num_queued=0, client="python")
     return row
 
 
 def summarize_level(records: list, wall_ns: int, client_ns: int, server_ns: Optional[int],
-                    expected_tokens: Optional[int]) -> dict:
-    """Latency percentiles (µs), throughput, and CPU per streamed token of one measured window."""
+                    expected_tokens: Optional[int], window: Optional[tuple] = None) -> dict:
+    """Latency percentiles (µs), throughput, and CPU per streamed token of one measured window.
+    `window`: ((open ns, close ns), every record of the run) when streams other than the measured
+    ones ran in it (staggered): throughput and CPU per token count every token stamped inside
+    it, not the measured requests' (which undercount a window of N requests at concurrency c
+    by about N / (N + c), their own ramp in and out)."""
     ok = [r for r in records if r.error is None and r.token_ns]
     errors = [r.error or "stream ended with no tokens" for r in records if r.error is not None or not r.token_ns]
     ttft = [(r.token_ns[0] - r.start_ns) / 1000 for r in ok]
     itl = [(b - a) / 1000 for r in ok for a, b in zip(r.token_ns, r.token_ns[1:])]
     e2e = [(r.end_ns - r.start_ns) / 1000 for r in ok]
     num_tokens = sum(len(r.token_ns) for r in records)
+    window_tokens = num_tokens if window is None else tokens_within(*window)
     wall_s = wall_ns / 1e9
     row = {"num_requests": len(records), "num_errors": len(errors), "first_error": errors[0] if errors else None,
            "num_tokens": num_tokens, "wall_s": wall_s,
            "tokens_per_request": num_tokens / len(records) if records else 0.0,
            "num_count_mismatches": sum(1 for r in ok if expected_tokens and len(r.token_ns) != expected_tokens),
-           "tokens_per_s": num_tokens / wall_s if wall_s else math.nan,
+           "tokens_per_s": window_tokens / wall_s if wall_s else math.nan,
            "requests_per_s": len(records) / wall_s if wall_s else math.nan,
-           "client_cpu_us_per_token": client_ns / 1000 / num_tokens if num_tokens else math.nan,
+           "client_cpu_us_per_token": client_ns / 1000 / window_tokens if window_tokens else math.nan,
            "client_cpu_util": client_ns / wall_ns if wall_ns else math.nan,
-           "cpu_us_per_token": server_ns / 1000 / num_tokens if server_ns is not None and num_tokens else None,
+           "cpu_us_per_token": server_ns / 1000 / window_tokens if server_ns is not None and window_tokens else None,
            "server_cpu_util": server_ns / wall_ns if server_ns is not None and wall_ns else None}
     row.update(summarize(ttft, "ttft_us"))
     row.update(summarize(itl, "itl_us"))
@@ -357,6 +368,12 @@ def summarize_level(records: list, wall_ns: int, client_ns: int, server_ns: Opti
     row["server_timings_us_p50"] = server_timings_p50(ok)
     row.update(summarize(server_ttft_us(ok), "server_ttft_us"))
     return row
+
+
+def tokens_within(bounds: tuple, records: list) -> int:
+    """Tokens of `records` stamped inside bounds = (open, close), on the records' clock."""
+    start, end = bounds
+    return sum(bisect.bisect_right(r.token_ns, end) - bisect.bisect_left(r.token_ns, start) for r in records)
 
 
 HIST_BINS_PER_DECADE = 10          # inter-token histogram: log-spaced bins, 1 µs to 100 s

@@ -5,7 +5,12 @@ much of the host's per-step work (schedule, batch, detokenize, stops, hand-off, 
 step driver hides behind the step (core/step_driver.py rule 3). For each step time S, a
 `tokenwire serve --backend mock --mock-step-us S` runs with overlap and with `--no-overlap`,
 in alternating order over `--rounds`, and every concurrency level is loaded in a closed loop
-(the C client by default). Printed per S, concurrency and mode, medians over the rounds:
+(the C client by default). By default the loop is staggered: the streams start one response's
+time (max tokens x S) apart in all, so requests end and arrive a few per step, as users' do.
+`--mode closed` starts them at once: with equal response lengths they stay in step, every
+request of the level ends in one step and the next wave is taken in while every slot idles
+(that measures the server's intake of a burst, not overlap). Printed per S, concurrency and
+mode, medians over the rounds:
 achieved tokens/s against the ideal concurrency / S (every step carries every stream), the
 inter-token p50 against S, and the server's CPU per streamed token; the load average beside.
 """
@@ -39,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measured requests per level (default: max(64, 4 x concurrency))")
     parser.add_argument("--client", choices=fast_client.CLIENTS, default="c",
                         help="load client (default c: the C HTTP/2 client; python, node)")
+    parser.add_argument("--mode", choices=("staggered", "closed"), default="staggered",
+                        help="staggered (default): the streams start max tokens x S apart in all and stay out "
+                             "of step; closed: all at once, every level a train of waves")
     parser.add_argument("--server-core", type=int, default=None, help="pin the servers to this core (default: none)")
 
 
@@ -51,7 +59,8 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"tokenwire bench overlap: {exc}", file=sys.stderr)
         return 2
-    print(f"tokenwire bench overlap: mock steps of {args.step_us} µs, closed loop at {args.concurrency}, "
+    loop = "staggered closed loop (max tokens x S apart)" if args.mode == "staggered" else "closed loop"
+    print(f"tokenwire bench overlap: mock steps of {args.step_us} µs, {loop} at {args.concurrency}, "
           f"{args.max_tokens} tokens per response, {args.rounds} alternating rounds, client {args.client}")
     rows = asyncio.run(measure(args, steps_us, levels))
     print(format_rows(rows, args.rounds))
@@ -81,7 +90,10 @@ async def measure_one(args, step_us: float, overlap: bool, levels: list) -> list
     spec = PeerSpec(name, f"mock {step_us:g} µs", argv, "h2", "sse", "/v1/completions")
     target = make_target(HOST, port, spec.path, "h2", "sse", 16, args.max_tokens)
     plan = [(c, args.requests or max(64, 4 * c), c) for c in levels]
-    return await measure_server(spec, target, plan, args.server_core, args.max_tokens, args.client)
+    options = {"mode": args.mode}
+    if args.mode == "staggered":
+        options["spread_s"] = args.max_tokens * step_us / 1e6
+    return await measure_server(spec, target, plan, args.server_core, args.max_tokens, args.client, **options)
 
 
 def format_rows(rows: list, num_rounds: int) -> str:

@@ -20,10 +20,20 @@
  *   events that are not tokens ([DONE], a finish chunk with no text, a usage chunk) the way
  *   bench/wire.py does, and reads the server's stage timings from them.
  *
- * Usage: h2_client HOST PORT CONNECTIONS CONCURRENCY WARMUP REQUESTS TEMPLATE_HEX
- * stdio: `{"warm":true}` after the warm-up, then waits for a line on stdin; `{"done":{...}}`
- * when the measured window closes, then one JSON line per measured request:
- * {"start_ns":0,"token_ns":[ns after start],"end_ns":N,"status":S,"error":null|"...","tail_hex":"..."}.
+ * Usage: h2_client HOST PORT CONNECTIONS CONCURRENCY WARMUP REQUESTS TEMPLATE_HEX [SPREAD_US]
+ * Closed loop (no SPREAD_US, or 0): every stream starts at once, in the warm-up and again in the
+ * measured window. stdio: `{"warm":true}` after the warm-up, then waits for a line on stdin;
+ * `{"done":{...}}` when the measured window closes, then one JSON line per measured request:
+ * {"start_ns":S,"token_ns":[ns],"end_ns":N,"status":S,"error":null|"...","tail_hex":"..."},
+ * times in ns from the client's start.
+ * Staggered (SPREAD_US > 0): the first CONCURRENCY streams start SPREAD_US / CONCURRENCY apart
+ * and each stream starts again as it ends, from warm-up into the window without a break, so
+ * their offsets persist (in step, every prefill lands in one step and every slot idles while
+ * a whole wave of requests is taken in). The window opens as request WARMUP is issued
+ * (`{"warm":true}`, stdin is not read) and closes as the last of the REQUESTS after it ends
+ * (`{"done":{..., "window_ns":[open, close]}}`); streams still open then drain, unmeasured, and
+ * every request is printed, with "measured":0 or 1, so the tokens of the window are counted
+ * over all streams (the measured requests alone undercount it by their own ramp).
  * A failure prints {"fatal":"why"} and exits 1.
  */
 #define _GNU_SOURCE
@@ -72,7 +82,11 @@ static Conn *conns; static int num_conns;
 static Rec *recs; static int num_recs;
 static uint8_t *tmpl; static size_t tmpl_len; static int64_t body_len;
 static int issued, completed, phase_end, concurrency;
-static int64_t last_completion_ns;
+static int64_t last_completion_ns, epoch_ns;
+/* staggered mode: stream i < concurrency is due at epoch_ns + i * spread_ns / concurrency */
+static int64_t spread_ns, window_open_ns, window_close_ns;
+static int num_warmup, num_measured, measured_done, window_closed;
+static struct timespec cpu_open, cpu_close;
 
 static int64_t now_ns(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000LL + t.tv_nsec; }
 
@@ -109,6 +123,11 @@ static void finish(Conn *c, uint32_t sid, const char *error) {
     if (!r->error[0] && r->status != 200)
         snprintf(r->error, sizeof r->error, r->status ? "HTTP status %d" : "stream ended without a status", r->status);
     r->done = 1; completed++; last_completion_ns = r->end_ns;
+    int index = r - recs;
+    if (spread_ns && index >= num_warmup && index < num_warmup + num_measured && ++measured_done == num_measured) {
+        window_close_ns = r->end_ns; window_closed = 1;
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu_close);
+    }
 }
 
 /* Start one stream on a connection with a free slot and window; 0 when none has both. */
@@ -119,6 +138,11 @@ static int start_stream(void) {
         if (c->dead || c->draining || c->num_open >= cap || c->send_window < body_len) continue;
         uint32_t sid = c->next_id; c->next_id += 2;
         if (c->slot[(sid >> 1) & (SLOTS - 1)] >= 0) continue;   /* a stream SLOTS ids old still open */
+        if (spread_ns && issued == num_warmup) {    /* the staggered window opens with this request */
+            window_open_ns = now_ns();
+            clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu_open);
+            printf("{\"warm\":true}\n"); fflush(stdout);
+        }
         Rec *r = &recs[issued++];
         r->sid = sid;
         c->slot[(sid >> 1) & (SLOTS - 1)] = r - recs; c->num_open++; c->send_window -= body_len;
@@ -134,7 +158,22 @@ static int start_stream(void) {
     return 0;
 }
 
-static void top_up(void) { while (issued < phase_end && issued - completed < concurrency && start_stream()) {} }
+/* A stream may start now: closed loop, a free place among `concurrency` within the phase;
+ * staggered, also the first streams' start times, and none once the window closed. */
+static int may_start(void) {
+    if (issued >= phase_end || issued - completed >= concurrency) return 0;
+    if (!spread_ns) return 1;
+    return !window_closed && (issued >= concurrency || now_ns() >= epoch_ns + issued * spread_ns / concurrency);
+}
+
+static void top_up(void) { while (may_start() && start_stream()) {} }
+
+/* poll's timeout: until the next staggered start is due, at most 1 s */
+static int poll_ms(void) {
+    if (!spread_ns || issued >= concurrency || window_closed) return 1000;
+    int64_t wait = epoch_ns + issued * spread_ns / concurrency - now_ns();
+    return wait <= 0 ? 0 : (int)((wait + 999999) / 1000000);
+}
 
 static void on_data(Rec *r, const uint8_t *p, size_t n, int64_t now) {
     r->saw_data = 1;
@@ -233,12 +272,12 @@ static void run_phase(int end) {
     struct pollfd *fds = calloc(num_conns, sizeof *fds);
     phase_end = end; last_completion_ns = now_ns();
     top_up();
-    while (completed < end) {
+    while (spread_ns ? !(window_closed && completed == issued) : completed < end) {
         for (int i = 0; i < num_conns; i++) {
             fds[i].fd = conns[i].dead ? -1 : conns[i].fd;
             fds[i].events = POLLIN | (conns[i].out_len ? POLLOUT : 0);
         }
-        if (poll(fds, num_conns, 1000) < 0 && errno != EINTR) fatal("poll failed");
+        if (poll(fds, num_conns, poll_ms()) < 0 && errno != EINTR) fatal("poll failed");
         for (int i = 0; i < num_conns; i++) {
             Conn *c = &conns[i];
             if (fds[i].revents & POLLOUT) flush(c);
@@ -292,30 +331,57 @@ static void connect_all(const char *host, const char *port, int num_wanted) {
     freeaddrinfo(ai);
 }
 
-static void print_rec(const Rec *r) {
-    printf("{\"start_ns\":0,\"token_ns\":[");
-    for (int i = 0; i < r->num_tokens; i++) printf(i ? ",%lld" : "%lld", (long long)(r->token_ns[i] - r->start_ns));
-    printf("],\"end_ns\":%lld,\"status\":%d,\"error\":", (long long)(r->end_ns - r->start_ns), r->status);
+static void print_rec(const Rec *r, int measured) {
+    printf("{\"start_ns\":%lld,\"measured\":%d,\"token_ns\":[", (long long)(r->start_ns - epoch_ns), measured);
+    for (int i = 0; i < r->num_tokens; i++) printf(i ? ",%lld" : "%lld", (long long)(r->token_ns[i] - epoch_ns));
+    printf("],\"end_ns\":%lld,\"status\":%d,\"error\":", (long long)(r->end_ns - epoch_ns), r->status);
     if (r->error[0]) printf("\"%s\"", r->error); else printf("null");
     printf(",\"tail_hex\":\"");
     for (int i = 0; i < r->tail_len; i++) printf("%02x", r->tail[i]);
     printf("\"}\n");
 }
 
+static long long cpu_ns(struct timespec a, struct timespec b) {
+    return (b.tv_sec - a.tv_sec) * 1000000000LL + (b.tv_nsec - a.tv_nsec);
+}
+
+/* Staggered: one phase from the first start to the window's close, then the drain. */
+static void run_staggered(int warmup, int requests) {
+    num_warmup = warmup; num_measured = requests;
+    epoch_ns = now_ns();
+    run_phase(num_recs);            /* ends early: once the window closed, when nothing is open */
+    printf("{\"done\":{\"wall_ns\":%lld,\"cpu_ns\":%lld,\"num_connections\":%d,\"window_ns\":[%lld,%lld]}}\n",
+           (long long)(window_close_ns - window_open_ns), cpu_ns(cpu_open, cpu_close), num_conns,
+           (long long)(window_open_ns - epoch_ns), (long long)(window_close_ns - epoch_ns));
+    fflush(stdout);
+    for (int i = 0; i < issued; i++) print_rec(&recs[i], i >= warmup && i < warmup + requests);
+    fflush(stdout);
+}
+
 int main(int argc, char **argv) {
-    if (argc != 8) { fprintf(stderr, "usage: %s HOST PORT CONNECTIONS CONCURRENCY WARMUP REQUESTS TEMPLATE_HEX\n", argv[0]); return 2; }
+    if (argc != 8 && argc != 9) {
+        fprintf(stderr, "usage: %s HOST PORT CONNECTIONS CONCURRENCY WARMUP REQUESTS TEMPLATE_HEX [SPREAD_US]\n", argv[0]);
+        return 2;
+    }
     int num_wanted = atoi(argv[3]);
     concurrency = atoi(argv[4]);
     int warmup = atoi(argv[5]), requests = atoi(argv[6]);
+    spread_ns = argc == 9 ? atoll(argv[8]) * 1000 : 0;
     tmpl_len = strlen(argv[7]) / 2;
-    if (num_wanted < 1 || concurrency < 1 || warmup < 0 || requests < 1 || !tmpl_len) fatal("bad arguments");
+    if (num_wanted < 1 || concurrency < 1 || warmup < 0 || requests < 1 || !tmpl_len || spread_ns < 0)
+        fatal("bad arguments");
     tmpl = malloc(tmpl_len);
     for (size_t i = 0; i < tmpl_len; i++) sscanf(argv[7] + 2 * i, "%2hhx", &tmpl[i]);
     for (size_t p = 0; p + 9 <= tmpl_len; p += 9 + ((size_t)tmpl[p] << 16 | tmpl[p + 1] << 8 | tmpl[p + 2]))
         if (tmpl[p + 3] == DATA) body_len += (size_t)tmpl[p] << 16 | tmpl[p + 1] << 8 | tmpl[p + 2];
-    num_recs = warmup + requests;
+    num_recs = warmup + requests + (spread_ns ? concurrency : 0);     /* staggered: and the drain */
     if (!(recs = calloc(num_recs, sizeof *recs))) fatal("out of memory");
+    epoch_ns = now_ns();
     connect_all(argv[1], argv[2], num_wanted);
+    if (spread_ns) {
+        run_staggered(warmup, requests);
+        return 0;
+    }
     run_phase(warmup);
     printf("{\"warm\":true}\n"); fflush(stdout);
     char line[16];
@@ -326,10 +392,10 @@ int main(int argc, char **argv) {
     run_phase(num_recs);
     int64_t wall = now_ns() - start;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &cpu1);
-    long long cpu = (cpu1.tv_sec - cpu0.tv_sec) * 1000000000LL + (cpu1.tv_nsec - cpu0.tv_nsec);
-    printf("{\"done\":{\"wall_ns\":%lld,\"cpu_ns\":%lld,\"num_connections\":%d}}\n", (long long)wall, cpu, num_conns);
+    printf("{\"done\":{\"wall_ns\":%lld,\"cpu_ns\":%lld,\"num_connections\":%d}}\n", (long long)wall,
+           cpu_ns(cpu0, cpu1), num_conns);
     fflush(stdout);
-    for (int i = warmup; i < num_recs; i++) print_rec(&recs[i]);
+    for (int i = warmup; i < num_recs; i++) print_rec(&recs[i], 1);
     fflush(stdout);
     return 0;
 }

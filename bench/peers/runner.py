@@ -157,8 +157,9 @@ def level_runner(client: str, target: Target):
 
 
 async def measure_server(spec: PeerSpec, target: Target, levels: list, core: Optional[int],
-                         max_tokens: int, client: str = "python") -> list:
-    """Start one server, run every level against it, stop it; one row per level."""
+                         max_tokens: int, client: str = "python", **level_options) -> list:
+    """Start one server, run every level against it, stop it; one row per level. `level_options`:
+    run_level's (mode, spread_s)."""
     server = ServerProcess(spec, core)
     rows = []
     run = level_runner(client, target)
@@ -166,7 +167,7 @@ async def measure_server(spec: PeerSpec, target: Target, levels: list, core: Opt
         await wait_until_streaming(server, target)
         for concurrency, num_requests, num_warmup in levels:
             row = await run(target, concurrency, num_requests, num_warmup=num_warmup, server_pid=server.pid,
-                                  expected_tokens=max_tokens)
+                            expected_tokens=max_tokens, **level_options)
             why = server.failure()
             if why:
                 raise RuntimeError(why)
