@@ -37,6 +37,7 @@ class Host:
         self.threads = []                   # per executor step: which thread ran it
         self.outputs = {}                   # request id -> [RequestOutput]
         self.num_ahead = []                 # per written step: engine steps not yet written
+        self.most_ahead = 1 if self.engine.driver.overlap else 0    # see _write
         self.num_written = 0
         self._wrap_executor()
         self.loop = asyncio.new_event_loop()
@@ -70,7 +71,8 @@ class Host:
 
     def _write(self, step):
         self.num_written += 1
-        # the engine counts a step when it returns it: written at once, never one ahead
+        # the engine counts a step when it returns it: written at once on the loop; behind the
+        # next step when the engine thread overlaps them (the hand-off's write-behind), never more
         self.num_ahead.append(self.engine.num_steps - self.num_written)
         for out in step.rows:
             self.outputs.setdefault(out.request_id, []).append(out)
@@ -140,7 +142,7 @@ def test_short_steps_move_to_the_loop_and_long_ones_back_to_the_engine_thread(ho
     h.submit(3, 30)
     assert wait_for(lambda: h.finished(3))
     assert h.threads[n:n + lent] == [ENGINE] * lent and set(h.threads[n + lent:]) == {LOOP}
-    assert h.num_tokens(3) == 30 and max(h.num_ahead) == 0
+    assert h.num_tokens(3) == 30 and max(h.num_ahead) <= h.most_ahead
     texts = {rid: [o[1] if type(o) is tuple else o.text for o in h.outputs[rid]] for rid in (1, 3)}
     assert texts[1][:30] == texts[3]                        # the same story whichever thread ran it
 
@@ -162,7 +164,7 @@ def test_a_stream_switching_threads_mid_way_gets_every_token_in_order(host):
     assert wait_for(lambda: h.finished(1), timeout=30)
     assert {LOOP, ENGINE} <= set(h.threads)
     assert h.num_tokens(1) == 3000 and h.outputs[1][-1].finish_reason == FINISH_LENGTH
-    assert max(h.num_ahead) == 0
+    assert max(h.num_ahead) <= h.most_ahead
 
 
 def test_cancel_while_inline_ends_the_request_and_frees_its_blocks(host):
@@ -209,7 +211,7 @@ def test_many_streams_inline_each_get_one_token_per_step(host):
     for rid in range(1, 129):
         assert h.num_tokens(rid) == 64
         assert [o[1] if type(o) is tuple else o.text for o in h.outputs[rid]] == first
-    assert max(h.num_ahead) == 0 and h.on_loop(lambda: h.engine.block_manager.num_used_blocks) == 0
+    assert max(h.num_ahead) <= h.most_ahead and h.on_loop(lambda: h.engine.block_manager.num_used_blocks) == 0
 
 
 def test_shutdown_while_inline_fails_what_is_left_on_the_engine_thread(host):

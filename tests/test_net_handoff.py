@@ -3,7 +3,7 @@ the per-request fast paths that must say exactly what the general code says.
 
 Hand-off: the engine thread sleeps until rung and is rung once per batch of submissions;
 each step reaches the loop in order, the engine never runs more than one step ahead of the
-loop, and a detached hand-off never blocks the engine again. Fast paths: the spliced SSE
+loop (overlapping, it hands a step over and waits for its write at the next), and a detached hand-off never blocks the engine again. Fast paths: the spliced SSE
 finish chunk is byte-identical to orjson's, and shared SamplingParams are equal to fresh ones.
 """
 
@@ -101,6 +101,49 @@ def test_steps_reach_the_loop_in_order_and_the_engine_never_runs_ahead():
     t0 = time.monotonic()
     handoff.on_step_threadsafe([0])                 # detached: returns at once, written nowhere
     assert time.monotonic() - t0 < 0.5 and len(written) == 200
+    loop.call_soon_threadsafe(loop.stop)
+    handoff.close()
+
+
+class _OverlappingDriver:
+    """What StepHandoff reads of a core.step_driver.StepDriver that overlaps its steps."""
+    overlap = True
+
+    def attach(self, host):
+        pass
+
+
+def test_overlapped_steps_are_written_behind_the_next_one_and_never_two_ahead():
+    """With overlap (core/step_driver.py rule 3) the engine thread hands a step over and goes
+    on: it waits for that step's write only when it hands over the next one."""
+    loop = asyncio.new_event_loop()
+    written, ahead, made, gate = [], [], [], threading.Event()
+
+    def write(step):
+        if step[0] == 0:
+            gate.wait(5)                            # the loop is slow with the first step
+        written.append(step[0])
+    loop.call_soon(lambda: made.append(StepHandoff(loop, write, _OverlappingDriver())))
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    assert wait_for(lambda: made)
+    handoff, returned = made[0], []
+
+    def engine_thread():
+        for i in range(100):
+            handoff.on_step_threadsafe([i])
+            returned.append(i)
+            ahead.append(i + 1 - len(written))      # steps handed over but not yet written
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    assert wait_for(lambda: returned == [0])        # step 0 unwritten, and the engine went on
+    time.sleep(0.05)
+    assert returned == [0] and written == []        # step 1 waits for step 0's write
+    gate.set()
+    t.join(10)
+    assert written == list(range(100)) and max(ahead) == 1
+    loop.call_soon_threadsafe(handoff.detach)
+    assert wait_for(lambda: handoff.detached)
     loop.call_soon_threadsafe(loop.stop)
     handoff.close()
 

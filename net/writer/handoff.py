@@ -7,6 +7,12 @@ ahead of the wire: a slow loop makes batches bigger instead of letting steps pil
 rings release the GIL: on a shared core the woken thread runs at once instead of bouncing
 off the GIL, two context switches per step instead of ~five.
 
+Overlapped steps (core/step_driver.py rule 3): the engine waits for the last step's write
+instead, just before it hands over the next, so the loop writes step n while the engine
+collects and processes step n + 1, which the executor ran meanwhile: the wire, the host and
+the executor each work on a different step. Still one step at most waits for the loop, and
+a slow loop still makes batches bigger.
+
 On the loop, `write_pending()` hands each queued step to the writer (net/writer/dispatch.py) and
 `release_engine()` lets the engine thread go on. The app writes pending steps before a
 read's new requests and releases the engine after them, so the engine's next step takes
@@ -43,6 +49,10 @@ class StepHandoff:
         self._step_ready = Doorbell()       # the engine rang, a step waits (watched by the loop)
         self._step_taken = Doorbell()       # the loop wrote the step, the engine may go on
         self._engine_waits = False          # a step was taken from _steps and the engine waits for its ring
+        # engine thread: it hands a step over and waits for the last one's write (overlapped steps),
+        # and a step it handed over has not been waited for
+        self._write_behind = driver is not None and driver.overlap
+        self._owed = False
         self._inline_scheduled = False      # an `_step_inline` callback is queued on the loop
         self.detached = False
         loop.add_reader(self._step_ready.fileno(), self._on_ready)
@@ -53,6 +63,13 @@ class StepHandoff:
     def on_step_threadsafe(self, step) -> None:
         """Engine thread, once per step: hand the step over, then wait until the loop wrote it."""
         if self.detached:
+            return
+        if self._write_behind:
+            if self._owed:
+                self._step_taken.wait()     # the last step's write: one ring at most is pending
+            self._steps.append(step)
+            self._step_ready.ring()
+            self._owed = True
             return
         self._steps.append(step)
         self._step_ready.ring()
@@ -93,6 +110,8 @@ class StepHandoff:
                 pass
 
     def _take_steps(self) -> None:
+        self.write_pending()                # a step the engine handed over before it lent them goes first
+        self.release_engine()
         if self.driver.lent and self.driver.core.has_work():
             self.steps_wanted()
 
