@@ -379,7 +379,7 @@ class EngineCore:
             done_ns = time.monotonic_ns()
             # a step launched while the last one ran started when that one's ids came back
             self.last_step_ns = done_ns - max(in_flight.launched_ns, self._last_done_ns)
-            step_ns = done_ns - max(plan.scheduled_ns, self._last_done_ns)
+            step_ns = result.busy_ns or done_ns - max(plan.scheduled_ns, self._last_done_ns)
             self._last_done_ns = done_ns
             if len(result.token_ids) != plan.num_samples:
                 raise RuntimeError(f"the executor returned {len(result.token_ids)} token ids "

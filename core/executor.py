@@ -91,6 +91,10 @@ class StepOutput(NamedTuple):
     token per such step, 1 + num_spec for a speculating one (its rows in order)."""
     token_ids: Sequence[int]
     logprobs: Optional[Sequence[Optional[TopLogprobs]]] = None  # None when no sequence asked
+    # the executor's own time for the step (its device's, ns), 0 where it keeps none: the engine
+    # then times it from the host, which on a busy host also counts the waits for the GIL
+    # (core/step_costs.py learns prefill and row costs from it)
+    busy_ns: int = 0
 
 
 class Executor(Protocol):

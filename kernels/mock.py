@@ -91,6 +91,7 @@ class MockExecutor:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.step_s = step_us / 1e6
+        self.step_ns = round(step_us * 1000)   # what the "device" takes for any step: prefill is free
         self.num_steps = 0
         self._busy_until_s = 0.0            # perf_counter() when the last launched step ends
 
@@ -101,7 +102,7 @@ class MockExecutor:
         if not self.step_s:
             return MockHandle(output, 0.0)
         self._busy_until_s = max(time.perf_counter(), self._busy_until_s) + self.step_s
-        return MockHandle(output, self._busy_until_s)
+        return MockHandle(output._replace(busy_ns=self.step_ns), self._busy_until_s)
 
     @staticmethod
     def collect(handle: MockHandle) -> StepOutput:
