@@ -107,7 +107,9 @@ def test_fused_qkv_rope_matches_rmsnorm_qkv_rope(gpu, M, D, G, cache, mode, hd, 
         outs[name] = (gpu.download(q, np.float32, (M, c.q_size)), gpu.download(kc, dt, cache_shape),
                       gpu.download(vc, dt, cache_shape))
     for got, want in zip(outs["fused"], outs["plain"]):
-        assert_close(got.astype(np.float32), want.astype(np.float32), rtol=1e-5)
+        # an fp16 cache holds the fp32 result rounded once: where the two fp32 results differ in
+        # their last bits next to a rounding boundary, the stored values differ by one fp16 step
+        assert_close(got, want, rtol=1e-5, fp16_steps=1 if got.dtype == np.float16 else 0)
 
 
 @pytest.mark.parametrize("mode", ["exact", "fp16"])

@@ -4,6 +4,8 @@
   identical to the CPU executor token for token for 120 tokens, with decode graphs, without
   them (eager), with and without programmatic dependent launch, fused (the default) and
   unfused, and on the SIMT kernels.
+- stories260K unquantized (fp32 weights): llama2.c run.c's greedy ids (reference_greedy.json).
+- Overlapped steps (core/step_driver.py) give what synchronous steps give, through EngineCore.
 - Eight prompts decoded together (one graph bucket, padded) give what each gives alone.
 - Seeded sampling with every rule gives the CPU executor's tokens (same seeds, same counters).
 - Tiny random models of each family (GQA/MQA, qkv bias, GeGLU, sliding window, tied
@@ -22,6 +24,7 @@ from tokenwire.kernels.model import ReferenceModel, greedy_generate
 from tokenwire.kernels.model_runner import ModelRunner
 from tokenwire.core.sampling_params import SamplingParams
 
+from conftest import gpu_driver_and_image
 from test_cuda_executor_fake import GREEDY, Seq, run_batch, run_greedy, tiny_config, tiny_engine
 
 pytestmark = pytest.mark.gpu
@@ -65,7 +68,8 @@ def cuda(config, tensors, **options):
     from tokenwire.kernels.cuda.executor import CudaExecutor, CudaOptions
     opts = dict(num_blocks=128, max_num_seqs=16, max_num_batched_tokens=256)
     opts.update(options)
-    return CudaExecutor(config, tensors, CudaOptions(**opts))
+    driver, image_fn = gpu_driver_and_image()
+    return CudaExecutor(config, tensors, CudaOptions(**opts), driver=driver, image_fn=image_fn)
 
 
 @pytest.mark.parametrize("options", [{}, dict(use_graphs=False), dict(pdl=False), dict(matmul="simt"),
@@ -81,6 +85,55 @@ def test_stories260k_greedy_matches_the_cpu_backend(stories, options):
         message = explain_mismatch(config, tensors, PROMPT, got, want)
         print(message)
         pytest.fail(message)
+
+
+@pytest.mark.parametrize("run", [0, 1])
+def test_stories260k_unquantized_greedy_matches_run_c(stories260k_dir, run):
+    import json
+
+    from tokenwire.engine_build.build import open_source
+    from tokenwire.engine_build.quantize import QuantOptions, quantize_model
+    reference = json.loads((stories260k_dir / "reference_greedy.json").read_text())
+    source = open_source(stories260k_dir / "stories260K.bin")
+    tensors, _, _ = quantize_model(source.config, source.tensors, QuantOptions(method="none"))
+    prompt, want = reference["prompt_token_ids"], reference["runs"][run]
+    num_new = want["steps"] - (len(prompt) - 1)           # run.c's -n counts the forced prompt positions too
+    ex = cuda(source.config, tensors)
+    try:
+        got = run_greedy(ex, prompt, num_new)
+    finally:
+        ex.close()
+    if got != want["generated_token_ids"]:
+        message = explain_mismatch(source.config, tensors, prompt, got, want["generated_token_ids"])
+        print(message)
+        pytest.fail(message)
+
+
+def test_overlapped_steps_give_the_outputs_of_synchronous_ones(stories, stories260k_dir):
+    """The engine's --no-overlap switch: the same requests through EngineCore with overlapped
+    steps (the default) and without, on the GPU."""
+    from tokenizers import Tokenizer
+
+    from test_overlap import REQUESTS, submit, synchronous, threaded
+    from tokenwire.core.engine_core import EngineCore
+    from tokenwire.core.step_driver import Mode
+    from tokenwire.engine_build.build import open_source
+    config, tensors, _ = stories
+    tokenizer = Tokenizer.from_str(open_source(stories260k_dir / "stories260K.bin").tokenizer.files["tokenizer.json"]
+                                   .decode("utf-8"))
+
+    def core(overlap):
+        return EngineCore(cuda(config, tensors, max_num_seqs=16, max_num_batched_tokens=128), tokenizer,
+                          eos_token_ids=(2,), max_model_len=256, overlap=overlap)
+    sync = core(overlap=False)
+    try:
+        submit(sync)
+        want = synchronous(sync)
+    finally:
+        sync.executor.close()
+    got, modes = threaded(core(overlap=True))      # its shutdown closes the executor
+    assert got == want
+    assert Mode.OVERLAPPING in modes and len(got) == len(REQUESTS)
 
 
 def test_batched_decode_matches_each_sequence_alone(stories):

@@ -23,7 +23,7 @@ IMPORT_NAMES = {"cuda-bindings": "cuda", "cuda-core": "cuda", "cuda-pathfinder":
 MODULES = ["tokenwire.serve", "tokenwire.cli", "tokenwire.runtime", "tokenwire.kernels.cuda.executor",
            "tokenwire.kernels.cuda.build", "tokenwire.bench.engine", "tokenwire.bench.engine_cuda",
            "tokenwire.bench.load", "tokenwire.bench.overlap", "conftest", "test_cuda_kernels", "test_cuda_fused",
-           "test_cuda_golden", "test_cuda_executor_fake", "test_cuda_wait", "test_cuda_bench"]
+           "test_cuda_golden", "test_cuda_executor_fake", "test_cuda_wait", "test_cuda_bench", "test_overlap"]
 
 CHILD = r"""
 import importlib, json, sys
