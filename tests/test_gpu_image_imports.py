@@ -62,7 +62,9 @@ print(json.dumps({"failed": failed, "refused": sorted(set(refused))}))
 
 def image_modules() -> set:
     names = [line.strip() for line in IMAGE_LIST.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    return {IMPORT_NAMES.get(n.lower(), n.lower().replace("-", "_")) for n in names} | CARRIED | ALSO_INSTALLED
+    test_helpers = {p.stem for p in (REPO / "tests").glob("*.py")}       # engines.py & co. travel with the tree
+    return {IMPORT_NAMES.get(n.lower(), n.lower().replace("-", "_")) for n in names} | CARRIED | ALSO_INSTALLED \
+        | test_helpers
 
 
 def test_the_cuda_path_imports_with_only_the_gpu_images_packages():
