@@ -1,184 +1,358 @@
 #!/usr/bin/env bash
-# Verify and measure the CUDA backend on a GPU machine in one go.
+# Verify and measure the CUDA backend on a GPU machine in one device call (issue 26).
 #
-#   kernels/cuda/verify_on_gpu.sh prepare    # here, on the development machine (no GPU needed)
-#   kernels/cuda/verify_on_gpu.sh run        # there, in the repository root, with .gpu/ carried along:
-#                                            # GPU tests, then bench fused and unfused (about 9 minutes at most)
-#   kernels/cuda/verify_on_gpu.sh tests      # there: the GPU tests alone
-#   kernels/cuda/verify_on_gpu.sh bench      # there: the benchmarks alone (fused, unfused, fused fp16)
-#   kernels/cuda/verify_on_gpu.sh serve      # there: `serve --backend cuda` driven by `bench load`
-#   kernels/cuda/verify_on_gpu.sh sanitize   # there: the kernel tests under compute-sanitizer memcheck
+#   bash kernels/cuda/verify_on_gpu.sh prepare     # here, no GPU needed: fills .gpu/, checks what travels
+#   bash kernels/cuda/verify_on_gpu.sh all         # there: every phase below, 480 s at most
+#   bash kernels/cuda/verify_on_gpu.sh PHASE...    # there: the named phases alone (a rerun of what failed)
+#   VERIFY_WORK=DIR bash kernels/cuda/verify_on_gpu.sh key-figures   # here: the summary of DIR/logs again
 #
-# prepare: builds the sm_90 cubin with nvcc into .gpu/cuda-cache (the runtime finds it by source
-#   hash; without it the GPU machine compiles with NVRTC at first use), copies the stories260K
-#   checkpoint into .gpu/shared/models (the golden test needs it; ../shared does not travel), and
-#   downloads the cp312 manylinux wheels serving needs and the GPU image lacks (h2, hpack,
-#   hyperframe, orjson) into .gpu/wheels; .gitignore keeps .gpu/ out of git. Then call the device
-#   tool with carry [".gpu"] and the command `bash kernels/cuda/verify_on_gpu.sh run`.
-# run: GPU tests (every kernel against numpy, each fused kernel against its unfused sequence;
-#   stories260K golden and batched/sampled decode against the CPU backend), then `bench engine
-#   --backend cuda` on llama-3.2-1b and llama-3.1-8b shapes, fused (the default) and unfused.
-#   Every phase runs under its own `timeout`, together inside the GPU machine's 10-minute limit
-#   per command, and writes its log under $OUT as it goes; the key figures are printed last, so
-#   the end of the output (what a truncated reply keeps) holds them.
+# The device call (README, "GPU"): the device tool's `run` with command
+#   `bash kernels/cuda/verify_on_gpu.sh all`, carry [".gpu"], timeout_s 540.
+#
+# prepare: the sm_90 cubin built with nvcc into .gpu/cuda-cache (the runtime finds it by the hash of
+#   the sources: no NVRTC compile there), stories260K into .gpu/shared/models (../shared does not
+#   travel), the cp312 manylinux wheels serving needs and the image lacks (h2, hpack, hyperframe,
+#   orjson) into .gpu/wheels; then checks the wheel names and that the carried size (the working tree
+#   as the tool sends it, plus .gpu) is under the tool's 64 MiB. .gitignore keeps .gpu/ out of git.
+# all: the phases in PHASES, most valuable first, each under its own `timeout`, within one deadline
+#   of TOTAL_BUDGET seconds from the start, so a slow phase cuts only the tail:
+#   env            nvidia-smi, driver, compute capability, the imports, the cubin found by its hash;
+#                  when it fails, every other phase is skipped with its last line as the reason
+#   kernels        every kernel against its numpy twin, each fused kernel against its unfused
+#                  sequence; the max abs/rel error per kernel test (tests/conftest.py's table)
+#   golden         stories260K greedy, cuda against the CPU exact path (graphs, eager, PDL off,
+#                  fused, unfused, SIMT), unquantized against run.c's ids, overlapped steps against
+#                  --no-overlap; on a mismatch the first differing token and the CPU top-2 gap
+#   serve          `serve --backend cuda` (the embedded default model) driven by `bench load` at
+#                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
+#   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
+#   bench-unfused  the same with --unfused
+#   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
+#   Logs and JSON go to $WORK/logs as they are written: $OUT holds two files (the device tool
+#   returns 8 at most), logs.tar.gz (re-packed every few seconds, so a killed call still returns
+#   it) and summary.txt (the plan, one line per phase, the key figures). The key figures are
+#   printed last, so the end of the output, all a reply keeps, holds them.
+# VERIFY_STUB=1 runs every phase as a one-line stand-in (tests/test_gpu_carry.py checks the plan,
+#   the deadline and what lands in $OUT so); TOKENWIRE_FAKE_GPU=1 runs the kernel and golden
+#   phases on the numpy stand-in driver (kernels/cuda/fake.py).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 GPU_DIR="$REPO/.gpu"
-OUT="${OUT:-$GPU_DIR/out}"
+WORK="${VERIFY_WORK:-${TMPDIR:-/tmp}/tokenwire-verify}"       # outside the tree: never carried
+LOGS="$WORK/logs"
+OUT="${OUT:-$WORK/out}"
 PY="${PYTHON:-python3}"
-mode="${1:-run}"
-# seconds per phase: together they stay under the 600 s a device-tool command may run
-T_TESTS="${T_TESTS:-150}"
-T_BENCH="${T_BENCH:-110}"
-T_SERVE="${T_SERVE:-240}"
+CARRY_LIMIT=$((64 * 1024 * 1024))      # bytes the device tool carries per call
+TOTAL_BUDGET=480                       # seconds for every phase together; the call's timeout_s is 540
+# name:seconds, in the order `all` runs them; the budgets sum to TOTAL_BUDGET at most
+PHASES="env:25 kernels:85 golden:85 serve:70 bench-fused:90 bench-unfused:90 sanitize:35"
+SERVE_PORT=8123
+PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
+# ------------------------------------------------------------------ prepare (here)
 
 prepare() {
-  mkdir -p "$GPU_DIR/shared/models" "$GPU_DIR/cuda-cache" "$GPU_DIR/wheels"
-  git check-ignore -q .gpu 2>/dev/null || echo "warning: .gpu/ is not ignored by git (.gitignore lists /.gpu/)"
-  src="$REPO/../shared/models/stories260K"
+  mkdir -p "$GPU_DIR/shared/models" "$GPU_DIR/cuda-cache"
+  git check-ignore -q .gpu/ || { echo "prepare: .gpu/ is not ignored by git (.gitignore must list /.gpu/)"; return 1; }
+  rm -rf "$GPU_DIR/out"                                       # an old default $OUT: dead weight to carry
+  local src="$REPO/../shared/models/stories260K"
   [ -d "$src" ] && cp -r "$src" "$GPU_DIR/shared/models/" && echo "copied stories260K into .gpu/shared/models"
-  setup_env
-  rm -f "$GPU_DIR"/cuda-cache/kernels-*                     # cubins of older sources: dead weight to carry
-  timeout 900 "$PY" -m tokenwire.kernels.cuda.build --arch sm_90 --compiler nvcc --cache-dir "$GPU_DIR/cuda-cache" \
-    || echo "no prebuilt cubin: the GPU machine will compile with NVRTC"
-  # the GPU image has Python 3.12 and none of these; pure-Python ones come as py3 wheels, orjson as cp312
-  timeout 300 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$GPU_DIR/wheels" \
-    "h2>=4.1" "hpack>=4.0" "hyperframe>=6.0" "orjson>=3.8" \
-    || echo "wheels not downloaded: serving on the GPU machine will fail to import h2/orjson"
-  ls "$GPU_DIR/wheels"
-  du -sh "$GPU_DIR"
+  find_repo_package
+  local cubin
+  cubin="$(PYTHONSAFEPATH=1 "$PY" -c "from tokenwire.kernels.cuda import build; print(build.cached_path('sm_90', '$GPU_DIR/cuda-cache'))")"
+  if [ -f "$cubin" ]; then
+    echo "cubin for these sources already built: $(basename "$cubin")"
+  else
+    rm -f "$GPU_DIR"/cuda-cache/kernels-*                     # cubins of older sources: dead weight to carry
+    timeout 900 env PYTHONSAFEPATH=1 "$PY" -m tokenwire.kernels.cuda.build --arch sm_90 --compiler nvcc \
+      --cache-dir "$GPU_DIR/cuda-cache" || echo "prepare: no prebuilt cubin: the GPU machine will compile with NVRTC"
+  fi
+  prepare_wheels || return 1
+  check_carry
 }
 
-setup_env() {
-  mkdir -p "$OUT"
-  export PYTHONUNBUFFERED=1
-  # `python -m`, `-c` and stdin put the working directory first on sys.path, where the repository's
-  # own tokenwire/ folder (no subpackages) would shadow the package assembled below
-  export PYTHONSAFEPATH=1
-  [ -d "$GPU_DIR/cuda-cache" ] && export TOKENWIRE_CUDA_CACHE="$GPU_DIR/cuda-cache"
-  # serving's wheels, installed once per machine into a folder of their own
-  if compgen -G "$GPU_DIR/wheels/*.whl" >/dev/null && ! "$PY" -c "import h2, orjson" 2>/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tw-site \
-      "$GPU_DIR"/wheels/*.whl && export PYTHONPATH="/tmp/tw-site${PYTHONPATH:+:$PYTHONPATH}"
+prepare_wheels() {
+  # a fresh folder each time: two versions of one package stop `pip install --no-index` there
+  local fresh="$GPU_DIR/wheels.new"
+  rm -rf "$fresh" && mkdir -p "$fresh"
+  if ! timeout 300 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      "${PLATFORMS[@]}" -d "$fresh" "h2>=4.1" "hpack>=4.0" "hyperframe>=6.0" "orjson>=3.8"; then
+    rm -rf "$fresh"
+    if compgen -G "$GPU_DIR/wheels/*.whl" >/dev/null; then echo "prepare: download failed, keeping the wheels there are"
+    else echo "prepare: wheels not downloaded: serving on the GPU machine would fail to import h2/orjson"; return 1; fi
+  else
+    rm -rf "$GPU_DIR/wheels" && mv "$fresh" "$GPU_DIR/wheels"
   fi
-  # `tokenwire.*` without pip: a package folder whose subpackages link to the repository folders
-  # (also when another checkout's tokenwire is installed: it must be this repository's code)
-  if ! "$PY" -c "import os, sys, tokenwire.kernels.cuda as m
+  local bad=0
+  for whl in "$GPU_DIR"/wheels/*.whl; do           # the image's Python is CPython 3.12 on x86-64 Linux
+    if [[ "$(basename "$whl")" =~ -(py3-none-any|cp312-cp312-manylinux[a-z0-9_.]*x86_64)\.whl$ ]]; then
+      echo "wheel: $(basename "$whl")"
+    else
+      echo "wheel NOT for the image (cp312 manylinux x86_64): $(basename "$whl")"; bad=1
+    fi
+  done
+  return $bad
+}
+
+# the bytes the device tool sends: tracked and untracked-not-ignored files, plus .gpu (carried)
+carried_bytes() {
+  local tree gpu
+  tree=$(git ls-files -z -co --exclude-standard | xargs -0 -r stat -c %s -- 2>/dev/null | awk '{s += $1} END {print s + 0}')
+  gpu=$(du -sb "$GPU_DIR" 2>/dev/null | cut -f1)
+  echo "$tree ${gpu:-0}"
+}
+
+check_carry() {
+  read -r tree gpu < <(carried_bytes)
+  local total=$((tree + gpu))
+  echo "carried: working tree $((tree / 1024)) KiB + .gpu $((gpu / 1024)) KiB = $((total / 1024)) KiB" \
+       "of the tool's $((CARRY_LIMIT / 1024)) KiB"
+  du -sh "$GPU_DIR"/* 2>/dev/null
+  if [ "$total" -ge "$CARRY_LIMIT" ]; then echo "prepare: TOO BIG to carry"; return 1; fi
+}
+
+# ------------------------------------------------------------------ the machine's environment
+
+# `tokenwire.*` must be this repository's code: when it is not importable as such, a package
+# folder whose subpackages link to the repository's folders goes first on PYTHONPATH
+find_repo_package() {
+  if ! PYTHONSAFEPATH=1 "$PY" -c "import os, sys, tokenwire.kernels.cuda as m
 sys.exit(not os.path.realpath(m.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep))" "$REPO" 2>/dev/null; then
+    local pkg
     pkg="$(mktemp -d)/tokenwire"
     mkdir -p "$pkg" && cp "$REPO"/tokenwire/*.py "$pkg"/
     for d in core kernels net engine_build bench; do [ -d "$REPO/$d" ] && ln -s "$REPO/$d" "$pkg/$d"; done
     export PYTHONPATH="$(dirname "$pkg")${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  # the golden test reads ../shared/models (tests/conftest.py)
+}
+
+setup_env() {
+  export PYTHONUNBUFFERED=1
+  # `python -m`, `-c` and stdin put the working directory first on sys.path, where the repository's
+  # own tokenwire/ folder (no subpackages) would shadow the package find_repo_package assembles
+  export PYTHONSAFEPATH=1
+  [ -d "$GPU_DIR/cuda-cache" ] && export TOKENWIRE_CUDA_CACHE="$GPU_DIR/cuda-cache"
+  # serving's wheels, installed once per machine into a folder of their own
+  if compgen -G "$GPU_DIR/wheels/*.whl" >/dev/null && ! "$PY" -c "import h2, orjson" 2>/dev/null; then
+    timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tw-site \
+      "$GPU_DIR"/wheels/*.whl && export PYTHONPATH="/tmp/tw-site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  find_repo_package
+  # the golden tests read ../shared/models (tests/conftest.py)
   if [ ! -f "$REPO/../shared/models/stories260K/stories260K.bin" ] && [ -d "$GPU_DIR/shared/models" ]; then
     mkdir -p "$REPO/../shared" && ln -sfn "$GPU_DIR/shared/models" "$REPO/../shared/models"
   fi
 }
 
-report_env() {
-  echo "== machine"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 | head -2
-  timeout 120 "$PY" - <<'EOF' 2>&1 | tee "$OUT/env.log"
-import sys
-print("python", sys.version.split()[0])
+# ------------------------------------------------------------------ the phases (there)
+
+phase_env() {
+  nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm,clocks.max.mem \
+    --format=csv 2>&1 || echo "nvidia-smi: not available"
+  "$PY" - <<'EOF'
+import importlib, os, sys
+print(f"python {sys.version.split()[0]} at {sys.executable}")
+
+def version(name):
+    try:
+        return getattr(importlib.import_module(name), "__version__", "present")
+    except Exception as exc:
+        return f"MISSING ({type(exc).__name__})"
+print("packages:", ", ".join(f"{m} {version(m)}" for m in ("numpy", "cuda.bindings", "h2", "hpack", "hyperframe",
+                                                           "orjson", "uvloop", "tokenizers", "pytest", "pytest_timeout")))
+failed = []
+for name in ("tokenwire.kernels.cuda.executor", "tokenwire.serve", "tokenwire.bench.engine_cuda", "tokenwire.bench.load"):
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        failed.append(f"{name}: {type(exc).__name__}: {exc}")
+print("imports:", "; ".join(failed) or "the CUDA path, serve and the benchmarks import")
+from tokenwire.kernels.cuda import build
+print(f"compilers: nvrtc {build.nvrtc_available()}, nvcc {build.nvcc_path()}; cubin cache {build.cache_dir()}")
 try:
-    import numpy, cuda.bindings
-    print("numpy", numpy.__version__, "| cuda-bindings", getattr(cuda.bindings, "__version__", "?"))
-    from tokenwire.kernels.cuda import build
-    print("nvrtc", build.nvrtc_available(), "| nvcc", build.nvcc_path(), "| cache", build.cache_dir())
-    import h2, orjson
-    print("h2", h2.__version__, "| orjson", orjson.__version__)
+    if os.environ.get("TOKENWIRE_FAKE_GPU") == "1":      # a rehearsal of the test phases without a GPU
+        from tokenwire.kernels.cuda.fake import FakeDriver
+        drv = FakeDriver(name="the numpy stand-in (TOKENWIRE_FAKE_GPU=1)")
+    else:
+        from tokenwire.kernels.cuda.driver import CudaDriver
+        drv = CudaDriver(0)
+    cc = drv.compute_capability
+    free, total = drv.mem_get_info()
+    print(f"gpu: {drv.name}, compute capability {cc[0]}.{cc[1]}, {drv.num_sms} SMs, {total / 2**30:.1f} GiB "
+          f"({free / 2**30:.1f} free)")
 except Exception as exc:
-    print("environment problem:", type(exc).__name__, exc)
+    print(f"env: FAILED: no usable GPU: {type(exc).__name__}: {exc}")
+    sys.exit(3)
+path = build.cached_path(f"sm_{cc[0]}{cc[1]}")
+print(f"cubin: {'prebuilt, found by its hash' if path.is_file() else 'NOT prebuilt: NVRTC compiles at first use'}: "
+      f"{path.name}")
+print("env: FAILED: " + failed[0] if failed else "env: ok")
+sys.exit(4 if failed else 0)
 EOF
 }
 
-# phase NAME SECONDS CMD...: run under its own timeout, full log in $OUT/NAME.log, one status line
-phase() {
-  local name="$1" limit="$2"; shift 2
-  local t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  local status="rc $rc"
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && status="TIMED OUT after ${limit}s"
-  echo "== $name: $status in $(( $(date +%s) - t0 )) s (log: $name.log)" | tee -a "$OUT/summary.log"
-  return $rc
+gpu_tests() {   # the gpu-marked tests of the files named, failures and skips listed at the end
+  "$PY" -m pytest -v -p no:cacheprovider -m gpu --timeout 120 -o addopts="--strict-markers" -rfEs --tb=short "$@"
 }
 
-run_tests() {
-  phase gpu-kernels "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -m gpu --timeout 120 \
-    -o addopts="-ra --strict-markers" tests/test_cuda_kernels.py tests/test_cuda_fused.py
-  phase gpu-golden "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -m gpu --timeout 120 \
-    -o addopts="-ra --strict-markers" tests/test_cuda_golden.py
-}
+phase_kernels() { gpu_tests tests/test_cuda_kernels.py tests/test_cuda_fused.py; }
 
-run_bench() {
-  local tag="$1"; shift
-  phase "bench-$tag" "$T_BENCH" "$PY" -m tokenwire.bench.engine_cuda --batch 1,8,32,128 --steps 30 \
-    --json "$OUT/bench-$tag.json" "$@"
-}
+phase_golden() { gpu_tests tests/test_cuda_golden.py; }
 
-serve_and_load() {
-  # `serve --backend cuda` (the embedded default model, or $SERVE_MODEL) driven by `bench load`
-  "$PY" -m tokenwire serve --backend "${SERVE_BACKEND:-cuda}" --port 8123 ${SERVE_MODEL:+--model "$SERVE_MODEL"} > "$OUT/server.log" 2>&1 &
-  local server=$!
-  for _ in $(seq 120); do
-    "$PY" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=1)" 2>/dev/null && break
-    kill -0 $server 2>/dev/null || { echo "the server exited:"; tail -20 "$OUT/server.log"; return 1; }
+phase_serve() {
+  "$PY" -m tokenwire serve --backend "${SERVE_BACKEND:-cuda}" --port "$SERVE_PORT" ${SERVE_MODEL:+--model "$SERVE_MODEL"} \
+    > "$LOGS/server.log" 2>&1 &
+  local server=$! rc=0 url="http://127.0.0.1:$SERVE_PORT"
+  for _ in $(seq 60); do
+    "$PY" -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1] + '/health', timeout=1)" "$url" 2>/dev/null \
+      && break
+    kill -0 $server 2>/dev/null || { echo "the server exited:"; tail -20 "$LOGS/server.log"; return 1; }
     sleep 1
   done
-  "$PY" -m tokenwire bench load --url http://127.0.0.1:8123/v1/completions --concurrency 1,8,64 --server-pid $server \
-    --json "$OUT/serve-load.json"
-  local rc=$?
+  echo "-- /v1/completions, SSE, concurrency 1 and 64"
+  "$PY" -m tokenwire bench load --url "$url/v1/completions" --concurrency 1,64 --server-pid $server \
+    --json "$LOGS/serve-sse.json" || rc=$?
+  echo "-- /generate, binary int32 ids (Accept: application/octet-stream), concurrency 1 and 64"
+  "$PY" -m tokenwire bench load --url "$url/generate" --framing binary --concurrency 1,64 --server-pid $server \
+    --json "$LOGS/serve-binary.json" || rc=$?
   kill $server; wait $server 2>/dev/null
   return $rc
 }
 
-summary() {
-  echo "== key figures"
-  for f in "$OUT"/gpu-*.log; do
-    [ -f "$f" ] && echo "$(basename "$f" .log): $(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|deselected|error)' "$f" | tail -6)"
-  done
-  grep -h -E "top-2 gap|first differing" "$OUT"/gpu-golden.log 2>/dev/null | head -5
-  for f in "$OUT"/bench-*.log "$OUT"/serve-load.log; do
-    [ -f "$f" ] && { echo "-- $(basename "$f" .log)"; grep -v '^$' "$f" | tail -14; }
-  done
-  cat "$OUT/summary.log" 2>/dev/null
+bench_engine() {
+  "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --shape llama-3.2-1b --batch 1,16,64 --steps 30 "$@"
 }
 
+phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
+
+phase_bench_unfused() { bench_engine --unfused --json "$LOGS/bench-unfused.json"; }
+
+phase_sanitize() {
+  compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -x -p no:cacheprovider -m gpu \
+    -o addopts="--strict-markers" "tests/test_cuda_golden.py::test_tiny_families_follow_the_reference[overrides0-engine0]"
+}
+
+# ------------------------------------------------------------------ running them
+
+status_line() {      # NAME TEXT: one line on stdout and in the summary
+  echo "== $1: $2" | tee -a "$LOGS/summary.txt" "$LOGS/phases.txt"
+  cp "$LOGS/summary.txt" "$OUT/summary.txt"
+}
+
+# run_phase NAME LIMIT: phase_NAME under its own timeout, its output in $LOGS/NAME.log
+run_phase() {
+  local name="$1" limit="$2" t0=$SECONDS rc
+  if [ -n "${VERIFY_STUB:-}" ]; then
+    echo "stub of phase $name ($limit s)" > "$LOGS/$name.log"; rc=0
+  else
+    timeout --kill-after=5 "$limit" bash -c "phase_${name//-/_}" > "$LOGS/$name.log" 2>&1; rc=$?
+  fi
+  local status="ok"
+  [ $rc -ne 0 ] && status="FAILED (rc $rc)"
+  { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && status="TIMED OUT after ${limit} s"
+  status_line "$name" "$status in $((SECONDS - t0)) s (logs/$name.log)"
+  return $rc
+}
+
+pack() {             # the logs into $OUT/logs.tar.gz, replaced whole (rename) so a kill never leaves half
+  tar -czf "$OUT/.logs.tar.gz.part" -C "$WORK" logs 2>/dev/null && mv -f "$OUT/.logs.tar.gz.part" "$OUT/logs.tar.gz"
+}
+
+start_packer() {
+  rm -f "$WORK/stop-packer"
+  ( while [ ! -e "$WORK/stop-packer" ]; do pack; sleep 3; done ) &
+  PACKER=$!
+}
+
+stop_packer() {
+  touch "$WORK/stop-packer"; wait "$PACKER" 2>/dev/null; pack
+}
+
+print_plan() {
+  local sum=0 entry
+  echo "== plan: phases in order, each under its own timeout, ${TOTAL_BUDGET} s for all of them from $(date -u +%T) UTC"
+  for entry in $PHASES; do
+    echo "   ${entry%%:*} ${entry#*:} s"; sum=$((sum + ${entry#*:}))
+  done
+  echo "   budgets sum to $sum s (of ${TOTAL_BUDGET}); sanitize runs only in the time left, at least 20 s"
+  echo "   work folder $WORK, \$OUT $OUT"
+}
+
+run_phases() {       # env and the phases named (all when none), in PHASES order, within one deadline
+  local deadline=$((SECONDS + TOTAL_BUDGET)) skip="" entry name budget left limit rc
+  for entry in $PHASES; do
+    name=${entry%%:*}; budget=${entry#*:}
+    [ $# -eq 0 ] || [ "$name" = env ] || [[ " $* " == *" $name "* ]] || continue
+    left=$((deadline - SECONDS))
+    limit=$((budget < left ? budget : left))
+    [ "$name" = sanitize ] && limit=$left
+    if [ -n "$skip" ]; then status_line "$name" "skipped: $skip"; continue; fi
+    if [ "$limit" -lt $([ "$name" = sanitize ] && echo 20 || echo 5) ]; then
+      status_line "$name" "skipped: $left s left of the ${TOTAL_BUDGET} s"; continue
+    fi
+    run_phase "$name" "$limit"; rc=$?
+    if [ "$name" = env ] && [ $rc -ne 0 ]; then
+      skip="the environment phase failed (its last line, under key figures, says why)"
+    fi
+  done
+}
+
+key_figures() {      # from $LOGS: what a reader needs first, in at most about 10,000 characters
+  echo "======== key figures (the rest: logs.tar.gz, read with \`tar -xzf logs.tar.gz\`; phase lines at the end)"
+  echo "-- env"
+  if grep -q "^env: ok" "$LOGS/env.log" 2>/dev/null; then
+    grep -A1 "^name, driver_version" "$LOGS/env.log" | tail -1
+    grep -E "^(gpu|cubin|imports|env): " "$LOGS/env.log"
+  else
+    head -20 "$LOGS/env.log" 2>/dev/null | cut -c1-400
+  fi
+  for name in kernels golden; do
+    [ -f "$LOGS/$name.log" ] || continue
+    echo "-- $name"
+    grep -E "^(max-error |FAILED|ERROR)|first differing token|lengths differ|^=+ .*[0-9]+ (passed|failed|skipped|error)" \
+      "$LOGS/$name.log" | cut -c1-300 | tail -40
+    grep -qE "^=+ .*[0-9]+ (passed|failed|skipped|error)" "$LOGS/$name.log" \
+      || { echo "(no pytest summary: cut off; its last lines)"; tail -3 "$LOGS/$name.log" | cut -c1-300; }
+  done
+  if [ -f "$LOGS/serve.log" ]; then     # bench load's tables, less its client/server TTFT one and file notes
+    echo "-- serve (µs unless ms)"
+    awk '/srv ttft p50/ {skip = 1; next} skip && /^(http|---)/ {next} {skip = 0} !/^wrote |^\(|^\s*$/' \
+      "$LOGS/serve.log" | sed -e "s#^http://127.0.0.1:$SERVE_PORT##" -e 's/^server \{21\}/server/' -e 's/^-\{21\}//' \
+      | cut -c1-220 | tail -40
+  fi
+  for name in bench-fused bench-unfused; do
+    [ -f "$LOGS/$name.log" ] || continue
+    echo "-- $name"
+    awk '/^== / {print substr($0, 1, 110); next} /roofline \(|^ +batch|^ +[0-9]+ |prefill:|Error|error/ {print; next}
+         /profile, one eager/ {print; top = 3; next} top > 0 {print; top--}' "$LOGS/$name.log" | cut -c1-200 | tail -40
+  done
+  [ -f "$LOGS/sanitize.log" ] && { echo "-- sanitize"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$LOGS/sanitize.log" | tail -6; }
+  echo "-- phases"; cat "$LOGS/phases.txt" 2>/dev/null
+}
+
+run_on_gpu() {
+  rm -rf "$LOGS" && mkdir -p "$LOGS" "$OUT"
+  : > "$LOGS/summary.txt"
+  print_plan | tee "$LOGS/plan.txt"
+  start_packer
+  setup_env
+  export PY LOGS OUT REPO GPU_DIR SERVE_PORT
+  export -f $(compgen -A function phase_) gpu_tests bench_engine
+  run_phases "$@"
+  key_figures > "$LOGS/key-figures.txt"
+  cat "$LOGS/key-figures.txt" >> "$LOGS/summary.txt"
+  cp "$LOGS/summary.txt" "$OUT/summary.txt"
+  stop_packer
+  cat "$LOGS/key-figures.txt"
+  ! grep -qE "^== .*(FAILED|TIMED OUT)" "$LOGS/summary.txt"
+}
+
+mode="${1:-all}"
 case "$mode" in
   prepare) prepare ;;
-  run|tests|bench)
-    setup_env; report_env
-    start=$(date +%s)
-    : > "$OUT/summary.log"
-    [ "$mode" != bench ] && run_tests
-    if [ "$mode" != tests ]; then
-      both="--shape llama-3.2-1b --shape llama-3.1-8b"
-      run_bench fused $both --profile
-      run_bench unfused $both --unfused --no-pdl
-      [ "$mode" = bench ] && run_bench fused-fp16 --shape llama-3.1-8b --int4-activations fp16
-    fi
-    echo "== done in $(( $(date +%s) - start )) s; logs and JSON in $OUT"
-    summary
-    ;;
-  serve)
-    SERVE_MODEL="${SERVE_MODEL:-}" SERVE_BACKEND="${SERVE_BACKEND:-cuda}"
-    setup_env; report_env
-    : > "$OUT/summary.log"
-    export -f serve_and_load; export PY OUT SERVE_MODEL SERVE_BACKEND
-    phase serve-load "$T_SERVE" bash -c serve_and_load
-    summary
-    ;;
-  sanitize)
-    setup_env
-    : > "$OUT/summary.log"
-    phase sanitize 500 compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -x -p no:cacheprovider \
-      -m gpu -o addopts="" tests/test_cuda_kernels.py
-    tail -30 "$OUT/sanitize.log"
-    ;;
-  *) echo "usage: $0 prepare|run|tests|bench|serve|sanitize" >&2; exit 2 ;;
+  all) run_on_gpu ;;
+  env|kernels|golden|serve|bench-fused|bench-unfused|sanitize) run_on_gpu "$@" ;;   # env runs first anyway
+  key-figures) key_figures ;;        # again, from an unpacked logs.tar.gz: VERIFY_WORK=<the folder holding logs/>
+  *) echo "usage: $0 prepare | all | PHASE... (one or more of: $(echo $PHASES | sed 's/:[0-9]*//g'))" >&2; exit 2 ;;
 esac
