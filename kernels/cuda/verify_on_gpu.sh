@@ -204,12 +204,14 @@ phase_serve() {
   "$PY" -m tokenwire serve --backend "${SERVE_BACKEND:-cuda}" --port "$SERVE_PORT" ${SERVE_MODEL:+--model "$SERVE_MODEL"} \
     > "$LOGS/server.log" 2>&1 &
   local server=$! rc=0 url="http://127.0.0.1:$SERVE_PORT"
-  for _ in $(seq 60); do
-    "$PY" -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1] + '/health', timeout=1)" "$url" 2>/dev/null \
-      && break
+  local waited=0
+  until "$PY" -c "import urllib.request, sys; urllib.request.urlopen(sys.argv[1] + '/health', timeout=1)" "$url" \
+      2>/dev/null; do
     kill -0 $server 2>/dev/null || { echo "the server exited:"; tail -20 "$LOGS/server.log"; return 1; }
+    [ $((waited += 1)) -gt 50 ] && { echo "the server was not ready after 50 s:"; tail -20 "$LOGS/server.log"; return 1; }
     sleep 1
   done
+  echo "server ready after about $waited s"
   echo "-- /v1/completions, SSE, concurrency 1 and 64"
   "$PY" -m tokenwire bench load --url "$url/v1/completions" --concurrency 1,64 --server-pid $server \
     --json "$LOGS/serve-sse.json" || rc=$?
@@ -310,8 +312,10 @@ key_figures() {      # from $LOGS: what a reader needs first, in at most about 1
   for name in kernels golden; do
     [ -f "$LOGS/$name.log" ] || continue
     echo "-- $name"
-    grep -E "^(max-error |FAILED|ERROR)|first differing token|lengths differ|^=+ .*[0-9]+ (passed|failed|skipped|error)" \
-      "$LOGS/$name.log" | cut -c1-300 | tail -40
+    grep -E "^max-error " "$LOGS/$name.log"
+    grep -E "^(FAILED|ERROR) " "$LOGS/$name.log" | cut -c1-300 | head -15
+    grep -E "first differing token|lengths differ" "$LOGS/$name.log" | cut -c1-300 | sort -u | head -8
+    grep -E "^=+ .*[0-9]+ (passed|failed|skipped|error)" "$LOGS/$name.log" | tail -1
     grep -qE "^=+ .*[0-9]+ (passed|failed|skipped|error)" "$LOGS/$name.log" \
       || { echo "(no pytest summary: cut off; its last lines)"; tail -3 "$LOGS/$name.log" | cut -c1-300; }
   done
