@@ -137,3 +137,13 @@ def test_without_a_gpu_all_fails_fast_saying_why(tmp_path):
     assert env.startswith("== env: FAILED") and all("skipped: the environment phase failed" in line for line in rest)
     check_out_folder(out)
     assert seconds < 60
+
+
+def test_prepare_carries_exactly_the_wheels_the_import_test_allows_and_the_image_lacks():
+    from test_gpu_image_imports import CARRIED, IMAGE_LIST
+    text = SCRIPT.read_text()
+    body = text[text.index("prepare_wheels() {"):text.index("carried_bytes() {")]
+    downloaded = set(re.findall(r'"([a-z0-9_-]+)>=[0-9.]+"', body))
+    assert downloaded == CARRIED
+    on_image = {line.strip().lower() for line in IMAGE_LIST.read_text().splitlines() if not line.startswith("#")}
+    assert not downloaded & on_image          # carrying what the image has would install a second version
