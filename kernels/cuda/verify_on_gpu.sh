@@ -231,7 +231,10 @@ phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 phase_bench_unfused() { bench_engine --unfused --json "$LOGS/bench-unfused.json"; }
 
 phase_sanitize() {
-  compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -x -p no:cacheprovider -m gpu \
+  local sanitizer
+  sanitizer="$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)"
+  [ -n "$sanitizer" ] || { echo "compute-sanitizer: not found"; return 127; }
+  "$sanitizer" --tool memcheck --error-exitcode 9 "$PY" -m pytest -q -x -p no:cacheprovider -m gpu \
     -o addopts="--strict-markers" "tests/test_cuda_golden.py::test_tiny_families_follow_the_reference[overrides0-engine0]"
 }
 
