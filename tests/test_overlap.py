@@ -79,8 +79,9 @@ def synchronous(core) -> dict:
     return got
 
 
-def threaded(core) -> tuple:
-    """The engine thread drives the steps (overlapped where it may). -> (outputs, modes seen)"""
+def threaded(core, timeout: float = 10.0) -> tuple:
+    """The engine thread drives the steps (overlapped where it may), for at most `timeout` s.
+    -> (outputs, modes seen)"""
     got, modes, lock = {}, set(), threading.Lock()
 
     def deliver(step):
@@ -91,7 +92,7 @@ def threaded(core) -> tuple:
     core.start()
     try:
         submit(core)
-        assert wait_for(lambda: len(got) == len(REQUESTS) and all(g[2] for g in got.values()))
+        assert wait_for(lambda: len(got) == len(REQUESTS) and all(g[2] for g in got.values()), timeout)
     finally:
         core.shutdown(timeout=5)
     return got, modes
