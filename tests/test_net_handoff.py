@@ -141,6 +141,7 @@ def test_overlapped_steps_are_written_behind_the_next_one_and_never_two_ahead():
     assert returned == [0] and written == []        # step 1 waits for step 0's write
     gate.set()
     t.join(10)
+    assert wait_for(lambda: len(written) == 100)    # the last step is written behind the engine's return
     assert written == list(range(100)) and max(ahead) == 1
     loop.call_soon_threadsafe(handoff.detach)
     assert wait_for(lambda: handoff.detached)
