@@ -465,6 +465,38 @@ def test_the_pool_ignores_one_slow_step_and_follows_a_persistent_one():
         cpu.set_num_threads(before)
 
 
+def test_a_probe_that_loses_by_far_ends_at_its_first_step():
+    """While a neighbour holds a core, each probe of two threads ran its steps at ~2x; three of
+    them per probe were the inter-token p99 at concurrency 1 (issue 31). A probe's (or trial's)
+    task over LOSING_RATIO times its bar ends it at once; a mildly slower first task (a worker's
+    late wake-up) is still judged with the next ones, and a winning probe is kept."""
+    if not cpu.AVAILABLE:
+        pytest.skip(f"C kernels not built: {cpu.IMPORT_ERROR}")
+    before = cpu.num_threads()
+    ms = 1_000_000
+    taken = (5 * ms, 0.7, int(1.8 * ms))
+    try:
+        cpu.set_num_threads(2)
+        cpu.set_adaptive(True)
+        counts = _judged([taken] * 400, 3 * 10**15)
+        probes = [i for i in range(6, len(counts)) if counts[i] == 2]
+        assert len(probes) >= 3 and all(counts[i + 1] == 1 for i in probes if i + 1 < len(counts)), counts
+        cpu.set_adaptive(True)
+        counts = _judged([taken] * 6, 4 * 10**15)     # down to one thread
+        assert counts[-1] == 1
+        now, counts = 4 * 10**15 + 10**9, [1]       # the core is back: two threads win (1.3 ms against 1.8),
+        for _ in range(100):                         # each probe's first step 1.2x the bar (a late wake-up)
+            nth = cpu._cpu.task_threads(77, now)
+            wall = int(1.8 * ms) if nth == 1 else int(2.2 * ms) if counts[-1] == 1 else int(1.3 * ms)
+            now += wall
+            cpu._cpu.judge_task(nth, wall, int(0.05 * nth * wall), 77, now)
+            counts.append(nth)
+        assert counts[-20:] == [2] * 20, counts
+    finally:
+        cpu.set_adaptive(True)
+        cpu.set_num_threads(before)
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -14,11 +14,13 @@
  * 0.17x of quiet with a busy loop on one of two cores). Once that held on PERSIST_TASKS
  * comparable tasks in a row (a hypervisor's blip slows one step, and judged alone it held a
  * quiet machine on one thread 17-29 times in 100 requests), the pool tries one thread fewer,
- * and keeps that only if the next task with the same key is not slower (on a machine loaded
- * all over, two threads may wait a lot and still beat one: then it returns and does not try
- * again for a hold, doubled per failed trial). While on fewer threads, after a hold
- * (HOLD_MIN_NS, doubled per failed probe, up to HOLD_MAX_NS) it probes one thread more, kept
- * if >= 5% faster than the count below on a task with the same key. */
+ * and keeps that only if the next EXPERIMENT_TASKS tasks with the same key are not slower (on
+ * a machine loaded all over, two threads may wait a lot and still beat one: then it returns
+ * and does not try again for a hold, doubled per failed trial). While on fewer threads, after
+ * a hold (HOLD_MIN_NS, doubled per failed probe, up to HOLD_MAX_NS) it probes one thread more,
+ * kept if >= 5% faster than the count below on tasks with the same key. Either experiment
+ * ends as lost at its first task over LOSING_RATIO times its bar: a lost probe costs one
+ * slow step, not three. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
@@ -43,7 +45,10 @@
 #define BARRIER_SPIN_NS 30000   /* a thread at a barrier spins this long before it sleeps */
 #define LOST_FRACTION 0.3      /* of the threads' time spent waiting: a thread was descheduled */
 #define JUDGE_NS 200000         /* shorter tasks do not say (a wake-up alone is tens of microseconds) */
-#define EXPERIMENT_TASKS 3      /* a changed thread count is judged on this many comparable tasks */
+#define EXPERIMENT_TASKS 3      /* a changed thread count is judged on this many comparable tasks ... */
+#define LOSING_RATIO 1.5        /* ... or on its first one that took this many times its bar: a probe of two
+                                 * threads while a neighbour holds a core ran each of its 3 steps at 2x,
+                                 * and at concurrency 1 those probes were the inter-token p99 */
 #define PERSIST_TASKS 3         /* comparable tasks in a row judged contended before a thread is dropped */
 #define HOLD_MIN_NS 20000000LL  /* fewer threads for this long before probing one more ... */
 #define HOLD_MAX_NS 1000000000LL /* ... doubling while the probes stay contended */
@@ -258,7 +263,9 @@ int tw_pool_set_threads(int n) {
  * 0: not comparable, never judged). Each thread count keeps a running mean of its tasks' times
  * (restarted when the key changes); a changed count is judged on the mean of its first
  * EXPERIMENT_TASKS comparable tasks against the running mean of the count before it, so one
- * slow step (the one whose waits started a trial) does not decide alone. */
+ * slow step (the one whose waits started a trial) does not decide alone; but one task over
+ * LOSING_RATIO times the bar ends the experiment as lost at once (a wake-up's lateness is tens
+ * of microseconds, not half a step, and each task more of a lost probe is a step at ~2x). */
 static void judge(int nth, long long wall, long long waited, long long key, long long now) {
     if (!pool.adaptive || key == 0 || wall < JUDGE_NS) return;
     if ((pool.probing || pool.trial) && now - pool.tried_ns > HOLD_MAX_NS)
@@ -270,9 +277,9 @@ static void judge(int nth, long long wall, long long waited, long long key, long
     if ((pool.probing || pool.trial) && nth == pool.limit) {   /* a task capped lower (max_threads) says nothing
                                                             * of the count on trial: judging it set limit 0 */
         pool.exp_sum += wall;
-        if (++pool.exp_tasks >= EXPERIMENT_TASKS) {
-            const double mean = (double)pool.exp_sum / pool.exp_tasks,
-                         base = pool.trial ? pool.trial_base : pool.last_wall[before];
+        const double base = pool.trial ? pool.trial_base : pool.last_wall[before];
+        if (++pool.exp_tasks >= EXPERIMENT_TASKS || wall > LOSING_RATIO * base) {
+            const double mean = (double)pool.exp_sum / pool.exp_tasks;
             if (pool.probing && !(mean < 0.95 * base)) {        /* more threads must pay: back, probe less often */
                 pool.limit = nth - 1;
                 pool.hold_ns = pool.hold_ns * 2 < HOLD_MAX_NS ? pool.hold_ns * 2 : HOLD_MAX_NS;
