@@ -26,8 +26,8 @@ class EngineOptions:
     max_num_seqs: int = 256                 # largest running batch
     max_num_batched_tokens: int = 2048      # tokens per step (prefill chunks + decodes)
     # prompt tokens a step that carries decodes may take (core/step_costs.py): -1 measured from the
-    # steps, so such a step stays within a quarter of a decode step of one (a prompt still moves
-    # by its floor, step_costs.prefill_floor); 0 no cap; N at most N
+    # steps, so such a step stays within a quarter of a decode step of one (prompts still move by
+    # the floor of those pending, step_costs.prefill_floor); 0 no cap; N at most N
     prefill_cap: int = -1
     max_queued_requests: int = 1024         # requests waiting for the scheduler before 429
     block_size: int = 16                    # tokens per KV block

@@ -9,9 +9,9 @@ Policy, in the order `schedule()` applies it each step:
    chunk short of blocks may preempt newer requests not scheduled this step, else shrinks.
    In a step that carries decodes, prefill chunks and admissions together take at most
    `prefill_cap` tokens (measured: core/step_costs.py keeps such a step within a quarter of a
-   decode step of one); the first chunk of such a step takes at least its prompt's
-   `prefill_floor` (a short prompt in at most 4 capped steps, a long one 16 tokens a step),
-   so a prompt always moves; without decodes, the whole budget (a lone prompt's time to first
+   decode step of one), but never fewer than the floor of the prompt tokens pending
+   (`prefill_floor`: a quarter of them, at most 16), so a prompt always moves and a backlog
+   clears in about 4 steps; without decodes, the whole budget (a lone prompt's time to first
    token is unchanged).
 3. Admit: waiting requests, smallest `priority` first then first come first served, while
    a sequence slot, the token budget and free blocks (above a small watermark) allow, and
@@ -62,7 +62,7 @@ from .block_manager import BlockManager
 from .executor import SeqStep
 from .outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, RequestOutput, StepTokens
 from .prefix_cache import PrefixCache
-from .step_costs import StepCosts, prefill_floor
+from .step_costs import MAX_PREFILL_CHUNKS, MIN_PREFILL_TOKENS, StepCosts, prefill_floor
 from .request import Request, RequestState
 
 WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
@@ -114,8 +114,6 @@ class Scheduler:
         self._costs = StepCosts()           # the step cost model, unless the speculator holds it
         self._num_samples = 0               # sampled rows of the step being scheduled
         self._num_prefill_tokens = 0        # prompt tokens of the step being scheduled
-        self._floor_budget = 0              # a measured cap's step: the most its first chunk may take to
-                                            # reach its prompt's floor (0: no floor owed, or it was given)
         self.finished_ids = []              # request ids that ended since the owner last cleared this
         self.finished_now = []              # requests finished by the current update()
 
@@ -167,13 +165,15 @@ class Scheduler:
             num_spec_rows = self.speculator.plan(scheduled, budget, self.block_manager, len(self.running))
             budget -= num_spec_rows
             self._num_samples += num_spec_rows
-        self._num_prefill_tokens = self._floor_budget = 0
+        self._num_prefill_tokens = 0
         if seqs and (prefilling or self.waiting):          # a step that carries decodes: capped prefill
-            measured = self.prefill_cap < 0
-            cap = self.costs.prefill_cap(len(seqs)) if measured else self.prefill_cap
-            if cap and cap < budget:
-                self._floor_budget = budget if measured else 0
-                budget = cap
+            if self.prefill_cap >= 0:
+                cap = self.prefill_cap
+            else:
+                cap = self.costs.prefill_cap(len(seqs))
+                cap = cap and max(cap, prefill_floor(self._num_pending_prompt_tokens(prefilling)))
+            if cap:
+                budget = min(budget, cap)
         if prefilling and budget:
             budget, more = self._schedule_prefills(prefilling, budget, scheduled, seqs)
             num_preempted += more
@@ -181,6 +181,21 @@ class Scheduler:
             self._admit(budget, now_ns, scheduled, seqs)
         return ScheduledStep(scheduled, seqs, self._num_samples, num_decodes, num_spec_rows,
                              self._num_prefill_tokens, now_ns)
+
+    def _num_pending_prompt_tokens(self, prefilling: list) -> int:
+        """The uncached prompt tokens of the prompts being prefilled or waiting, whole (not what
+        is left of them: a prompt's floor stays put while it is computed, so it finishes in
+        MAX_PREFILL_CHUNKS capped steps), counted up to what makes the largest floor (hot
+        path: once per step that carries decodes and prompts; prefix lookups are memoized)."""
+        enough, prefix_cache = MIN_PREFILL_TOKENS * MAX_PREFILL_CHUNKS, self.prefix_cache
+        num = sum(req.num_tokens - req.num_cached_tokens for req in prefilling)
+        for _, _, req in self.waiting:
+            if num >= enough:
+                break
+            num += req.num_tokens
+            if prefix_cache is not None:
+                num -= len(prefix_cache.cached_prefix(req)) * self.block_manager.block_size
+        return num
 
     @property
     def costs(self):
@@ -245,7 +260,7 @@ class Scheduler:
             if req.state is not PREFILLING or req.num_scheduled_tokens:   # preempted earlier; or in flight
                 continue
             start = req.num_computed_tokens
-            num_tokens = self._chunk_size(req.num_tokens - start, req.num_tokens - req.num_cached_tokens, budget)
+            num_tokens = min(req.num_tokens - start, budget)
             num_preempted += self._free_blocks_for(req, bm.num_new_blocks(req.block_table, start + num_tokens))
             fits = (len(req.block_table) + bm.num_free_blocks) * bm.block_size - start
             num_tokens = min(num_tokens, fits)
@@ -253,18 +268,8 @@ class Scheduler:
                 continue
             bm.append_slot(req.block_table, start + num_tokens)
             self._schedule_chunk(req, num_tokens, scheduled, seqs)
-            budget = max(0, budget - num_tokens)
+            budget -= num_tokens
         return budget, num_preempted
-
-    def _chunk_size(self, num_left: int, num_uncached: int, budget: int) -> int:
-        """Tokens of a prompt's next chunk, `num_left` of its `num_uncached` still to compute:
-        within the budget, but the first chunk of a step under a measured cap takes at least
-        its prompt's floor (step_costs.prefill_floor: a prompt always moves)."""
-        num_tokens = min(num_left, budget)
-        if self._floor_budget:
-            num_tokens = min(num_left, self._floor_budget, max(num_tokens, prefill_floor(num_uncached)))
-            self._floor_budget = 0
-        return num_tokens
 
     def _free_blocks_for(self, req: Request, num_blocks: int) -> int:
         """Preempt requests newer than `req` that this step has not scheduled until `num_blocks`
@@ -294,7 +299,7 @@ class Scheduler:
             i, cached = prefix_cache.pick(waiting) if prefix_cache is not None else (0, ())
             req = waiting[i][2]
             start = len(cached) * bm.block_size
-            num_tokens = self._chunk_size(req.num_tokens - start, req.num_tokens - start, budget)
+            num_tokens = min(req.num_tokens - start, budget)
             reserve = self.watermark_blocks if running else 0
             num_needed = bm.num_blocks_for(start + num_tokens) - len(cached) + bm.num_evictable_in(cached)
             if num_needed + reserve > bm.num_free_blocks:
@@ -309,7 +314,7 @@ class Scheduler:
                 req.timeline.first_scheduled_ns = now_ns
                 req.num_cached_tokens = start
             self._schedule_chunk(req, num_tokens, scheduled, seqs)
-            budget = max(0, budget - num_tokens)
+            budget -= num_tokens
 
     def _schedule_chunk(self, req: Request, num_tokens: int, scheduled: list, seqs: list) -> None:
         start = req.num_computed_tokens

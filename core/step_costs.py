@@ -10,9 +10,9 @@ decisions read the model:
   and the chunked-prefill budgets of vLLM and SGLang do it): a wave of prompts no longer
   holds every running stream for a step of a second. A step without decodes is not capped
   (a lone prompt's time to first token is unchanged). The cap may be a single token; what
-  keeps a prompt moving is `prefill_floor`: the scheduler gives the first prompt chunk of a
-  capped step at least that many tokens, so a prompt takes at most MAX_PREFILL_CHUNKS capped
-  steps while it is short, and moves MIN_PREFILL_TOKENS a step when it is long.
+  keeps prompts moving is `prefill_floor` of the prompt tokens pending, the least a capped
+  step takes: a backlog of short prompts clears in about MAX_PREFILL_CHUNKS steps (the
+  prefill keeps up with arrivals), a long one moves MIN_PREFILL_TOKENS a step.
 
 All figures are kept per batch bucket (decodes in powers of two) as moving averages; a step
 descheduled for milliseconds is clipped to OUTLIER decode steps. What rows and prefill tokens
@@ -26,8 +26,8 @@ OUTLIER = 4.0                   # a step time past this many decode steps (per r
 PREFILL_SLACK = 0.25            # a step with prefill tokens may take this much longer than a decode step
                                 # (at 0.5 a staggered arrival's 8 tokens rode whole with 8 decodes and those
                                 # steps, ~1.5x, were the inter-token p99 at concurrency 8; issue 31)
-MIN_PREFILL_TOKENS = 16         # a long prompt moves at least this many tokens a capped step (no starvation) ...
-MAX_PREFILL_CHUNKS = 4          # ... and a short one (under 4 x 16 tokens) in at most this many capped steps
+MIN_PREFILL_TOKENS = 16         # a long backlog of prompt tokens moves at least this many a capped step ...
+MAX_PREFILL_CHUNKS = 4          # ... and a short one (under 4 x 16 tokens) a quarter of itself (no starvation)
 
 
 class StepCosts:
@@ -88,11 +88,11 @@ class StepCosts:
         return max(1, int((PREFILL_SLACK * decode_ns - fit[0]) / fit[1] + 1e-6))
 
 
-def prefill_floor(num_prompt_tokens: int) -> int:
-    """Tokens the first chunk of a capped step may take whatever the cap, for a prompt with
-    `num_prompt_tokens` to compute (those not found cached): a short prompt in at most
-    MAX_PREFILL_CHUNKS chunks, a long one MIN_PREFILL_TOKENS at a time."""
-    return max(1, min(MIN_PREFILL_TOKENS, -(-num_prompt_tokens // MAX_PREFILL_CHUNKS)))
+def prefill_floor(num_pending: int) -> int:
+    """Prompt tokens a capped step takes whatever the cap, with `num_pending` prompt tokens
+    still to compute: a short backlog in about MAX_PREFILL_CHUNKS steps, a long one
+    MIN_PREFILL_TOKENS at a time; at least one (a prompt always moves)."""
+    return max(1, min(MIN_PREFILL_TOKENS, -(-num_pending // MAX_PREFILL_CHUNKS)))
 
 
 class FixedCosts:

@@ -465,35 +465,83 @@ def test_the_measured_cap_keeps_a_step_within_a_quarter_of_a_decode_step():
     assert costs.prefill_cap(4) == 1
 
 
-def test_the_floor_splits_a_short_prompt_in_at_most_four_chunks_and_moves_a_long_one_16_a_step():
+def test_the_floor_is_a_quarter_of_the_pending_prompt_tokens_at_most_16():
     from tokenwire.core.step_costs import MAX_PREFILL_CHUNKS, MIN_PREFILL_TOKENS, prefill_floor
     assert (MAX_PREFILL_CHUNKS, MIN_PREFILL_TOKENS) == (4, 16)
-    assert [prefill_floor(n) for n in (1, 3, 4, 5, 8, 63, 64, 65, 5000)] == [1, 1, 1, 2, 2, 16, 16, 16, 16]
+    assert [prefill_floor(n) for n in (0, 1, 3, 4, 5, 8, 16, 63, 64, 65, 5000)] == [1, 1, 1, 1, 2, 2, 4, 16, 16, 16, 16]
 
 
-def test_under_a_one_token_measured_cap_prompts_still_move_by_their_floor_and_finish():
-    """A measured cap may be one token (decode steps cheap against what a prompt token adds);
-    the first chunk of each capped step still takes its prompt's floor: an 8-token prompt in
-    4 chunks of 2, a 150-token one 16 a step (no starvation), and only the first chunk of a
-    step is owed it. Outputs are what each request makes alone."""
+def _prefill_chunks(prompt_lens: list, cached: bool = False) -> tuple:
+    """Prompts of `prompt_lens` arriving together while 4 requests decode, under a measured
+    cap of one token, after request 90's prompt ran alone when `cached` (its prefix is in the
+    prefix cache then) -> ({id: its prefill chunks in order}, steps that carried any)."""
     from tokenwire.core.step_costs import FixedCosts
     ex = KVCheckingExecutor(num_blocks=256)
     engine = make_engine(ex, max_num_seqs=16, max_num_batched_tokens=256, prefill_cap=-1)
     engine.scheduler._costs = FixedCosts(prefill_cap=1)
+    c = Collector(engine)
+    if cached:                      # request 90's prompt (as add() makes it), alone: no cap
+        prompt = [3 + (90 * 7 + i) % (VOCAB - 3) for i in range(prompt_lens[0])]
+        engine.add_request(80, prompt, SamplingParams(max_tokens=1), Timeline())
+        c.step()
     for i in range(4):
         add(engine, i, prompt_len=3, max_tokens=200)       # a steady decode load
-    c = Collector(engine)
     c.step()
-    add(engine, 98, prompt_len=8, max_tokens=3)
-    add(engine, 99, prompt_len=150, max_tokens=3)
+    ids = [90 + i for i in range(len(prompt_lens))]
+    for rid, n in zip(ids, prompt_lens):
+        add(engine, rid, prompt_len=n, max_tokens=3)
     tokens, finish, _ = c.run()
-    prompt_len, chunks = {98: 8, 99: 150}, {98: [], 99: []}
+    chunks, num_steps = {rid: [] for rid in ids}, 0
     for step in ex.log[1:]:
-        moved = [e for e in step if e[0] in chunks and e[1] < prompt_len[e[0]]]
-        assert len(moved) <= 1, step                     # the floor is the step's first chunk's alone
+        moved = [e for e in step if e[0] in chunks and e[1] < prompt_lens[e[0] - 90]]
+        num_steps += bool(moved)
         for e in moved:
             chunks[e[0]].append(e[2])
-    assert chunks == {98: [2, 2, 2, 2], 99: [16] * 9 + [6]}, chunks
-    assert finish[98] == finish[99] == FINISH_LENGTH
-    assert tokens[98] == alone(98, prompt_len=8, max_tokens=3)
-    assert tokens[99] == alone(99, prompt_len=150, max_tokens=3)
+    assert all(finish[rid] == FINISH_LENGTH for rid in ids)
+    for rid, n in zip(ids, prompt_lens):
+        assert tokens[rid] == alone(rid, prompt_len=n, max_tokens=3)
+    return chunks, num_steps
+
+
+def test_under_a_one_token_measured_cap_prompts_still_move_by_the_floor_and_finish():
+    """A measured cap may be one token (decode steps cheap against what a prompt token adds);
+    a capped step still takes the floor of the pending prompt tokens: a short prompt in 4
+    chunks; two arriving together at twice that while both are pending (the prefill keeps
+    up with arrivals); a long one 16 tokens a step (no starvation). Outputs are what each
+    makes alone."""
+    assert _prefill_chunks([8]) == ({90: [2, 2, 2, 2]}, 4)
+    assert _prefill_chunks([8, 8]) == ({90: [4, 4], 91: [2, 2, 2, 2]}, 6)
+    assert _prefill_chunks([150]) == ({90: [16] * 9 + [6]}, 10)
+    chunks, num_steps = _prefill_chunks([150, 8])
+    assert sum(chunks[90]) == 150 and sum(chunks[91]) == 8 and num_steps == 10
+    chunks, num_steps = _prefill_chunks([24], cached=True)     # 20 of 24 cached (blocks of 4): its floor is 1
+    assert chunks == {90: [1, 1, 1, 1]} and num_steps == 4
+
+
+def test_without_decodes_a_prompt_takes_the_whole_budget():
+    ex = KVCheckingExecutor(num_blocks=256)
+    engine = make_engine(ex, max_num_seqs=16, max_num_batched_tokens=128, prefill_cap=12)
+    add(engine, 1, prompt_len=100, max_tokens=2)
+    run(engine)
+    assert ex.log[0] == [(1, 0, 100, True)]
+
+
+def test_the_measured_cap_keeps_a_step_within_a_quarter_of_a_decode_step():
+    """core/step_costs.py on synthetic step times (no timing here): decode steps of 10 ms at
+    batch 4; prefill steps adding 1 ms + 0.2 ms a token: the cap is (2.5 - 1) / 0.2 = 7 tokens;
+    never below one; none until both kinds of step were seen."""
+    from tokenwire.core.step_costs import StepCosts
+    ms = 1_000_000
+    costs = StepCosts()
+    assert costs.prefill_cap(4) is None
+    costs.observe(4, 0, 0, 10 * ms)
+    assert costs.prefill_cap(4) is None
+    for tokens in (8, 64, 256):
+        costs.observe(4, 0, tokens, 10 * ms + 1 * ms + tokens * ms // 5)
+    assert costs.prefill_cap(4) == 7
+    assert costs.prefill_cap(64) is None            # another batch bucket: not seen yet
+    costs.observe(4, 0, 0, 1 * ms)                  # decode steps got faster: the cap shrinks, to one token
+    for _ in range(20):
+        costs.observe(4, 0, 0, 1 * ms)
+    assert costs.prefill_cap(4) == 1
+
