@@ -10,8 +10,8 @@ Policy, in the order `schedule()` applies it each step:
    In a step that carries decodes, prefill chunks and admissions together take at most
    `prefill_cap` tokens (measured: core/step_costs.py keeps such a step within a quarter of a
    decode step of one), but never fewer than the floor of the prompt tokens pending
-   (`prefill_floor`: half of them, at most 16), so a prompt always moves and a backlog
-   clears in about 2 steps; without decodes, the whole budget (a lone prompt's time to first
+   (`prefill_floor`: a quarter of them, at most 16), so a prompt always moves and a backlog
+   clears in about 4 steps; without decodes, the whole budget (a lone prompt's time to first
    token is unchanged).
 3. Admit: waiting requests, smallest `priority` first then first come first served, while
    a sequence slot, the token budget and free blocks (above a small watermark) allow, and

@@ -27,9 +27,7 @@ PREFILL_SLACK = 0.25            # a step with prefill tokens may take this much 
                                 # (at 0.5 a staggered arrival's 8 tokens rode whole with 8 decodes and those
                                 # steps, ~1.5x, were the inter-token p99 at concurrency 8; issue 31)
 MIN_PREFILL_TOKENS = 16         # a long backlog of prompt tokens moves at least this many a capped step ...
-MAX_PREFILL_CHUNKS = 2          # ... and a short one (under 2 x 16 tokens) half of itself (no starvation): at 4,
-                                # TTFT at 8 and 32 staggered streams was ~2x main's for steps of 2-4 tokens
-                                # costing ~1.15x a decode step where 4-8 tokens cost ~1.2-1.4x (default model)
+MAX_PREFILL_CHUNKS = 4          # ... and a short one (under 4 x 16 tokens) a quarter of itself (no starvation)
 
 
 class StepCosts:

@@ -465,10 +465,10 @@ def test_the_measured_cap_keeps_a_step_within_a_quarter_of_a_decode_step():
     assert costs.prefill_cap(4) == 1
 
 
-def test_the_floor_is_half_of_the_pending_prompt_tokens_at_most_16():
+def test_the_floor_is_a_quarter_of_the_pending_prompt_tokens_at_most_16():
     from tokenwire.core.step_costs import MAX_PREFILL_CHUNKS, MIN_PREFILL_TOKENS, prefill_floor
-    assert (MAX_PREFILL_CHUNKS, MIN_PREFILL_TOKENS) == (2, 16)
-    assert [prefill_floor(n) for n in (0, 1, 3, 4, 5, 8, 16, 31, 32, 5000)] == [1, 1, 2, 2, 3, 4, 8, 16, 16, 16]
+    assert (MAX_PREFILL_CHUNKS, MIN_PREFILL_TOKENS) == (4, 16)
+    assert [prefill_floor(n) for n in (0, 1, 3, 4, 5, 8, 16, 63, 64, 65, 5000)] == [1, 1, 1, 1, 2, 2, 4, 16, 16, 16, 16]
 
 
 def _prefill_chunks(prompt_lens: list, cached: bool = False) -> tuple:
@@ -505,17 +505,17 @@ def _prefill_chunks(prompt_lens: list, cached: bool = False) -> tuple:
 
 def test_under_a_one_token_measured_cap_prompts_still_move_by_the_floor_and_finish():
     """A measured cap may be one token (decode steps cheap against what a prompt token adds);
-    a capped step still takes the floor of the pending prompt tokens: a short prompt in 2
+    a capped step still takes the floor of the pending prompt tokens: a short prompt in 4
     chunks; two arriving together at twice that while both are pending (the prefill keeps
     up with arrivals); a long one 16 tokens a step (no starvation). Outputs are what each
     makes alone."""
-    assert _prefill_chunks([8]) == ({90: [4, 4]}, 2)
-    assert _prefill_chunks([8, 8]) == ({90: [8], 91: [4, 4]}, 3)
+    assert _prefill_chunks([8]) == ({90: [2, 2, 2, 2]}, 4)
+    assert _prefill_chunks([8, 8]) == ({90: [4, 4], 91: [2, 2, 2, 2]}, 6)
     assert _prefill_chunks([150]) == ({90: [16] * 9 + [6]}, 10)
     chunks, num_steps = _prefill_chunks([150, 8])
     assert sum(chunks[90]) == 150 and sum(chunks[91]) == 8 and num_steps == 10
-    chunks, num_steps = _prefill_chunks([24], cached=True)     # 20 of 24 cached (blocks of 4): its floor is 2
-    assert chunks == {90: [2, 2]} and num_steps == 2
+    chunks, num_steps = _prefill_chunks([24], cached=True)     # 20 of 24 cached (blocks of 4): its floor is 1
+    assert chunks == {90: [1, 1, 1, 1]} and num_steps == 4
 
 
 def test_without_decodes_a_prompt_takes_the_whole_budget():

@@ -118,7 +118,7 @@ def add_arguments(parser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--prefill-cap", type=_prefill_cap, default=DEFAULTS.prefill_cap, metavar="auto|off|N",
                         help="prompt tokens a step that carries decodes may take: auto, measured so that such "
-                             "a step stays within a quarter of a decode step of one (but never below half "
+                             "a step stays within a quarter of a decode step of one (but never below a quarter "
                              "of the prompt tokens pending, at most 16: a prompt always moves); off; or at "
                              "most N (default: auto)")
     parser.add_argument("--max-queued-requests", type=_positive_int, default=DEFAULTS.max_queued_requests,
