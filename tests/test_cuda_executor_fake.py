@@ -415,3 +415,25 @@ def test_sampling_steps_keep_the_full_sampler():
     ex.step([SeqStep(0, [6], 3, [0], True, params, 7, [3, 4, 5], [6])])
     kernels = drv.launches[before:]
     assert kernels[-5:] == ["rmsnorm", "int4_mm_tc_x4", "apply_penalties", "sample_tokens", "compute_logprobs"]
+
+
+@pytest.mark.parametrize("step_timing", [True, False])
+def test_each_step_is_timed_on_the_device_for_the_cost_model(step_timing):
+    """StepOutput.busy_ns: from an event recorded before the step's kernels to its `done` event
+    (CudaOptions.step_timing), what the engine's cost model learns from; 0 without it."""
+    c = tiny_config()
+    t = tiny_engine(c)
+    drv = FakeDriver(deferred=True)
+    ex = make(c, t, driver=drv, step_timing=step_timing)
+    prompt = [4, 8, 15, 16]
+    h = ex.launch([SeqStep(0, prompt, 0, [0], True, GREEDY, 0, prompt, [])])
+    slot = ex.ring[h.slot]
+    out = ex.collect(h)
+    if step_timing:
+        assert slot.start is not None and slot.start.timing and slot.done.timing
+        assert out.busy_ns == round((slot.done.time - slot.start.time) * 1e9) and out.busy_ns > 0
+    else:
+        assert slot.start is None and not slot.done.timing and out.busy_ns == 0
+    num_slots, before = len(ex.ring), len(drv.calls)
+    ex.close()                                          # the timing events are given back too
+    assert [m for m, _ in drv.calls[before:]].count("event_destroy") == (3 if step_timing else 2) * num_slots

@@ -74,6 +74,10 @@ class CudaOptions:
     max_penalty_tokens: int = 1 << 18       # distinct prompt+output tokens of penalized rows per step
     wait: str = "spin"                      # in cuEventSynchronize, GIL released: "spin" in the driver, or "block" (sleep)
     timing_events: bool = False             # events that can be timed (benchmarks)
+    # each step timed on the device (an event before its kernels, its `done` event timed): the
+    # engine's cost model learns from StepOutput.busy_ns instead of the host's clock, which on a
+    # busy host also counts the engine thread's wait for the GIL after the step
+    step_timing: bool = True
     device: int = 0
 
     def __post_init__(self):
@@ -201,8 +205,9 @@ class CudaExecutor:
         drv, o = self.drv, self.options
         out_bytes = self._out_bytes(o.max_num_seqs, logprobs=True)
         return RingSlot(drv.host_alloc(self.meta_bytes), drv.host_alloc(out_bytes),
-                        drv.event_create(timing=o.timing_events),
-                        drv.event_create(timing=o.timing_events, blocking=o.wait == "block"))
+                        drv.event_create(timing=o.timing_events or o.step_timing),
+                        drv.event_create(timing=o.timing_events, blocking=o.wait == "block"),
+                        start=drv.event_create(timing=True) if o.step_timing else None)
 
     def _out_bytes(self, rows: int, logprobs: bool) -> int:
         """Bytes from acts.tokens to copy back: the ids, or the ids and every logprob array."""
@@ -247,6 +252,8 @@ class CudaExecutor:
         logprobs = None
         if any(s.sampling.logprobs is not None for s in rows):
             logprobs = tuple(s.sampling.logprobs for s in rows)
+        if slot.start is not None:          # after the wait above: the step's own kernels are timed
+            self.drv.event_record(slot.start, self.dev.compute_stream)
         if bucket:
             self._launch_decode(slot, seqs, bucket)
         elif seqs:
@@ -374,6 +381,8 @@ class CudaExecutor:
         slot = self.ring[handle.slot]
         self.drv.event_synchronize(slot.ready)          # GIL released for the whole wait
         out = read_step(slot, handle.num_rows, handle.logprobs, self._out_offsets)
+        if slot.start is not None:          # both events completed before `ready` did
+            out = out._replace(busy_ns=round(self.drv.event_elapsed_ms(slot.start, slot.done) * 1e6))
         slot.in_flight = False
         self.num_waited += 1
         return out
@@ -432,6 +441,8 @@ class CudaExecutor:
             drv.host_free(slot.out)
             drv.event_destroy(slot.done)
             drv.event_destroy(slot.ready)
+            if slot.start is not None:
+                drv.event_destroy(slot.start)
         for ptr in (self.weights.arena, self.acts.base, self.meta, self.kv.base):
             drv.mem_free(ptr)
         self.dev.close()
