@@ -516,32 +516,3 @@ def test_under_a_one_token_measured_cap_prompts_still_move_by_the_floor_and_fini
     assert sum(chunks[90]) == 150 and sum(chunks[91]) == 8 and num_steps == 10
     chunks, num_steps = _prefill_chunks([24], cached=True)     # 20 of 24 cached (blocks of 4): its floor is 1
     assert chunks == {90: [1, 1, 1, 1]} and num_steps == 4
-
-
-def test_without_decodes_a_prompt_takes_the_whole_budget():
-    ex = KVCheckingExecutor(num_blocks=256)
-    engine = make_engine(ex, max_num_seqs=16, max_num_batched_tokens=128, prefill_cap=12)
-    add(engine, 1, prompt_len=100, max_tokens=2)
-    run(engine)
-    assert ex.log[0] == [(1, 0, 100, True)]
-
-
-def test_the_measured_cap_keeps_a_step_within_a_quarter_of_a_decode_step():
-    """core/step_costs.py on synthetic step times (no timing here): decode steps of 10 ms at
-    batch 4; prefill steps adding 1 ms + 0.2 ms a token: the cap is (2.5 - 1) / 0.2 = 7 tokens;
-    never below one; none until both kinds of step were seen."""
-    from tokenwire.core.step_costs import StepCosts
-    ms = 1_000_000
-    costs = StepCosts()
-    assert costs.prefill_cap(4) is None
-    costs.observe(4, 0, 0, 10 * ms)
-    assert costs.prefill_cap(4) is None
-    for tokens in (8, 64, 256):
-        costs.observe(4, 0, tokens, 10 * ms + 1 * ms + tokens * ms // 5)
-    assert costs.prefill_cap(4) == 7
-    assert costs.prefill_cap(64) is None            # another batch bucket: not seen yet
-    costs.observe(4, 0, 0, 1 * ms)                  # decode steps got faster: the cap shrinks, to one token
-    for _ in range(20):
-        costs.observe(4, 0, 0, 1 * ms)
-    assert costs.prefill_cap(4) == 1
-
