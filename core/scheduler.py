@@ -64,6 +64,12 @@ from .outputs import FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
 from .prefix_cache import PrefixCache
 from .step_costs import MAX_PREFILL_CHUNKS, MIN_PREFILL_TOKENS, StepCosts, prefill_floor
 from .request import Request, RequestState
+from .detokenizer import ByteTableDecoder
+
+try:                                # the per-row loops' common case in C (core/_rows.c)
+    from . import _rows as ROWS
+except ImportError:                 # built without a compiler: the Python bodies take every row
+    ROWS = None
 
 WAITING, PREFILLING, DECODING = RequestState.WAITING, RequestState.PREFILLING, RequestState.DECODING
 _sort_key = attrgetter("sort_key")
@@ -116,6 +122,7 @@ class Scheduler:
         self._num_prefill_tokens = 0        # prompt tokens of the step being scheduled
         self.finished_ids = []              # request ids that ended since the owner last cleared this
         self.finished_now = []              # requests finished by the current update()
+        self.rows = ROWS                    # core/_rows.c, or None: the Python loop bodies take every row
 
     @property
     def num_waiting(self) -> int:
@@ -211,7 +218,15 @@ class Scheduler:
         prefix_cache = self.prefix_cache
         num_preempted, prefilling = 0, []
         add_scheduled, add_seq = scheduled.append, seqs.append
-        for req in running:                 # _preempt_for pops from the end: the iterator just stops sooner
+        fast = self.rows.schedule_decodes if self.rows is not None else None
+        i = 0
+        while i < len(running):             # _preempt_for pops from the end: the loop just stops sooner
+            if fast is not None:            # C takes the rows that fit their blocks; this body the others
+                i = fast(running, i, scheduled, seqs, block_size, DECODING)
+                if i == len(running):
+                    break
+            req = running[i]
+            i += 1
             pending = req.num_pending
             if req.state is DECODING:
                 start = req.num_computed_tokens + pending   # its pending token goes one position on
@@ -454,10 +469,21 @@ class Scheduler:
         and make its RequestOutput (or its entry in `columns`). The loop body runs once per
         generated token: hence the local names and the inline checks."""
         append = outputs.append
+        fast = None
         if columns is not None:
             columns.step_done_ns = now_ns
             add_id, add_token, add_text = columns.request_ids.append, columns.token_ids.append, columns.texts.append
-        for req, token_id in zip(reqs, sampled_ids):
+            if self.rows is not None:       # C takes the rows that go on plainly; this body the others
+                fast = self.rows.append_tokens
+        i, num = 0, min(len(reqs), len(sampled_ids))
+        while i < num:
+            if fast is not None:
+                i = fast(reqs, sampled_ids, i, now_ns, columns.request_ids, columns.token_ids, columns.texts,
+                         ByteTableDecoder)
+                if i == num:
+                    break
+            req, token_id = reqs[i], sampled_ids[i]
+            i += 1
             if not req.num_pending:
                 continue                    # it ended (or was preempted) after the step was launched
             req.num_pending -= 1
