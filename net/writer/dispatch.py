@@ -38,6 +38,11 @@ from ..metrics import Metrics
 from . import choices, encoders
 from .busy_poll import BusyPoller
 
+try:                                # the per-token loop's common case in C (net/writer/_columns.c)
+    from . import _columns as COLUMNS
+except ImportError:                 # built without a compiler: `_write_columns` takes every token
+    COLUMNS = None
+
 log = logging.getLogger("tokenwire.net")
 JSON = b"application/json"
 FINISH_DEADLINE = "deadline"        # the request's deadline passed (grpc-timeout, x-request-timeout-ms)
@@ -104,6 +109,7 @@ class Dispatcher:
         self.busy_poll = BusyPoller(self.exchanges)
         self._touched = []                  # outboxes written during this step (Outbox.pending set)
         self._firsts = []                   # exchanges whose first token went out this step
+        self.columns = COLUMNS              # net/writer/_columns.c, or None: `_write_columns` takes every token
 
     def attach(self, engine, model, loop) -> None:
         """Write `engine`'s steps from now on (call on the loop's thread, before the engine starts)."""
@@ -227,11 +233,22 @@ class Dispatcher:
         other entry is appended to `rows` as a RequestOutput for the general loop (its
         token counts are never read: it does not finish). -> (run_last, run_len, num_tokens)
         of the inter-token bookkeeping in `write_step`."""
-        get = self.exchanges.get
+        exchanges = self.exchanges
+        get = exchanges.get
         touched = self._touched
         itl = self.metrics.itl
         run_last = run_len = num_tokens = 0
-        for request_id, token_id, text in zip(step.request_ids, step.token_ids, step.texts):
+        ids, token_ids, texts = step.request_ids, step.token_ids, step.texts
+        fast = self.columns.write_columns if self.columns is not None else None
+        i, num = 0, len(ids)
+        while i < num:
+            if fast is not None:        # C takes the later SSE tokens; this body every other entry
+                i, run_last, run_len, num_tokens = fast(ids, texts, i, exchanges, now, touched, itl.observe_many_ns,
+                                                        run_last, run_len, num_tokens)
+                if i == num:
+                    break
+            request_id, token_id, text = ids[i], token_ids[i], texts[i]
+            i += 1
             ex = get(request_id)
             if ex is None:
                 continue            # cancelled: the client is gone
