@@ -1,6 +1,7 @@
-"""Build tokenwire: one import namespace over the repository's top-level folders, plus two C
-extensions: the CPU kernels (kernels/cpu/src) and the per-step HTTP/2 DATA framing
-(net/protocol/_frames.c).
+"""Build tokenwire: one import namespace over the repository's top-level folders, plus four C
+extensions: the CPU kernels (kernels/cpu/src), the per-step HTTP/2 DATA framing
+(net/protocol/_frames.c), and the common case of the per-row loops of the scheduler
+(core/_rows.c) and of the step writer (net/writer/_columns.c).
 
 The repository keeps the design's layout (core/, kernels/, net/, engine_build/, bench/);
 `package_dir` maps each folder onto `tokenwire.<folder>`, so site-packages gets one
@@ -8,7 +9,8 @@ The repository keeps the design's layout (core/, kernels/, net/, engine_build/, 
 
 The C extensions are optional at install time: with no working compiler the install still
 succeeds and tokenwire falls back to the numpy reference kernels, printing one warning
-when the CPU backend starts, and to the same framing in Python (net/protocol/frames.py).
+when the CPU backend starts, to the same framing in Python (net/protocol/frames.py), and to
+the Python loop bodies (core/scheduler.py, net/writer/dispatch.py).
 With TOKENWIRE_REQUIRE_C=1 in the environment (CI sets it, in scripts/test.sh) an extension
 that fails to compile fails the install instead, loudly.
 """
@@ -71,7 +73,7 @@ class OptionalBuildExt(build_ext):
             raise RequiredBuildFailed(f"a tokenwire C extension failed to build and TOKENWIRE_REQUIRE_C=1: {exc}") \
                 from exc
         print(f"WARNING: a tokenwire C extension was not built ({exc}); its Python fallback will be used "
-              "(the numpy reference kernels, or net/protocol/frames.py).", file=sys.stderr)
+              "(the numpy reference kernels, net/protocol/frames.py, or the Python loop bodies).", file=sys.stderr)
 
 
 def extensions():

@@ -50,7 +50,10 @@ a step writes it is reused only by a later step).
 
 Invariants: a running request's `block_table` covers its cached tokens and its decode's next
 position; `num_scheduled_tokens` is 0 outside a step (or while a prefill chunk is in flight).
-No tensor library here: ints, lists, a heap.
+No tensor library here: ints, lists, a heap. The two loops that run once per running
+request per step (`_schedule_decodes`, `_append_tokens`) hand their common rows to C
+(core/_rows.c) when it was built; their Python bodies are the whole behaviour, take every
+row the C code leaves, and are what it is tested against (tests/test_rows_native.py).
 """
 
 import bisect

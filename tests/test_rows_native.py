@@ -9,6 +9,9 @@ a small KV cache that preempts, the prefix cache, byte tokens that split UTF-8 c
 cancel, a grammar-free request and one with logprobs (no columns then).
 """
 
+import subprocess
+import sys
+
 import pytest
 
 from tokenwire.core import scheduler as scheduler_module
@@ -18,7 +21,7 @@ from tokenwire.core.outputs import Timeline
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.kernels.mock import MockExecutor
 
-pytestmark = pytest.mark.skipif(scheduler_module.ROWS is None, reason="the C extension core/_rows.c is not built")
+needs_c = pytest.mark.skipif(scheduler_module.ROWS is None, reason="the C extension core/_rows.c is not built")
 
 # (prompt length, max_tokens, stop strings, stop token ids, min_tokens, logprobs)
 REQUESTS = [(5, 40, (), (), 0, None), (17, 60, (), (318,), 0, None), (33, 25, ("robot",), (), 0, None),
@@ -47,7 +50,7 @@ def make(native: bool, num_blocks: int) -> EngineCore:
                       enable_prefix_caching=True)
     if not native:
         core.scheduler.rows = None
-    else:
+    elif core.scheduler.rows is not None:
         core.scheduler.rows = Counting(core.scheduler.rows)
     for i, (n, max_tokens, stop, stop_ids, min_tokens, logprobs) in enumerate(REQUESTS):
         prompt = [36 + (j * (i + 3)) % 50 for j in range(n)]
@@ -107,6 +110,7 @@ def overlapped(core, cancel_at: int):
     yield plain(core.finish_step(in_flight))
 
 
+@needs_c
 @pytest.mark.parametrize("drive", [synchronous, overlapped])
 @pytest.mark.parametrize("num_blocks", [400, 24], ids=["roomy", "preempting"])
 def test_the_c_loops_make_the_steps_the_python_bodies_make(drive, num_blocks):
@@ -127,3 +131,20 @@ def test_the_c_loops_make_the_steps_the_python_bodies_make(drive, num_blocks):
     assert set(finishes) == set(range(len(REQUESTS)))
     assert {"stop", "length", "cancelled"} <= set(finishes.values())
 
+
+
+def test_without_the_extensions_the_python_bodies_take_every_row():
+    """Built without a compiler: the scheduler and the step writer run on their Python bodies alone."""
+    code = ("import sys; sys.modules['tokenwire.core._rows'] = sys.modules['tokenwire.net.writer._columns'] = None\n"
+            "from tokenwire.core import scheduler\n"
+            "from tokenwire.net.writer import dispatch\n"
+            "from tokenwire.net.metrics import Metrics\n"
+            "assert scheduler.ROWS is None and dispatch.COLUMNS is None\n"
+            "assert dispatch.Dispatcher(Metrics()).columns is None\n"
+            "sys.path.insert(0, %r)\n"
+            "import test_rows_native as t\n"
+            "core = t.make(True, 24)\n"
+            "assert core.scheduler.rows is None\n"
+            "steps = list(t.synchronous(core, 40))\n"
+            "assert sum(len(s[1]) for s in steps) > 100\n") % str(__import__("pathlib").Path(__file__).parent)
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,6 +21,9 @@ the step's other streams go on. The guard is a try per token (free until it rais
 3.11's exceptions cost nothing on entry) and, per connection, the outbox's batch, which
 goes on chunk by chunk after a fault (net/writer/outbox.py). A connection whose flush raises is
 closed, its requests cancelled.
+The per-token loop over a step's columns (`_write_columns`) hands its common entries, later
+SSE tokens, to C (net/writer/_columns.c) when it was built; its Python body is the whole
+behaviour and takes every entry the C code leaves (tests/test_columns_native.py).
 """
 
 import logging
