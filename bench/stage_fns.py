@@ -30,8 +30,9 @@ from ..kernels.mock import CHAT_TEMPLATE
 from ..kernels.sampling import sample
 from ..net.api.chat_template import ChatTemplate
 from ..net.api.fields import parse_json
-from ..net.api.model_info import prompt_encoder
+from ..net.api.model_info import model_info, prompt_encoder
 from ..net.api.openai import parse_chat, parse_completions
+from ..net.app import App
 from ..net.metrics import Metrics
 from ..net.protocol.events import Limits
 from ..net.protocol import frames
@@ -83,7 +84,59 @@ def request_stages(s: Setup) -> list:
         Stage(f"tokenize prompt ({len(s.prompt_ids)} tokens), tokenizers", "request",
               lambda: s.engine.encode_prompt(s.prompt_text), num_tokens=len(s.prompt_ids)),
         server_tokenize_stage(s),
+        intake_stage(s),
     ]
+
+
+INTAKE_BATCH = 100                  # requests per connection in the intake stage (under max_concurrent_streams)
+
+
+def intake_stage(s: Setup) -> Stage:
+    """One streamed /v1/completions request from its HTTP/2 bytes to the engine's inbox, as
+    the loop takes it in: the session's frames and headers, `App.on_events` (route, parse,
+    tokenize, checks, the engine's Request and the writer's Exchange). The mock engine's
+    thread is not started (`is_alive` says it runs), so nothing is stepped: every 100
+    requests a fresh connection, the inbox and the exchanges emptied."""
+    built = build_engine(EngineOptions(backend="mock", max_queued_requests=1 << 30))
+    core = built.core
+    core.is_alive = lambda: True        # a running engine thread is all the routes ask of it
+    app = App(metrics=Metrics())
+    info = model_info(built.card)
+    app.attach(core, info, asyncio.new_event_loop())
+    body = orjson.dumps({"model": info.name, "prompt": s.prompt_text, "max_tokens": 64, "stream": True})
+    headers = [(":method", "POST"), (":scheme", "http"), (":authority", "bench"), (":path", "/v1/completions"),
+               ("content-type", "application/json"), ("content-length", str(len(body)))]
+    state = {"left": 0}
+
+    def connect():
+        client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        client.initiate_connection()
+        session = H2Session(Limits(max_concurrent_streams=INTAKE_BATCH))
+        session.receive_data(client.data_to_send())
+        session.data_to_send()
+        chunks = []
+        for i in range(INTAKE_BATCH):
+            client.send_headers(2 * i + 1, headers)
+            client.send_data(2 * i + 1, body, end_stream=True)
+            chunks.append(client.data_to_send())
+        core._inbox.clear()
+        core._live_ids.clear()
+        app.exchanges.clear()
+        state.update(conn=_Connection(session), chunks=iter(chunks), left=INTAKE_BATCH)
+
+    def take_one():
+        if not state["left"]:
+            connect()
+        state["left"] -= 1
+        conn = state["conn"]
+        app.on_events(conn, conn.session.receive_data(next(state["chunks"])))
+
+    take_one()
+    if len(core._inbox) != 1:
+        answer = state["conn"].session.data_to_send()[:300]
+        raise RuntimeError(f"the intake stage's request did not reach the engine; the server answered {answer!r}")
+    return Stage("intake: HTTP/2 request to the engine's inbox (/v1/completions)", "request", take_one,
+                 note=f"{len(body)} B body, the mock engine's tokenizer; frames, route, parse, tokenize, Request, Exchange")
 
 
 def server_tokenize_stage(s: Setup) -> Stage:
