@@ -178,6 +178,31 @@ def test_dense_and_int8_rows(isa, dtype):
         assert np.all(np.abs(out - exact) <= bound)
 
 
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_int8_rows_under_int8_activations_stay_within_their_bound(isa, m):
+    """The classifier's q8 path: x rounded per block of 32, exact integer block sums, so within
+    int8_error_bound(x, |W|, 32) of the float64 product, for every int8 weight (-128 too);
+    a K off the 32-value blocks keeps the float rows, bit for bit."""
+    rng = np.random.default_rng(11)
+    for n, k in [(37, 64), (301, 96), (5, 32)]:        # a 4-row block's remainder; rows for the prefetch ahead
+        x = (rng.standard_normal((m, k)) * np.exp(rng.uniform(-3, 3, (m, k)))).astype(np.float32)
+        w = rng.integers(-128, 128, (n, k), dtype=np.int8)
+        w[n // 2] = -128
+        scales = (rng.random(n) * 0.01 + 1e-3).astype(np.float16)
+        dense = w.astype(np.float64) * scales.astype(np.float64)[:, None]
+        q8, f32 = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+        cpu._cpu.rows_linear(x, w, scales, q8, "int8")
+        cpu._cpu.rows_linear(x, w, scales, f32)
+        err = np.abs(q8 - x.astype(np.float64) @ dense.T)
+        bound = cpu.int8_error_bound(x, np.abs(dense), 32) + 2 * (k + 2) * EPS32 * (np.abs(x) @ np.abs(dense).T)
+        assert np.all(err <= bound) and not np.array_equal(q8, f32)
+    x, w = rng.standard_normal((m, 77)).astype(np.float32), rng.integers(-127, 128, (9, 77), dtype=np.int8)
+    scales, q8, f32 = np.ones(9, np.float16), np.empty((m, 9), np.float32), np.empty((m, 9), np.float32)
+    cpu._cpu.rows_linear(x, w, scales, q8, "int8")
+    cpu._cpu.rows_linear(x, w, scales, f32)
+    assert np.array_equal(q8, f32)
+
+
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
 def test_gated_activations_match_the_reference_within_a_few_ulp(isa, gelu):
     from tokenwire.kernels.model import gelu_tanh, silu

@@ -333,6 +333,27 @@ def test_stories260k_batched_staggered_sequences_each_reproduce_run_c(stories):
         assert ids == want, f"sequence {i} diverged"
 
 
+def test_an_int8_classifier_under_int8_activations_rounds_its_input_per_block_of_32():
+    """Int8 activations reach the int8 lm_head too (the q8 rows): its logits are within
+    int8_error_bound(h, |W|, 32) of h @ W.T and not the float rows' result. h, the final hidden
+    state, is read from the same model with an identity classifier (dense: exact)."""
+    config = CONFIGS["llama_gqa"]
+    tensors = engine_tensors(config, ENCODINGS["int4_g64_int8_embed"])
+    identity = {name: t for name, t in tensors.items() if not name.startswith("lm_head.")}
+    identity["lm_head.weight"] = np.eye(config.vocab_size, config.hidden_size, dtype=np.float32)
+    model = cpu.create_model(config, tensors, block_size=4, num_blocks=32, activations="int8")
+    probe = cpu.create_model(config, identity, block_size=4, num_blocks=32, activations="int8")
+    w, scales = tensors["lm_head.qweight"], tensors["lm_head.scales"]
+    dense = w.astype(np.float64) * scales.astype(np.float64)[:, None]
+    for steps in mixed_steps(config.vocab_size):
+        batch = build_forward_batch(steps, 4)
+        got, h = model.forward(batch), np.ascontiguousarray(probe.forward(batch)[:, :config.hidden_size])
+        float_rows = np.empty_like(got)
+        cpu._cpu.rows_linear(h, w, scales, float_rows)
+        err = np.abs(got - h.astype(np.float64) @ dense.T)
+        assert np.all(err <= cpu.int8_error_bound(h, np.abs(dense), 32) + 1e-5) and not np.array_equal(got, float_rows)
+
+
 # ------------------------------------------------------------------ fused greedy argmax
 
 @pytest.mark.parametrize("encoding", ENCODINGS)

@@ -183,3 +183,25 @@ void tw_act_prepare_q8(tw_act *a, const float *x, int ldx, int k, int m0, int m1
         }
     }
 }
+
+int tw_rows_q8_fits(int kind, int k) { return kind == TW_W_I8 && k > 0 && k % TW_ROWS_Q8_BLOCK == 0; }
+
+/* The int8 rows' activations: blocks of 32 in natural k order, rounded as tw_act_prepare_q8. */
+void tw_rows_prepare_q8(const float *x, int ldx, int k, int m0, int m1, int8_t *xq, float *xd, int ldq) {
+    const int nb = k / TW_ROWS_Q8_BLOCK;
+    for (int m = m0; m < m1; m++) {
+        const float *src = x + (size_t)m * ldx;
+        int8_t *dst = xq + (size_t)m * ldq;
+        for (int b = 0; b < nb; b++) {
+            const int base = b * TW_ROWS_Q8_BLOCK;
+            float amax = 0.0f;
+            for (int i = base; i < base + TW_ROWS_Q8_BLOCK; i++) amax = fmaxf(amax, fabsf(src[i]));
+            const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int i = base; i < base + TW_ROWS_Q8_BLOCK; i++) {
+                int v = (int)lrintf(src[i] * inv);
+                dst[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+            }
+            xd[(size_t)m * (ldq / TW_ROWS_Q8_BLOCK) + b] = amax / 127.0f;
+        }
+    }
+}

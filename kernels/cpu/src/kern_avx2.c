@@ -278,6 +278,49 @@ static void rows_avx2(const void *w, const uint16_t *row_scales, int kind, int k
     for (; n < n1; n++) rows_pass_avx2(w, row_scales, kind, k, x, ldx, m, y, ldy, n, 1);
 }
 
+/* q8 rows: NB weight rows against one activation row. Per block of 32 and row, |w| as u8 (so
+ * -128 reads 128) times x carrying w's sign: vpmaddubsw's int16 pair sums stay below
+ * 2 * 128 * 127 < 32767, vpmaddwd widens them, and one convert and FMA apply the block's step:
+ * 7 instructions per 32 weights where the float rows spend 12. */
+INLINE void rows_q8_pass_avx2(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq,
+                              const float *xd, float *y, int n, const int NB, int ahead) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int nb = k / TW_ROWS_Q8_BLOCK;
+    __m256 acc[4];
+    for (int r = 0; r < NB; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * TW_ROWS_Q8_BLOCK));
+        const __m256 d = _mm256_broadcast_ss(xd + b);
+        if (NB == 4 && ahead) {             /* the 128 bytes a block of 4 rows reads, as far ahead as the probe */
+            const char *p = (const char *)w + (size_t)n * k + TW_PREFETCH_BYTES + (size_t)b * 128;
+            _mm_prefetch(p, _MM_HINT_T0);
+            _mm_prefetch(p + 64, _MM_HINT_T0);
+        }
+        for (int r = 0; r < NB; r++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (size_t)(n + r) * k + (size_t)b * TW_ROWS_Q8_BLOCK));
+            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), d, acc[r]);
+        }
+    }
+    for (int r = 0; r < NB; r++) y[n + r] = hsum8(acc[r]) * tw_half_to_float(row_scales[n + r]);
+}
+
+void tw_rows_q8_avx2(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq, const float *xd,
+                     int ldq, int m, float *y, int ldy, int n0, int n1) {
+    const int ldd = ldq / TW_ROWS_Q8_BLOCK;
+    int n = n0;
+    const size_t end = (size_t)n1 * k;
+    for (; n + 4 <= n1; n += 4) {
+        const int ahead = (size_t)(n + 4) * k + TW_PREFETCH_BYTES <= end;
+        for (int i = 0; i < m; i++)          /* the 4 rows stay in L1 for the other activation rows */
+            rows_q8_pass_avx2(w, row_scales, k, xq + (size_t)i * ldq, xd + (size_t)i * ldd, y + (size_t)i * ldy, n, 4,
+                              ahead && i == 0);
+    }
+    for (; n < n1; n++)
+        for (int i = 0; i < m; i++)
+            rows_q8_pass_avx2(w, row_scales, k, xq + (size_t)i * ldq, xd + (size_t)i * ldd, y + (size_t)i * ldy, n, 1, 0);
+}
+
 /* ---------------------------------------------------------------- vector helpers (attention) */
 
 static float dot_avx2(const float *a, const float *b, int n) {
@@ -415,7 +458,7 @@ const tw_kernels tw_kernels_avx2 = {
     .isa = TW_ISA_AVX2, .name = "avx2",
     .int4 = {int4_f32_avx2, int4_q8_avx2},
     .prep = {prep_f32_avx2, prep_q8_avx2},
-    .rows = rows_avx2, .dot = dot_avx2, .axpy = axpy_avx2, .read_sum = read_sum_avx2,
+    .rows = rows_avx2, .rows_q8 = tw_rows_q8_avx2, .dot = dot_avx2, .axpy = axpy_avx2, .read_sum = read_sum_avx2,
     .gated = gated_avx2, .exp_sum = exp_sum_avx2, .attend = attend_avx2,
     .residual_rms_norm = tw_residual_rms_norm,
 };

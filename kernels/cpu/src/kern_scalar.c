@@ -91,6 +91,23 @@ static void rows_scalar(const void *w, const uint16_t *row_scales, int kind, int
         }
 }
 
+/* The q8 rows' statement: exact int32 block sums, each scaled by its activation step. */
+static void rows_q8_scalar(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq, const float *xd,
+                           int ldq, int m, float *y, int ldy, int n0, int n1) {
+    const int nb = k / TW_ROWS_Q8_BLOCK;
+    for (int n = n0; n < n1; n++)
+        for (int i = 0; i < m; i++) {
+            float acc = 0.0f;
+            for (int b = 0; b < nb; b++) {
+                int32_t sum = 0;
+                for (int kk = b * TW_ROWS_Q8_BLOCK; kk < (b + 1) * TW_ROWS_Q8_BLOCK; kk++)
+                    sum += (int32_t)w[(size_t)n * k + kk] * xq[(size_t)i * ldq + kk];
+                acc += xd[(size_t)i * (ldq / TW_ROWS_Q8_BLOCK) + b] * (float)sum;
+            }
+            y[(size_t)i * ldy + n] = acc * tw_half_to_float(row_scales[n]);
+        }
+}
+
 static float dot_scalar(const float *a, const float *b, int n) {
     float s = 0.0f;
     for (int i = 0; i < n; i++) s += a[i] * b[i];
@@ -127,7 +144,7 @@ const tw_kernels tw_kernels_scalar = {
     .isa = TW_ISA_SCALAR, .name = "scalar",
     .int4 = {int4_f32_scalar, int4_q8_scalar},
     .prep = {tw_act_prepare_f32, tw_act_prepare_q8},
-    .rows = rows_scalar, .dot = dot_scalar, .axpy = axpy_scalar, .read_sum = read_sum_scalar,
+    .rows = rows_scalar, .rows_q8 = rows_q8_scalar, .dot = dot_scalar, .axpy = axpy_scalar, .read_sum = read_sum_scalar,
     .gated = gated_scalar, .exp_sum = exp_sum_scalar, .attend = tw_attend_generic,
     .residual_rms_norm = tw_residual_rms_norm,
 };

@@ -78,16 +78,39 @@ typedef struct {
     const uint16_t *row_scales;
     int kind, n, k, m;
     const float *x;
+    const int8_t *xq;               /* q8 path: [m][k], or NULL */
+    const float *xd;                /* q8 path: [m][k / 32] */
     float *y;
 } rows_job;
 
 static void rows_task(void *arg, int ith, int nth) {
     rows_job *j = arg;
-    tw_rows_linear_part(j->w, j->row_scales, j->kind, j->n, j->k, j->x, j->k, j->m, j->y, j->n, ith, nth);
+    if (!j->xq) {
+        tw_rows_linear_part(j->w, j->row_scales, j->kind, j->n, j->k, j->x, j->k, j->m, j->y, j->n, ith, nth);
+        return;
+    }
+    int n0, n1;
+    tw_split(j->n, ith, nth, &n0, &n1);
+    tw_active()->rows_q8(j->w, j->row_scales, j->k, j->xq, j->xd, j->k, j->m, j->y, j->n, n0, n1);
 }
 
-void tw_rows_linear(const void *w, const uint16_t *row_scales, int kind, int n, int k,
-                    const float *x, int m, float *y) {
-    rows_job job = {w, row_scales, kind, n, k, m, x, y};
+/* prec TW_PREC_Q8 takes the q8 rows path where it fits (tw_rows_q8_fits), fp32 rows otherwise. */
+int tw_rows_linear(const void *w, const uint16_t *row_scales, int kind, int n, int k,
+                   const float *x, int m, float *y, int prec) {
+    rows_job job = {w, row_scales, kind, n, k, m, x, NULL, NULL, y};
+    int8_t *xq = NULL;
+    float *xd = NULL;
+    if (prec == TW_PREC_Q8 && tw_rows_q8_fits(kind, k)) {
+        xq = tw_alloc((size_t)m * k);
+        xd = tw_alloc((size_t)m * (k / TW_ROWS_Q8_BLOCK) * sizeof(float));
+        if (!xq || !xd) {
+            tw_free(xq), tw_free(xd);
+            return -1;
+        }
+        tw_rows_prepare_q8(x, k, k, 0, m, xq, xd, k);
+        job.xq = xq, job.xd = xd;
+    }
     tw_pool_run(rows_task, &job);
+    tw_free(xq), tw_free(xd);
+    return 0;
 }

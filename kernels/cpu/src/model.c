@@ -166,12 +166,17 @@ const char *tw_batch_check(const tw_model *m, const tw_batch *b) {
 static float *floats(size_t count) { return tw_alloc((count ? count : 1) * sizeof(float)); }
 
 static void widen(const tw_weight *w, int *max_kp, int *max_groups) {
+    if (tw_rows_q8_fits(w->kind, w->k)) {          /* the q8 rows' xq [k] and xd [k / 32] */
+        *max_kp = w->k > *max_kp ? w->k : *max_kp;
+        *max_groups = w->k / TW_ROWS_Q8_BLOCK > *max_groups ? w->k / TW_ROWS_Q8_BLOCK : *max_groups;
+        return;
+    }
     if (w->kind != TW_W_I4) return;
     *max_kp = w->i4.kp > *max_kp ? w->i4.kp : *max_kp;
     *max_groups = w->i4.num_groups > *max_groups ? w->i4.num_groups : *max_groups;
 }
 
-/* activation buffers for `rows` rows of any of the model's INT4 products */
+/* activation buffers for `rows` rows of any of the model's INT4 products and int8 rows */
 static int act_init(const tw_model *m, tw_act *a, int rows) {
     int max_kp = 8, max_groups = 1;
     for (int l = 0; l < m->num_layers; l++) {
@@ -438,6 +443,27 @@ static void sync(clock0 *c) {
  * are cheaper to redo on every thread than to meet at a barrier for. */
 static int shared_rows(const clock0 *c, int rows) { return rows >= TW_SPLIT_ROWS || c->nth == 1; }
 
+/* Dense or int8 rows (embedding-sized classifiers): a contiguous share of the rows each. Int8
+ * rows under int8 activations take the q8 rows path, their activations rounded as the INT4
+ * products' are: by this thread alone for a few rows, or split over the threads (then they meet). */
+static void rows_product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const float *x, int ldx,
+                         int rows, float *y) {
+    const tw_model *m = c->m;
+    if (m->prec != TW_PREC_Q8 || !tw_rows_q8_fits(w->kind, w->k)) {
+        tw_rows_linear_part(w->data, w->row_scales, w->kind, w->n, w->k, x, ldx, rows, y, w->n, c->ith, c->nth);
+        return;
+    }
+    const int shared = shared_rows(c, rows);
+    const tw_act *a = shared ? &m->act : &own->act;
+    int r0 = 0, r1 = rows, n0, n1;
+    if (shared) tw_split(rows, c->ith, c->nth, &r0, &r1);
+    tw_rows_prepare_q8(x, ldx, w->k, r0, r1, a->xq, a->xd, w->k);
+    stamp(c, TW_PROF_PREP);
+    if (shared && c->nth > 1) sync(c);
+    tw_split(w->n, c->ith, c->nth, &n0, &n1);
+    tw_active()->rows_q8(w->data, w->row_scales, w->k, a->xq, a->xd, w->k, rows, y, w->n, n0, n1);
+}
+
 /* y [rows][w->n] = x [rows][w->k] @ W^T: this thread's output tiles / rows (no barrier after).
  * INT4: the activations are prepared first, by this thread alone into its own buffers for
  * a few rows, or split over the threads into the shared ones (then they meet). */
@@ -452,7 +478,7 @@ static void product(clock0 *c, tw_thread_scratch *own, const tw_weight *w, const
     if (argmax)
         for (int r = 0; r < rows; r++) own->best_at[r] = -1;
     if (w->kind != TW_W_I4) {
-        tw_rows_linear_part(w->data, w->row_scales, w->kind, w->n, w->k, x, ldx, rows, y, w->n, c->ith, c->nth);
+        rows_product(c, own, w, x, ldx, rows, y);
         if (argmax) {
             int n0, n1;
             tw_split(w->n, c->ith, c->nth, &n0, &n1);

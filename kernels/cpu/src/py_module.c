@@ -159,10 +159,14 @@ static PyObject *py_int4_linear(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* rows_linear(x f32 [M, K], weight f32|f16|i8 [N, K], row_scales f16 [N] or None, out f32 [M, N]) */
+/* rows_linear(x f32 [M, K], weight f32|f16|i8 [N, K], row_scales f16 [N] or None, out f32 [M, N],
+ * precision 'fp32' | 'int8'): int8 activations apply to int8 weights with K % 32 == 0 */
 static PyObject *py_rows_linear(PyObject *mod, PyObject *args) {
     PyObject *ox, *ow, *os, *oy;
-    if (!PyArg_ParseTuple(args, "OOOO", &ox, &ow, &os, &oy)) return NULL;
+    const char *precision = "fp32";
+    if (!PyArg_ParseTuple(args, "OOOO|s", &ox, &ow, &os, &oy, &precision)) return NULL;
+    const int prec = parse_precision(precision);
+    if (prec < 0) return NULL;
     Py_buffer x, w, s = {0}, y;
     if (PyObject_GetBuffer(ow, &w, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
         PyErr_Clear();
@@ -191,9 +195,14 @@ static PyObject *py_rows_linear(PyObject *mod, PyObject *args) {
         bad = 1;
     }
     if (!bad) {
+        int rc;
         Py_BEGIN_ALLOW_THREADS
-        tw_rows_linear(w.buf, s.buf, kind, (int)w.shape[0], (int)w.shape[1], x.buf, (int)x.shape[0], y.buf);
+        rc = tw_rows_linear(w.buf, s.buf, kind, (int)w.shape[0], (int)w.shape[1], x.buf, (int)x.shape[0], y.buf, prec);
         Py_END_ALLOW_THREADS
+        if (rc != 0) {
+            PyErr_NoMemory();
+            bad = 1;
+        }
     }
     if (s.obj) PyBuffer_Release(&s);
     PyBuffer_Release(&w);

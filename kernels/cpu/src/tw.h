@@ -93,6 +93,21 @@ enum { TW_W_F32 = 0, TW_W_F16 = 1, TW_W_I8 = 2, TW_W_I4 = 3 };
 typedef void (*tw_rows_kernel)(const void *w, const uint16_t *row_scales, int kind, int k,
                                const float *x, int ldx, int m, float *y, int ldy, int n0, int n1);
 
+/* The q8 path of int8 rows (TW_W_I8, the classifier): x rounded per block of TW_ROWS_Q8_BLOCK
+ * values to xq = round(x / d), d = max|x_b| / 127 (as tw_act_prepare_q8, natural k order), and
+ *   y[i][n] = row_scales[n] * sum_b xd[i][b] * sum_{k in b} W[n][k] * xq[i][k]
+ * with exact integer block sums: W @ x_hat, the same error bound as the INT4 q8 path
+ * (int8_error_bound with G = 32). Float rows cost a convert and an FMA per weight, which
+ * held Qwen2.5-0.5B's 136 MB int8 classifier to ~45% of the read bandwidth on two AVX2
+ * cores; integer pairs are ~4x fewer instructions per weight. Needs k % TW_ROWS_Q8_BLOCK == 0. */
+#define TW_ROWS_Q8_BLOCK 32
+/* xq [m][ldq] int8, xd [m][ldq / TW_ROWS_Q8_BLOCK]; rows [n0, n1) of y [m][ldy] */
+typedef void (*tw_rows_q8_kernel)(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq,
+                                  const float *xd, int ldq, int m, float *y, int ldy, int n0, int n1);
+/* Rows [m0, m1) of x [.][ldx] (k values each) -> xq, xd as above (the readable version, every ISA's). */
+void tw_rows_prepare_q8(const float *x, int ldx, int k, int m0, int m1, int8_t *xq, float *xd, int ldq);
+int tw_rows_q8_fits(int kind, int k);                /* 1: the q8 rows path can run this weight */
+
 /* ------------------------------------------------------------------ products (linear.c) */
 
 /* Inside a pool task: thread ith's share. `a` must hold >= m rows of w's kp. */
@@ -102,8 +117,8 @@ void tw_rows_linear_part(const void *w, const uint16_t *row_scales, int kind, in
                          const float *x, int ldx, int m, float *y, int ldy, int ith, int nth);
 /* Whole products on the pool; x [m][k], y [m][n], both packed. */
 int tw_int4_linear(const tw_int4 *w, const float *x, int m, float *y, int prec);
-void tw_rows_linear(const void *w, const uint16_t *row_scales, int kind, int n, int k,
-                    const float *x, int m, float *y);
+int tw_rows_linear(const void *w, const uint16_t *row_scales, int kind, int n, int k,
+                   const float *x, int m, float *y, int prec);      /* -1: out of memory */
 
 /* ------------------------------------------------------------------ dispatch */
 
@@ -137,6 +152,7 @@ typedef struct {
     tw_int4_kernel int4[2];          /* [TW_PREC_F32], [TW_PREC_Q8] */
     tw_prep_kernel prep[2];          /* activation preparation for each; same results as int4_pack.c's */
     tw_rows_kernel rows;
+    tw_rows_q8_kernel rows_q8;       /* TW_W_I8 rows against int8 activations */
     float (*dot)(const float *a, const float *b, int n);
     void (*axpy)(float *y, float a, const float *x, int n);   /* y += a * x */
     float (*read_sum)(const uint8_t *p, size_t bytes);        /* stream-read; bytes % 256 == 0 */
@@ -163,6 +179,10 @@ int tw_set_isa(int isa);                            /* 0 ok, -1 unsupported */
 extern const tw_kernels tw_kernels_scalar;
 extern const tw_kernels tw_kernels_avx2;
 extern const tw_kernels tw_kernels_avx512;
+#if defined(__x86_64__) || defined(__i386__)
+void tw_rows_q8_avx2(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq, const float *xd,
+                     int ldq, int m, float *y, int ldy, int n0, int n1);  /* AVX-512's table uses it too */
+#endif
 
 /* Scalar helpers other ISAs reuse for ragged edges. */
 float tw_half_to_float(uint16_t h);
