@@ -41,6 +41,10 @@ seed — the same decisions as the reference's own float64 roundings, not just u
     fl(e / sum(e)) passes u x the last one. Block sums locate that crossing; when it clears
     a bound on both sides' float rounding (`_crossing`) it is the reference's, else the row
     runs the reference's own inversion (the chance is about 1e-5 at a 152k vocabulary).
+    The exponentials and block sums may come from `sample(..., exponentials=)` (the C
+    kernels' vector exp, kernels/cpu `sampling_exponentials`: np.exp over a 152k row is
+    ~1.1 ms of scalar libm calls on AVX2, ~5% of a Qwen2.5-0.5B decode step; the C pass
+    ~0.25 ms) within EXP_ULPS ulp of np.exp's, which the crossing's bound allows for.
   * top_k / top_p / min_p: the reference normalizes by the sum of exp over the row in
     descending order, and that float sum depends on the order: so the row is sorted by
     value (np.sort of float32, no indices), giving the exponentials and the sum exactly, in
@@ -56,7 +60,7 @@ The module is longer than most because the fast path and the reference it must e
 side by side (tests/test_sampling_fast.py holds them to it).
 """
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -108,13 +112,18 @@ FIRST_CANDIDATES = 64                   # filtered rows are decided over this ma
 WHOLE_ROW_MAX_VOCAB = 1024              # temperature-only rows up to this vocabulary: the reference's inversion
 CDF_BLOCK = 512                         # temperature-only rows: the CDF crossing is found from sums of this many
 TOP_P_MARGIN = 1e-12                    # relative: far above the 3 x 2**-53 a later token's mass can fall short
+EXP_ULPS = 4                            # injected exponentials: at most this many ulp from np.exp's (C: 1 measured)
 
 
-def sample(logits: np.ndarray, seqs: Sequence[SeqStep], argmax: Optional[np.ndarray] = None) -> StepOutput:
+def sample(logits: np.ndarray, seqs: Sequence[SeqStep], argmax: Optional[np.ndarray] = None,
+           exponentials: Optional[Callable] = None) -> StepOutput:
     """logits: float32 [S, V], one row per sampling SeqStep (hot path: once per step).
     argmax: np.argmax(logits, axis=1) when the forward already found it (the C lm_head does),
     used for greedy rows without penalties instead of another pass over [S, V]; it was taken
-    before the grammar masks, so a masked row's argmax is taken again here."""
+    before the grammar masks, so a masked row's argmax is taken again here.
+    exponentials: `(block f32 [k, V], temperatures f64 [k], block_size) -> (e f64 [k, V], sums
+    f64 [k, ceil(V / block_size)])` for temperature-only rows, e within EXP_ULPS ulp of the
+    reference's exponentials (`_reference_exponentials`), or None for numpy's."""
     num_seqs = len(seqs)
     assert logits.ndim == 2 and logits.shape[0] == num_seqs, (logits.shape, num_seqs)
     masked = apply_constraints(logits, seqs)
@@ -135,7 +144,7 @@ def sample(logits: np.ndarray, seqs: Sequence[SeqStep], argmax: Optional[np.ndar
         draws = dict(zip(random, request_uniforms([seqs[i].seed for i in random],
                                                   [len(seqs[i].output_token_ids) for i in random])))
         for chunk in _chunks([i for i in random if not is_filtered(params[i])], logits.shape[1]):
-            token_ids[chunk] = _sample_plain(rows.gather(chunk), params, chunk, draws)
+            token_ids[chunk] = _sample_plain(rows.gather(chunk), params, chunk, draws, exponentials)
         for chunk in _chunks([i for i in random if is_filtered(params[i])], logits.shape[1]):
             token_ids[chunk] = _sample_filtered_fast(rows.gather(chunk), params, chunk, draws)
     logprobs = None
@@ -194,26 +203,40 @@ def _temperatures(params, chunk: list) -> np.ndarray:
     return np.array([params[i].temperature for i in chunk], dtype=np.float64)[:, None]      # [k, 1]
 
 
-def _sample_plain(block: np.ndarray, params, chunk: list, draws: dict) -> np.ndarray:
-    """Temperature-only rows, float32 [k, V]: the reference's exponentials, then the CDF
-    crossing found from block sums (see `_crossing`); the reference's own inversion for a
-    row whose crossing is too close to call."""
+def _reference_exponentials(block: np.ndarray, params, chunk: list) -> np.ndarray:
+    """float32 [k, V] -> the reference's float64 exp(x / T - max), bit for bit."""
     x = block.astype(np.float64)                                                      # [k, V]
     x /= _temperatures(params, chunk)
     x -= x.max(axis=1, keepdims=True)
-    np.exp(x, out=x)                                                                  # e, as the reference's
+    return np.exp(x, out=x)
+
+
+def _numpy_exponentials(block: np.ndarray, temperatures: np.ndarray, block_size: int) -> tuple:
+    """`sample`'s `exponentials` contract, exactly (np.exp): -> e [k, V], block sums [k, nb]."""
+    x = block.astype(np.float64) / temperatures[:, None]
+    x -= x.max(axis=1, keepdims=True)
+    np.exp(x, out=x)
+    return x, np.add.reduceat(x, np.arange(0, x.shape[1], block_size), axis=1)
+
+
+def _sample_plain(block: np.ndarray, params, chunk: list, draws: dict, exponentials=None) -> np.ndarray:
+    """Temperature-only rows, float32 [k, V]: the reference's exponentials (or within
+    EXP_ULPS of them), then the CDF crossing found from block sums (see `_crossing`); the
+    reference's own inversion for a row whose crossing is too close to call."""
     u = np.array([draws[i] for i in chunk])
-    if x.shape[1] <= WHOLE_ROW_MAX_VOCAB:                           # small rows: the reference's inversion
+    if block.shape[1] <= WHOLE_ROW_MAX_VOCAB:                       # small rows: the reference's inversion
+        x = _reference_exponentials(block, params, chunk)
         return invert_cdf(x / x.sum(axis=1, keepdims=True), u)
-    starts = np.arange(0, x.shape[1], CDF_BLOCK)
-    block_cdf = np.cumsum(np.add.reduceat(x, starts, axis=1), axis=1)                 # [k, V / CDF_BLOCK]
+    x, block_sums = (exponentials or _numpy_exponentials)(block, _temperatures(params, chunk)[:, 0], CDF_BLOCK)
+    block_cdf = np.cumsum(block_sums, axis=1)                                         # [k, V / CDF_BLOCK]
     out = np.empty(len(chunk), dtype=np.int64)
     for r, i in enumerate(chunk):
         token = None
         if np.isfinite(block_cdf[r, -1]) and block_cdf[r, -1] > 0:
             token = _crossing(x[r], block_cdf[r], u[r])
         if token is None:
-            token = int(invert_cdf((x[r] / x[r].sum())[None], u[r:r + 1])[0])
+            e = _reference_exponentials(block[r:r + 1], params, [i])[0]
+            token = int(invert_cdf((e / e.sum())[None], u[r:r + 1])[0])
         out[r] = token
     return out
 
@@ -227,8 +250,12 @@ def _crossing(e: np.ndarray, block_cdf: np.ndarray, u: float) -> Optional[int]:
     more rounding. So its test cdf[j] <= target is the exact test E_j / E_V <= u except where
     the two are within (2V + 3) eps. Here E_j comes from block sums, a running sum over
     blocks and one over the block that crosses: within (3 CDF_BLOCK + 2 nblocks + 4) eps of
-    exact. When both neighbours of the crossing clear the sum of the two bounds (twice it,
-    for second-order terms), the reference crosses at the same j: its CDF never decreases."""
+    exact. `e` itself may be within EXP_ULPS ulp of the reference's exponentials (each off by
+    a factor 1 + d, |d| <= 2 EXP_ULPS eps), which moves E_j / E_V by at most 4 EXP_ULPS eps
+    (arguments below -708 give 0 there: at most V x 1e-307 against E_V >= 1, the row's
+    maximum being exp(0)). When both neighbours of the crossing clear the sum of the bounds
+    (twice it, for second-order terms), the reference crosses at the same j: its CDF never
+    decreases."""
     total = block_cdf[-1]
     target = u * total
     b = int(np.searchsorted(block_cdf, target, "right"))
@@ -240,7 +267,7 @@ def _crossing(e: np.ndarray, block_cdf: np.ndarray, u: float) -> Optional[int]:
     if j >= len(cdf):
         return None
     before = float(cdf[j - 1]) if j else base
-    tol = 2.0 * (2 * len(e) + 3 * CDF_BLOCK + 2 * len(block_cdf) + 16) * 2.0 ** -53
+    tol = 2.0 * (2 * len(e) + 3 * CDF_BLOCK + 2 * len(block_cdf) + 16 + 4 * EXP_ULPS) * 2.0 ** -53
     if cdf[j] / total - u <= tol or u - before / total <= tol:
         return None
     return b * CDF_BLOCK + j

@@ -203,6 +203,33 @@ def test_int8_rows_under_int8_activations_stay_within_their_bound(isa, m):
     assert np.array_equal(q8, f32)
 
 
+def test_sampling_exponentials_are_within_their_ulps_of_numpys(isa):
+    """Temperature sampling's exponentials (kernels/sampling.py's `exponentials`): the
+    reference's arguments x = l / T - max(l / T), exp within sampling.EXP_ULPS ulp of np.exp
+    (1 measured on AVX2, 0 on scalar: libm), 0 below -708, NaN kept, block sums of them."""
+    from tokenwire.kernels.sampling import EXP_ULPS
+    rng = np.random.default_rng(12)
+    sweep = np.concatenate([[0.0], -np.geomspace(1e-12, 707.9, 50_001), [-708.5, -1e4, -np.inf]])
+    logits = np.stack([sweep, rng.standard_normal(sweep.size) * 40]).astype(np.float32)
+    logits = np.concatenate([logits, logits[:, :1001]], axis=1)           # a ragged last block and a tail
+    logits[1, 77] = np.nan
+    for temperature in (1.0, 0.7, 3.0):
+        temps = np.full(2, temperature)
+        e, sums = cpu.sampling_exponentials(logits, temps, 512)
+        x = logits.astype(np.float64) / temps[:, None]
+        x -= x.max(axis=1, keepdims=True)
+        want = np.exp(x)
+        normal = x >= -708
+        assert np.all(np.abs(e - want)[normal] <= EXP_ULPS * np.spacing(want[normal]))
+        assert np.all(e[x < -708] == 0)
+        assert np.isnan(e[1, 77]) and np.isnan(sums[1, 77 // 512]) and not np.isnan(e[0]).any()
+        starts = np.arange(0, logits.shape[1], 512)
+        got, exact = sums[0], np.add.reduceat(e[0], starts)
+        assert np.all(np.abs(got - exact) <= 512 * 2.0 ** -52 * exact)
+    with pytest.raises(ValueError, match="temperatures"):
+        cpu.sampling_exponentials(logits, np.zeros(2), 512)
+
+
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
 def test_gated_activations_match_the_reference_within_a_few_ulp(isa, gelu):
     from tokenwire.kernels.model import gelu_tanh, silu

@@ -354,6 +354,30 @@ def test_an_int8_classifier_under_int8_activations_rounds_its_input_per_block_of
         assert np.all(err <= cpu.int8_error_bound(h, np.abs(dense), 32) + 1e-5) and not np.array_equal(got, float_rows)
 
 
+def test_the_served_runner_samples_temperature_rows_with_the_c_exponentials(monkeypatch):
+    """cpu.create_executor hands sample() the C exponentials (np.exp over a 152k vocabulary was
+    ~5% of a decode step); greedy rows never need them."""
+    from tokenwire.core.options import EngineOptions
+    from tokenwire.kernels import sampling
+    calls, c_exponentials = [], cpu.sampling_exponentials
+
+    def spy(block, temperatures, block_size):
+        calls.append(block.shape)
+        return c_exponentials(block, temperatures, block_size)
+    monkeypatch.setattr(cpu, "sampling_exponentials", spy)
+    monkeypatch.setattr(sampling, "WHOLE_ROW_MAX_VOCAB", 0)            # the tiny vocabulary takes the large-row path
+
+    class Engine:
+        config = CONFIGS["llama_gqa"]
+        tensors = engine_tensors(config, ENCODINGS["int4_g64_int8_embed"])
+    runner = cpu.create_executor(Engine(), EngineOptions(num_kv_blocks=16, block_size=4), 64)
+    steps = [SeqStep(0, [3, 4, 5], 0, [0], True, SamplingParams(temperature=0.0), 1, [], []),
+             SeqStep(1, [6, 7], 0, [1], True, SamplingParams(temperature=0.8), 2, [], [])]
+    out = runner.step(steps)
+    assert len(out.token_ids) == 2 and calls == [(1, Engine.config.vocab_size)]
+    runner.close()
+
+
 # ------------------------------------------------------------------ fused greedy argmax
 
 @pytest.mark.parametrize("encoding", ENCODINGS)

@@ -7,30 +7,38 @@ temperature row whose CDF crossing is too close to call from block sums."""
 import numpy as np
 import pytest
 
-from tokenwire.kernels import sampling
+from tokenwire.kernels import cpu, sampling
 from tokenwire.core.executor import SeqStep
 from tokenwire.kernels.sampling import penalize_row, request_uniform, request_uniforms, sample, sample_reference
 from tokenwire.core.sampling_params import SamplingParams
 
 
-@pytest.fixture(params=["whole rows", "large rows"])
+PATHS = ["whole rows", "large rows"] + (["large rows, C exponentials"] if cpu.AVAILABLE else [])
+
+
+@pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
-    """Small vocabularies are decided whole; force the large-row shortcuts on them too."""
-    if request.param == "large rows":
+    """Small vocabularies are decided whole; force the large-row shortcuts on them too, with
+    numpy's exponentials and with the C kernels' (within EXP_ULPS of numpy's)."""
+    if request.param.startswith("large rows"):
         monkeypatch.setattr(sampling, "WHOLE_ROW_MAX_VOCAB", 0)
     return request.param
+
+
+def exponentials(path):
+    return cpu.sampling_exponentials if path == "large rows, C exponentials" else None
 
 
 def seq(params, seed, prompt=(1, 2), out=()):
     return SeqStep(0, [1], 0, [0], True, params, seed, list(prompt), list(out))
 
 
-def assert_same(logits, seqs):
-    fast, ref = sample(logits, seqs), sample_reference(logits, seqs)
+def assert_same(logits, seqs, path=None):
+    fast, ref = sample(logits, seqs, exponentials=exponentials(path)), sample_reference(logits, seqs)
     assert fast.token_ids == ref.token_ids
     assert fast.logprobs == ref.logprobs
     # the forward's fused argmax (the C lm_head's) stands in for greedy rows without penalties
-    fused = sample(logits, seqs, np.argmax(logits, axis=1).astype(np.int32))
+    fused = sample(logits, seqs, np.argmax(logits, axis=1).astype(np.int32), exponentials(path))
     assert fused.token_ids == ref.token_ids and fused.logprobs == ref.logprobs
 
 
@@ -81,7 +89,7 @@ def test_fast_path_picks_the_reference_token(vocab_size, path):
         logits = random_logits(rng, KINDS[trial % len(KINDS)], rows, vocab_size)
         seqs = [seq(random_params(rng), int(rng.integers(0, 2**63)), rng.integers(0, vocab_size, 5),
                     rng.integers(0, vocab_size, int(rng.integers(0, 6)))) for _ in range(rows)]
-        assert_same(logits, seqs)
+        assert_same(logits, seqs, path)
 
 
 def test_chunking_never_changes_a_rows_token(monkeypatch, path):
@@ -89,10 +97,10 @@ def test_chunking_never_changes_a_rows_token(monkeypatch, path):
     logits = (rng.standard_normal((9, 3000)) * 3).astype(np.float32)
     params = [SamplingParams(temperature=0.9), SamplingParams(top_p=0.8), SamplingParams(top_k=40, min_p=0.02)]
     seqs = [seq(params[i % 3], 77 + i) for i in range(9)]
-    alone = [sample(logits[i:i + 1], [seqs[i]]).token_ids[0] for i in range(9)]
+    alone = [sample(logits[i:i + 1], [seqs[i]], exponentials=exponentials(path)).token_ids[0] for i in range(9)]
     for chunk_elements in (1, 6000, 1 << 20):           # one row, two rows, all rows per chunk
         monkeypatch.setattr(sampling, "CHUNK_ELEMENTS", chunk_elements)
-        assert sample(logits, seqs).token_ids == alone
+        assert sample(logits, seqs, exponentials=exponentials(path)).token_ids == alone
 
 
 def test_ties_across_the_candidate_boundary(path):
@@ -101,13 +109,13 @@ def test_ties_across_the_candidate_boundary(path):
     logits[0, rng.choice(2000, 300, replace=False)] = 2.0   # 300 ties where the first 64 candidates end
     for seed in range(40):
         for p in (SamplingParams(top_k=70), SamplingParams(top_k=64, top_p=0.5), SamplingParams(min_p=0.5)):
-            assert_same(logits, [seq(p, seed)])
+            assert_same(logits, [seq(p, seed)], path)
 
 
 def test_a_wide_nucleus_grows_the_candidates(path):
     logits = (np.random.default_rng(7).standard_normal((4, 20000)) * 0.01).astype(np.float32)
     seqs = [seq(SamplingParams(top_p=q), 10 + i) for i, q in enumerate((0.5, 0.9, 0.999, 0.99999))]
-    assert_same(logits, seqs)
+    assert_same(logits, seqs, path)
 
 
 def test_min_p_bound_just_past_the_candidates(path):
@@ -115,8 +123,8 @@ def test_min_p_bound_just_past_the_candidates(path):
     e = np.concatenate([np.linspace(1.0, 0.1, 64), [0.1 * (1 - 1e-6)], np.full(500, 1e-3)])
     logits = np.log(e).astype(np.float32)[None]
     for seed in range(30):
-        assert_same(logits, [seq(SamplingParams(min_p=0.1), seed)])
-        assert_same(logits, [seq(SamplingParams(min_p=float(e[64])), seed)])
+        assert_same(logits, [seq(SamplingParams(min_p=0.1), seed)], path)
+        assert_same(logits, [seq(SamplingParams(min_p=float(e[64])), seed)], path)
 
 
 def draw(seed):
@@ -134,7 +142,7 @@ def test_a_temperature_row_too_close_to_call_takes_the_reference_inversion(path)
     x = logits[0].astype(np.float64) / params.temperature
     e = np.exp(x - x.max())
     assert sampling._crossing(e, np.cumsum(np.add.reduceat(e, [0])), u) is None
-    assert_same(logits, [seq(params, seed)])
+    assert_same(logits, [seq(params, seed)], path)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -145,7 +153,7 @@ def test_rows_with_nan_or_infinite_logits_match_the_reference(bad, path):
     for p in (SamplingParams(), SamplingParams(top_p=0.9), SamplingParams(top_k=3), SamplingParams(min_p=0.1),
               SamplingParams(temperature=0.0)):
         with np.errstate(all="ignore"):
-            assert_same(logits, [seq(p, 5 + i) for i in range(3)])
+            assert_same(logits, [seq(p, 5 + i) for i in range(3)], path)
 
 
 def dense_penalties(row, s):

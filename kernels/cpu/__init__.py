@@ -17,6 +17,8 @@ Contract:
 - Threads: a persistent pool, by default one thread per physical core; `TOKENWIRE_NUM_THREADS`
   or `set_num_threads(n)` changes it. ISA: the best of avx512 / avx2 / scalar the CPU
   supports, chosen at run time; `TOKENWIRE_CPU_ISA` or `set_isa(name)` forces one.
+- `sampling_exponentials`: temperature sampling's exponentials and block sums in C, which the
+  served runner hands to kernels/sampling.py (`sample(..., exponentials=)`).
 - Every C call releases the GIL for its whole duration.
 
 After changing C code, rebuild in place with:  pip install -e . --no-build-isolation --no-deps
@@ -179,6 +181,19 @@ def int8_error_bound(x: np.ndarray, w_abs: np.ndarray, group_size: int) -> np.nd
     return (d / 2) @ wp.reshape(w_abs.shape[0], -1, group_size).sum(axis=2).T  # [M, N]
 
 
+def sampling_exponentials(block: np.ndarray, temperatures: np.ndarray, block_size: int) -> tuple:
+    """kernels/sampling.py's `exponentials` on the C kernels (hot path: temperature rows, once
+    per step): float32 [k, V], float64 [k] -> e = exp(x / T - max) float64 [k, V] (the reference's
+    arguments; a vector exp within 1 ulp of np.exp on AVX2, libm's on scalar) and the sums of
+    each block_size run of e [k, ceil(V / block_size)]."""
+    rows, vocab_size = block.shape
+    e = np.empty((rows, vocab_size), dtype=np.float64)
+    sums = np.empty((rows, -(-vocab_size // block_size)), dtype=np.float64)
+    _cpu.exp_blocks(np.ascontiguousarray(block, dtype=np.float32), np.ascontiguousarray(temperatures, dtype=np.float64),
+                    e, sums, block_size)
+    return e, sums
+
+
 def create_model(config, tensors, block_size: int = DEFAULTS.block_size, num_blocks: Optional[int] = None, *,
                  activations: str = "fp32"):
     """The CPU forward object: the C model, or the numpy reference (with a warning) without it."""
@@ -191,4 +206,5 @@ def create_model(config, tensors, block_size: int = DEFAULTS.block_size, num_blo
 def create_executor(engine, options: EngineOptions, max_model_len: int) -> ModelRunner:
     """kernels.BACKENDS["cpu"]: the C forward with `options.activations` (the numpy reference, with
     a warning, when not built)."""
-    return create_runner(engine, options, max_model_len, partial(create_model, activations=options.activations))
+    return create_runner(engine, options, max_model_len, partial(create_model, activations=options.activations),
+                         exponentials=sampling_exponentials if AVAILABLE else None)

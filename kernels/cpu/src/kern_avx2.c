@@ -438,6 +438,57 @@ static void attend_avx2(const tw_attn_args *a) {
     }
 }
 
+/* exp(x) of 4 doubles for x <= 0: x = k ln2 + r, |r| <= ln2 / 2 (ln2 in two parts, the high
+ * one with 32 trailing zero bits so k * ln2_hi is exact), exp(r) by its Taylor series to r^13
+ * (the next term is below 0.05 ulp) in Horner form, times 2^k built in the exponent field.
+ * Within 2 ulp of libm's over [-708, 0] (tests); below -708 (and -inf) 0, NaN stays NaN. */
+INLINE __m256d exp_nonpositive_pd(__m256d x) {
+    const __m256d ln2_hi = _mm256_set1_pd(6.93147180369123816490e-01);
+    const __m256d ln2_lo = _mm256_set1_pd(1.90821492927058770002e-10);
+    const __m256d k = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.44269504088896340736)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256d r = _mm256_fnmadd_pd(k, ln2_lo, _mm256_fnmadd_pd(k, ln2_hi, x));
+    static const double inv_factorial[14] = {
+        1.0, 1.0, 1.0 / 2, 1.0 / 6, 1.0 / 24, 1.0 / 120, 1.0 / 720, 1.0 / 5040, 1.0 / 40320, 1.0 / 362880,
+        1.0 / 3628800, 1.0 / 39916800, 1.0 / 479001600, 1.0 / 6227020800.0};
+    __m256d p = _mm256_set1_pd(inv_factorial[13]);
+    for (int n = 12; n >= 0; n--) p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(inv_factorial[n]));
+    /* 2^k: k + 1023 + 2^52 holds k + 1023 in its low mantissa bits; shifted into the exponent */
+    const __m256i bits = _mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(k, _mm256_set1_pd(1023.0 + 4503599627370496.0))), 52);
+    const __m256d y = _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
+    return _mm256_andnot_pd(_mm256_cmp_pd(x, _mm256_set1_pd(-708.0), _CMP_LT_OQ), y);
+}
+
+void tw_exp_blocks_avx2(const float *l, int v, double t, double *e, double *sums, int block) {
+    __m256 top8 = _mm256_set1_ps(l[0]);
+    int i = 0;
+    for (; i + 8 <= v; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(l + i));
+    float top = hmax8(top8);
+    for (; i < v; i++) top = l[i] > top ? l[i] : top;
+    const double m = (double)top / t;
+    const __m256d vt = _mm256_set1_pd(t), vm = _mm256_set1_pd(m);
+    for (int b = 0; b * block < v; b++) {
+        const int end = (b + 1) * block < v ? (b + 1) * block : v;
+        __m256d acc = _mm256_setzero_pd();
+        for (i = b * block; i + 4 <= end; i += 4) {
+            __m256d x = _mm256_cvtps_pd(_mm_loadu_ps(l + i));
+            if (t != 1.0) x = _mm256_div_pd(x, vt);          /* x / 1 is x: the division only where it rounds */
+            const __m256d y = exp_nonpositive_pd(_mm256_sub_pd(x, vm));
+            _mm256_storeu_pd(e + i, y);
+            acc = _mm256_add_pd(acc, y);
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, acc);
+        double sum = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; i < end; i++) {
+            const double x = (double)l[i] / t - m;
+            e[i] = x < -708.0 ? 0.0 : exp(x);
+            sum += e[i];
+        }
+        sums[b] = sum;
+    }
+}
+
 static float read_sum_avx2(const uint8_t *p, size_t bytes) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (size_t i = 0; i < bytes; i += 128) {
@@ -459,7 +510,7 @@ const tw_kernels tw_kernels_avx2 = {
     .int4 = {int4_f32_avx2, int4_q8_avx2},
     .prep = {prep_f32_avx2, prep_q8_avx2},
     .rows = rows_avx2, .rows_q8 = tw_rows_q8_avx2, .dot = dot_avx2, .axpy = axpy_avx2, .read_sum = read_sum_avx2,
-    .gated = gated_avx2, .exp_sum = exp_sum_avx2, .attend = attend_avx2,
+    .gated = gated_avx2, .exp_sum = exp_sum_avx2, .attend = attend_avx2, .exp_blocks = tw_exp_blocks_avx2,
     .residual_rms_norm = tw_residual_rms_norm,
 };
 

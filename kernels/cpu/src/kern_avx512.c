@@ -777,7 +777,7 @@ const tw_kernels tw_kernels_avx512 = {
     .int4 = {int4_x24_avx512, int4_q8_avx512},
     .prep = {prep_x24_avx512, prep_q8_avx512},
     .rows = rows_avx512, .rows_q8 = tw_rows_q8_avx2, .dot = dot_avx512, .axpy = axpy_avx512, .read_sum = read_sum_avx512,
-    .gated = gated_avx512, .exp_sum = exp_sum_avx512, .attend = attend_avx512,
+    .gated = gated_avx512, .exp_sum = exp_sum_avx512, .attend = attend_avx512, .exp_blocks = tw_exp_blocks_avx2,
     .residual_rms_norm = residual_rms_norm_avx512,
 };
 

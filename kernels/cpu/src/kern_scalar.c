@@ -140,11 +140,27 @@ static float exp_sum_scalar(float *x, int n, float sub) {
     return sum;
 }
 
+/* The statement of exp_blocks: libm's exp of the reference's arguments. */
+static void exp_blocks_scalar(const float *l, int v, double t, double *e, double *sums, int block) {
+    float top = l[0];
+    for (int i = 1; i < v; i++) top = l[i] > top ? l[i] : top;
+    const double m = (double)top / t;
+    for (int b = 0; b * block < v; b++) {
+        double sum = 0.0;
+        for (int i = b * block; i < v && i < (b + 1) * block; i++) {
+            const double x = (double)l[i] / t - m;
+            e[i] = x < -708.0 ? 0.0 : exp(x);
+            sum += e[i];
+        }
+        sums[b] = sum;
+    }
+}
+
 const tw_kernels tw_kernels_scalar = {
     .isa = TW_ISA_SCALAR, .name = "scalar",
     .int4 = {int4_f32_scalar, int4_q8_scalar},
     .prep = {tw_act_prepare_f32, tw_act_prepare_q8},
     .rows = rows_scalar, .rows_q8 = rows_q8_scalar, .dot = dot_scalar, .axpy = axpy_scalar, .read_sum = read_sum_scalar,
-    .gated = gated_scalar, .exp_sum = exp_sum_scalar, .attend = tw_attend_generic,
+    .gated = gated_scalar, .exp_sum = exp_sum_scalar, .attend = tw_attend_generic, .exp_blocks = exp_blocks_scalar,
     .residual_rms_norm = tw_residual_rms_norm,
 };

@@ -27,7 +27,7 @@ int tw_py_buffer(PyObject *obj, Py_buffer *view, const char *name, char kind, in
         return -1;
     }
     if (buffer_kind(view) != kind || (ndim && view->ndim != ndim)) {
-        const char *names = kind == 'f' ? "float32" : kind == 'e' ? "float16" : kind == 'B' ? "uint8" : kind == 'i' ? "int32" : "int8";
+        const char *names = kind == 'f' ? "float32" : kind == 'e' ? "float16" : kind == 'B' ? "uint8" : kind == 'i' ? "int32" : kind == 'd' ? "float64" : "int8";
         PyErr_Format(PyExc_ValueError, "%s must be a %d-D %s array, got format '%s' with %d dimensions",
                      name, ndim, names, view->format ? view->format : "B", view->ndim);
         PyBuffer_Release(view);
@@ -229,6 +229,38 @@ static PyObject *py_gated(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* exp_blocks(logits f32 [R, V], temperatures f64 [R] (> 0), e f64 [R, V], sums f64 [R, ceil(V / block)],
+ * block): temperature sampling's exponentials and their block sums (tw_kernels.exp_blocks) */
+static PyObject *py_exp_blocks(PyObject *mod, PyObject *args) {
+    PyObject *ol, *ot, *oe, *os;
+    int block;
+    if (!PyArg_ParseTuple(args, "OOOOi", &ol, &ot, &oe, &os, &block)) return NULL;
+    Py_buffer l, t, e, s;
+    if (tw_py_buffer(ol, &l, "logits", 'f', 2, 0)) return NULL;
+    if (tw_py_buffer(ot, &t, "temperatures", 'd', 1, 0)) return PyBuffer_Release(&l), NULL;
+    if (tw_py_buffer(oe, &e, "e", 'd', 2, 1)) return PyBuffer_Release(&l), PyBuffer_Release(&t), NULL;
+    if (tw_py_buffer(os, &s, "sums", 'd', 2, 1))
+        return PyBuffer_Release(&l), PyBuffer_Release(&t), PyBuffer_Release(&e), NULL;
+    const Py_ssize_t rows = l.shape[0], v = l.shape[1];
+    const double *temps = t.buf;
+    int ok = block > 0 && v > 0 && v < INT32_MAX && t.shape[0] == rows && e.shape[0] == rows && e.shape[1] == v &&
+             s.shape[0] == rows && s.shape[1] == (v + block - 1) / block;
+    for (Py_ssize_t r = 0; ok && r < rows; r++) ok = temps[r] > 0.0;
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = 0; r < rows; r++)
+            tw_active()->exp_blocks((const float *)l.buf + r * v, (int)v, temps[r], (double *)e.buf + r * v,
+                                    (double *)s.buf + r * s.shape[1], block);
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_SetString(PyExc_ValueError, "exp_blocks: logits [R, V], temperatures [R] > 0, e [R, V], "
+                                          "sums [R, ceil(V / block)], block > 0");
+    }
+    PyBuffer_Release(&l), PyBuffer_Release(&t), PyBuffer_Release(&e), PyBuffer_Release(&s);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------------------ machine */
 
 static const char *ISA_NAMES[] = {"scalar", "avx2", "avx512"};
@@ -346,6 +378,8 @@ static PyMethodDef methods[] = {
     {"pack_int4", py_pack_int4, METH_VARARGS, "pack_int4(qweight, scales, zeros, in_features) -> Int4Matrix"},
     {"int4_linear", py_int4_linear, METH_VARARGS, "int4_linear(x, w, out, precision='fp32'): out = x @ W.T"},
     {"rows_linear", py_rows_linear, METH_VARARGS, "rows_linear(x, weight, row_scales, out): dense or int8 rows"},
+    {"exp_blocks", py_exp_blocks, METH_VARARGS,
+     "exp_blocks(logits, temperatures, e, sums, block): temperature sampling's exponentials and block sums"},
     {"gated", py_gated, METH_VARARGS, "gated(gate, up, out, gelu): out = silu(gate) * up, or tanh-GELU"},
     {"isa", py_isa, METH_NOARGS, "the active kernel ISA"},
     {"isa_supported", py_isa_supported, METH_O, "isa_supported(name) -> bool"},

@@ -161,6 +161,11 @@ typedef struct {
     float (*exp_sum)(float *x, int n, float sub);             /* x = exp(x - sub); returns the sum */
     /* out = softmax(q.k * scale) @ v per head, the reference's order: p = e / sum, then p @ v */
     void (*attend)(const tw_attn_args *a);
+    /* Temperature sampling's exponentials (kernels/sampling.py), one row of logits [v]:
+     * e[i] = exp(fl(fl(l[i] / t) - fl(max(l) / t))), the reference's float64 arguments bit for bit,
+     * the exp within TW_EXP_ULPS ulp of libm's (0 where the argument is below -708, NaN stays
+     * NaN), and sums[b] = the sum of e over [b * block, (b + 1) * block) in any order. */
+    void (*exp_blocks)(const float *l, int v, double t, double *e, double *sums, int block);
     /* x += add (when add is not NULL), then out = x / sqrt(mean(x^2) + eps) * w */
     void (*residual_rms_norm)(float *out, float *x, const float *add, const float *w, int n, float eps);
 } tw_kernels;
@@ -179,7 +184,9 @@ int tw_set_isa(int isa);                            /* 0 ok, -1 unsupported */
 extern const tw_kernels tw_kernels_scalar;
 extern const tw_kernels tw_kernels_avx2;
 extern const tw_kernels tw_kernels_avx512;
+#define TW_EXP_ULPS 4
 #if defined(__x86_64__) || defined(__i386__)
+void tw_exp_blocks_avx2(const float *l, int v, double t, double *e, double *sums, int block);
 void tw_rows_q8_avx2(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq, const float *xd,
                      int ldq, int m, float *y, int ldy, int n0, int n1);  /* AVX-512's table uses it too */
 #endif
