@@ -282,15 +282,21 @@ static void rows_avx2(const void *w, const uint16_t *row_scales, int kind, int k
  * -128 reads 128) times x carrying w's sign: vpmaddubsw's int16 pair sums stay below
  * 2 * 128 * 127 < 32767, vpmaddwd widens them, and one convert and FMA apply the block's step:
  * 7 instructions per 32 weights where the float rows spend 12. */
-INLINE void rows_q8_pass_avx2(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq,
-                              const float *xd, float *y, int n, const int NB, int ahead) {
+INLINE void rows_q8_pass_avx2(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq, int ldq,
+                              const float *xd, int ldd, float *y, int ldy, int n, const int NB, const int MB,
+                              int ahead) {
     const __m256i ones = _mm256_set1_epi16(1);
     const int nb = k / TW_ROWS_Q8_BLOCK;
-    __m256 acc[4];
-    for (int r = 0; r < NB; r++) acc[r] = _mm256_setzero_ps();
+    __m256 acc[4][2];                                   /* [weight row][activation row] */
+    for (int r = 0; r < NB; r++)
+        for (int i = 0; i < MB; i++) acc[r][i] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * TW_ROWS_Q8_BLOCK));
-        const __m256 d = _mm256_broadcast_ss(xd + b);
+        __m256i xv[2];
+        __m256 d[2];
+        for (int i = 0; i < MB; i++) {
+            xv[i] = _mm256_loadu_si256((const __m256i *)(xq + (size_t)i * ldq + (size_t)b * TW_ROWS_Q8_BLOCK));
+            d[i] = _mm256_broadcast_ss(xd + (size_t)i * ldd + b);
+        }
         if (NB == 4 && ahead) {             /* the 128 bytes a block of 4 rows reads, as far ahead as the probe */
             const char *p = (const char *)w + (size_t)n * k + TW_PREFETCH_BYTES + (size_t)b * 128;
             _mm_prefetch(p, _MM_HINT_T0);
@@ -298,11 +304,27 @@ INLINE void rows_q8_pass_avx2(const int8_t *w, const uint16_t *row_scales, int k
         }
         for (int r = 0; r < NB; r++) {
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + (size_t)(n + r) * k + (size_t)b * TW_ROWS_Q8_BLOCK));
-            const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), d, acc[r]);
+            const __m256i wabs = _mm256_abs_epi8(wv);
+            for (int i = 0; i < MB; i++) {
+                const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv[i], wv));
+                acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), d[i], acc[r][i]);
+            }
         }
     }
-    for (int r = 0; r < NB; r++) y[n + r] = hsum8(acc[r]) * tw_half_to_float(row_scales[n + r]);
+    for (int r = 0; r < NB; r++)
+        for (int i = 0; i < MB; i++) y[(size_t)i * ldy + n + r] = hsum8(acc[r][i]) * tw_half_to_float(row_scales[n + r]);
+}
+
+/* NB weight rows against every activation row, two at a time (the weights' loads and |w| shared). */
+INLINE void rows_q8_rows_avx2(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq, int ldq,
+                              const float *xd, int ldd, int m, float *y, int ldy, int n, const int NB, int ahead) {
+    int i = 0;
+    for (; i + 2 <= m; i += 2, ahead = 0)
+        rows_q8_pass_avx2(w, row_scales, k, xq + (size_t)i * ldq, ldq, xd + (size_t)i * ldd, ldd, y + (size_t)i * ldy,
+                          ldy, n, NB, 2, ahead);
+    if (i < m)
+        rows_q8_pass_avx2(w, row_scales, k, xq + (size_t)i * ldq, ldq, xd + (size_t)i * ldd, ldd, y + (size_t)i * ldy,
+                          ldy, n, NB, 1, ahead);
 }
 
 void tw_rows_q8_avx2(const int8_t *w, const uint16_t *row_scales, int k, const int8_t *xq, const float *xd,
@@ -310,15 +332,9 @@ void tw_rows_q8_avx2(const int8_t *w, const uint16_t *row_scales, int k, const i
     const int ldd = ldq / TW_ROWS_Q8_BLOCK;
     int n = n0;
     const size_t end = (size_t)n1 * k;
-    for (; n + 4 <= n1; n += 4) {
-        const int ahead = (size_t)(n + 4) * k + TW_PREFETCH_BYTES <= end;
-        for (int i = 0; i < m; i++)          /* the 4 rows stay in L1 for the other activation rows */
-            rows_q8_pass_avx2(w, row_scales, k, xq + (size_t)i * ldq, xd + (size_t)i * ldd, y + (size_t)i * ldy, n, 4,
-                              ahead && i == 0);
-    }
-    for (; n < n1; n++)
-        for (int i = 0; i < m; i++)
-            rows_q8_pass_avx2(w, row_scales, k, xq + (size_t)i * ldq, xd + (size_t)i * ldd, y + (size_t)i * ldy, n, 1, 0);
+    for (; n + 4 <= n1; n += 4)             /* the 4 rows stay in L1 for the later activation rows */
+        rows_q8_rows_avx2(w, row_scales, k, xq, ldq, xd, ldd, m, y, ldy, n, 4, (size_t)(n + 4) * k + TW_PREFETCH_BYTES <= end);
+    for (; n < n1; n++) rows_q8_rows_avx2(w, row_scales, k, xq, ldq, xd, ldd, m, y, ldy, n, 1, 0);
 }
 
 /* ---------------------------------------------------------------- vector helpers (attention) */
