@@ -49,8 +49,8 @@ static PyObject *write_columns(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "write_columns: lists of ids and texts, a dict of exchanges, a list touched");
         return NULL;
     }
-    Py_ssize_t n = Py_MIN(PyList_GET_SIZE(ids), PyList_GET_SIZE(texts));
-    for (; i < n; i++) {
+    /* the sizes are read each time round: `observe` and `queue` are Python calls */
+    for (; i < PyList_GET_SIZE(ids) && i < PyList_GET_SIZE(texts); i++) {
         PyObject *ex = PyDict_GetItemWithError(exchanges, PyList_GET_ITEM(ids, i));    /* borrowed */
         if (ex == NULL) {
             if (PyErr_Occurred()) return NULL;
@@ -66,38 +66,49 @@ static PyObject *write_columns(PyObject *module, PyObject *const *args, Py_ssize
             || outbox == NULL || !tw_layout_fits(&outbox_layout, outbox)
             || TW_FIELD(&outbox_layout, outbox, OUTBOX_PENDING) == NULL)
             break;                          /* another encoder's chunk (splice), or an odd object */
+        /* Python runs from here on (observe, queue): what is used across it is held, and the
+         * chunk is made first (the Python body reads the same fields, which nothing changes) */
+        PyObject *chunk = PyTuple_Pack(4, key, prefix, PyList_GET_ITEM(texts, i), suffix);
+        if (chunk == NULL) return NULL;
+        Py_INCREF(queue);
+        Py_INCREF(outbox);
         num_tokens++;
         Py_INCREF(now);
         tw_set_field(&exchange_layout, ex, EX_LAST_NS, now);
+        PyObject *r = Py_None;
+        Py_INCREF(r);
         if (last != run_last) {
             if (run_len) {
-                PyObject *r = PyObject_CallFunction(observe, "LL", now_ns - run_last, run_len);
-                if (r == NULL) return NULL;
                 Py_DECREF(r);
+                r = PyObject_CallFunction(observe, "LL", now_ns - run_last, run_len);
             }
             run_last = last;
             run_len = 0;
         }
         run_len++;
-        Py_INCREF(outbox);                  /* `queue` may run anything: hold what is used after it */
-        PyObject *chunk = PyTuple_Pack(4, key, prefix, PyList_GET_ITEM(texts, i), suffix);
-        PyObject *r = chunk != NULL ? PyObject_CallOneArg(queue, chunk) : NULL;
-        Py_XDECREF(chunk);
-        if (r == NULL) {
-            Py_DECREF(outbox);
-            return NULL;
+        if (r != NULL) {
+            Py_DECREF(r);
+            r = PyObject_CallOneArg(queue, chunk);
         }
-        Py_DECREF(r);
-        int pending = PyObject_IsTrue(TW_FIELD(&outbox_layout, outbox, OUTBOX_PENDING));
-        if (pending < 0 || (!pending && PyList_Append(touched, outbox) < 0)) {
-            Py_DECREF(outbox);
-            return NULL;
-        }
-        if (!pending) {
-            Py_INCREF(Py_True);
-            tw_set_field(&outbox_layout, outbox, OUTBOX_PENDING, Py_True);
+        Py_DECREF(chunk);
+        Py_DECREF(queue);
+        int pending = -1;
+        if (r != NULL) {
+            Py_DECREF(r);
+            PyObject *flag = TW_FIELD(&outbox_layout, outbox, OUTBOX_PENDING);
+            if (flag == NULL)
+                PyErr_SetObject(PyExc_AttributeError, outbox_layout.names[OUTBOX_PENDING]);
+            else if ((pending = PyObject_IsTrue(flag)) == 0) {
+                if (PyList_Append(touched, outbox) < 0) {
+                    pending = -1;
+                } else {
+                    Py_INCREF(Py_True);
+                    tw_set_field(&outbox_layout, outbox, OUTBOX_PENDING, Py_True);
+                }
+            }
         }
         Py_DECREF(outbox);
+        if (pending < 0) return NULL;
     }
     return Py_BuildValue("nLLL", i, run_last, run_len, num_tokens);
 }
