@@ -81,12 +81,10 @@ def extensions():
     # and the per-row loops of the scheduler and the step writer: plain C on Python objects (core/scheduler.py
     # and net/writer/dispatch.py keep the Python bodies, which take every row the C leaves)
     plain = ["-O2", "-std=c11", "-fvisibility=hidden"]
-    exts = [Extension("tokenwire.net.protocol._frames", sources=[os.path.join("net", "protocol", "_frames.c")],
-                      extra_compile_args=plain),
-            Extension("tokenwire.core._rows", sources=[os.path.join("core", "_rows.c")],
-                      depends=[os.path.join("core", "_slots.h")], extra_compile_args=plain),
-            Extension("tokenwire.net.writer._columns", sources=[os.path.join("net", "writer", "_columns.c")],
-                      include_dirs=["core"], depends=[os.path.join("core", "_slots.h")], extra_compile_args=plain)]
+    slots = dict(include_dirs=["core"], depends=[os.path.join("core", "_slots.h")], extra_compile_args=plain)
+    exts = [Extension("tokenwire.net.protocol._frames", sources=[os.path.join("net", "protocol", "_frames.c")], **slots),
+            Extension("tokenwire.core._rows", sources=[os.path.join("core", "_rows.c")], **slots),
+            Extension("tokenwire.net.writer._columns", sources=[os.path.join("net", "writer", "_columns.c")], **slots)]
     sources = cpu_kernel_sources()
     if not sources:
         return exts

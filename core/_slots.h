@@ -1,13 +1,13 @@
 /* core/_slots.h: a Python object's __slots__ fields read and written from C at their offsets.
  *
- * The per-token loops tokenwire moves into C (core/_rows.c, net/writer/_columns.c) touch a
- * handful of fields of objects whose classes keep them in __slots__ (Request, DecodeStep,
- * Exchange, Outbox, ...). Through getattr a field costs a type lookup and a descriptor call;
+ * The per-token loops tokenwire moves into C (core/_rows.c, net/writer/_columns.c,
+ * net/protocol/_frames.c) touch a handful of fields of objects whose classes keep them in
+ * __slots__ (Request, DecodeStep, Exchange, Outbox, the session's _Stream, ...). Through getattr a field costs a type lookup and a descriptor call;
  * at its offset it is one load, as CPython's own specialized LOAD_ATTR_SLOT does. A layout
  * is learned once per type from the type's member descriptors; an object of another type, or
  * a class whose field is not a plain object slot (a property, an instance dict), has no
  * complete layout, and the caller then leaves that object to its Python path, which is the
- * reference the C loop is tested against.
+ * reference the C loop is tested against (or, in _frames.c, reads it through getattr).
  */
 #ifndef TOKENWIRE_SLOTS_H
 #define TOKENWIRE_SLOTS_H

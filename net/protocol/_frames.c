@@ -21,9 +21,7 @@
  * one bytes object) and `session.send_window` holds the connection window they left: the
  * session's accounting is exact either way. The GIL is held throughout (it touches objects).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <structmember.h>       /* T_OBJECT_EX, READONLY: how a __slots__ field is stored */
+#include "_slots.h"              /* the stream's fields at their __slots__ offsets (core/_slots.h) */
 #include <string.h>
 
 #define FRAME_HEADER_LEN 9
@@ -178,43 +176,19 @@ static int measure(PyObject *item, Piece *pieces, Py_ssize_t *num_pieces, Py_ssi
 /* A key's four fields (id, state, pending, send_window). The session's `_Stream` keeps them
  * in __slots__, so they are read and written at their offsets in the object, as CPython's
  * own specialized LOAD_ATTR_SLOT does: through getattr they cost ~5x more, most of this
- * file's time per chunk in a server. The offsets are looked up once per call, for the
- * type of the first key; a key of another type, or a field that is not a plain object
- * slot, goes through getattr / setattr. */
+ * file's time per chunk in a server. The layout is learned once per key type (core/_slots.h);
+ * a key of a type whose four fields are not all plain object slots goes through getattr /
+ * setattr. */
 enum { FIELD_ID, FIELD_STATE, FIELD_PENDING, FIELD_SEND_WINDOW, NUM_FIELDS };
-static PyObject *field_names[NUM_FIELDS];      /* interned at import */
-
-typedef struct {
-    PyTypeObject *type;                 /* a strong reference, or NULL before the first key */
-    Py_ssize_t offsets[NUM_FIELDS];     /* byte offset of each slot; 0: use getattr */
-} Layout;
-
-static void learn_layout(Layout *layout, PyTypeObject *type) {
-    Py_INCREF(type);
-    Py_XSETREF(layout->type, type);
-    for (int f = 0; f < NUM_FIELDS; f++) {
-        layout->offsets[f] = 0;
-        PyObject *descr = PyObject_GetAttr((PyObject *)type, field_names[f]);     /* a slot's descriptor */
-        if (descr == NULL) {
-            PyErr_Clear();
-            continue;
-        }
-        if (Py_IS_TYPE(descr, &PyMemberDescr_Type)) {
-            PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-            if (member->type == T_OBJECT_EX && !(member->flags & READONLY)) layout->offsets[f] = member->offset;
-        }
-        Py_DECREF(descr);
-    }
-}
+static const char *const stream_fields[NUM_FIELDS] = {"id", "state", "pending", "send_window"};
+static tw_layout stream_layout = {.spellings = stream_fields, .num_fields = NUM_FIELDS};
 
 /* The field as a new reference, or NULL with an exception */
-static PyObject *get_field(Layout *layout, PyObject *st, int f) {
-    if (Py_TYPE(st) != layout->type) learn_layout(layout, Py_TYPE(st));
-    Py_ssize_t offset = layout->offsets[f];
-    if (offset == 0) return PyObject_GetAttr(st, field_names[f]);
-    PyObject *value = *(PyObject **)((char *)st + offset);
+static PyObject *get_field(PyObject *st, int f) {
+    if (!tw_layout_fits(&stream_layout, st)) return PyObject_GetAttr(st, stream_layout.names[f]);
+    PyObject *value = TW_FIELD(&stream_layout, st, f);
     if (value == NULL) {
-        PyErr_SetObject(PyExc_AttributeError, field_names[f]);
+        PyErr_SetObject(PyExc_AttributeError, stream_layout.names[f]);
         return NULL;
     }
     Py_INCREF(value);
@@ -222,8 +196,8 @@ static PyObject *get_field(Layout *layout, PyObject *st, int f) {
 }
 
 /* -> 0, or -1 with an exception */
-static int get_field_ll(Layout *layout, PyObject *st, int f, long long *value) {
-    PyObject *v = get_field(layout, st, f);
+static int get_field_ll(PyObject *st, int f, long long *value) {
+    PyObject *v = get_field(st, f);
     if (v == NULL) return -1;
     *value = PyLong_AsLongLong(v);
     Py_DECREF(v);
@@ -231,34 +205,29 @@ static int get_field_ll(Layout *layout, PyObject *st, int f, long long *value) {
 }
 
 /* -> 0, or -1 with an exception */
-static int set_field_ll(Layout *layout, PyObject *st, int f, long long value) {
+static int set_field_ll(PyObject *st, int f, long long value) {
+    if (tw_layout_fits(&stream_layout, st)) return tw_set_field_ll(&stream_layout, st, f, value);
     PyObject *v = PyLong_FromLongLong(value);
     if (v == NULL) return -1;
-    if (Py_TYPE(st) != layout->type) learn_layout(layout, Py_TYPE(st));
-    Py_ssize_t offset = layout->offsets[f];
-    if (offset == 0) {
-        int rc = PyObject_SetAttr(st, field_names[f], v);
-        Py_DECREF(v);
-        return rc;
-    }
-    Py_XSETREF(*(PyObject **)((char *)st + offset), v);
-    return 0;
+    int rc = PyObject_SetAttr(st, stream_layout.names[f], v);
+    Py_DECREF(v);
+    return rc;
 }
 
 /* Does the stream take a frame of `n` bytes at once?  -> 1 yes (its window in *stream_window
  * and its id in *stream_id), 0 no, -1 with an exception */
-static int stream_takes(Layout *layout, PyObject *st, Py_ssize_t n, long long closing_state,
+static int stream_takes(PyObject *st, Py_ssize_t n, long long closing_state,
                         long long *stream_window, long long *stream_id) {
     long long state;
-    if (get_field_ll(layout, st, FIELD_STATE, &state) < 0) return -1;
+    if (get_field_ll(st, FIELD_STATE, &state) < 0) return -1;
     if (state >= closing_state) return 0;
-    PyObject *pending = get_field(layout, st, FIELD_PENDING);
+    PyObject *pending = get_field(st, FIELD_PENDING);
     if (pending == NULL) return -1;
     int queued = PyObject_IsTrue(pending);
     Py_DECREF(pending);
     if (queued != 0) return queued < 0 ? -1 : 0;
-    if (get_field_ll(layout, st, FIELD_SEND_WINDOW, stream_window) < 0
-        || get_field_ll(layout, st, FIELD_ID, stream_id) < 0)
+    if (get_field_ll(st, FIELD_SEND_WINDOW, stream_window) < 0
+        || get_field_ll(st, FIELD_ID, stream_id) < 0)
         return -1;
     return n <= *stream_window;
 }
@@ -303,7 +272,6 @@ static PyObject *frame_data(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (iter == NULL) return NULL;
 
     Buffer buf = {NULL, 0, num_expected};
-    Layout layout = {NULL, {0}};
     PyObject *stopped = NULL;       /* the item handed back (a new reference), or NULL */
     int failed = 0;                 /* an exception is set */
     PyObject *item;
@@ -314,7 +282,7 @@ static PyObject *frame_data(PyObject *module, PyObject *const *args, Py_ssize_t 
         int takes = 0;
         if (PyTuple_Check(item) && measure(item, pieces, &num_pieces, &n) == 0
             && n <= window && n <= max_frame) {
-            takes = stream_takes(&layout, PyTuple_GET_ITEM(item, 0), n, closing_state, &stream_window, &stream_id);
+            takes = stream_takes(PyTuple_GET_ITEM(item, 0), n, closing_state, &stream_window, &stream_id);
         }
         if (takes < 0) {
             PyErr_Clear();          /* not a stream this file can read: the general path says why */
@@ -329,7 +297,7 @@ static PyObject *frame_data(PyObject *module, PyObject *const *args, Py_ssize_t 
             stopped = item;
             break;
         }
-        if (set_field_ll(&layout, PyTuple_GET_ITEM(item, 0), FIELD_SEND_WINDOW, stream_window - n) < 0) {
+        if (set_field_ll(PyTuple_GET_ITEM(item, 0), FIELD_SEND_WINDOW, stream_window - n) < 0) {
             Py_DECREF(item);
             failed = 1;
             break;
@@ -352,7 +320,6 @@ static PyObject *frame_data(PyObject *module, PyObject *const *args, Py_ssize_t 
         Py_DECREF(item);
     }
     Py_DECREF(iter);
-    Py_XDECREF(layout.type);
     if (!failed && stopped == NULL && PyErr_Occurred()) failed = 1;    /* the iterator raised */
 
     /* whatever happened: the frames made go out, and the window they left is the session's */
@@ -404,11 +371,9 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "tokenwire.net.protoc
 
 PyMODINIT_FUNC PyInit__frames(void) {
     init_escapes();
-    if (!(str_send_window = field_names[FIELD_SEND_WINDOW] = PyUnicode_InternFromString("send_window"))
-        || !(str_max_frame_size = PyUnicode_InternFromString("max_frame_size"))
-        || !(field_names[FIELD_PENDING] = PyUnicode_InternFromString("pending"))
-        || !(field_names[FIELD_STATE] = PyUnicode_InternFromString("state"))
-        || !(field_names[FIELD_ID] = PyUnicode_InternFromString("id")))
+    if (tw_layout_init(&stream_layout) < 0
+        || !(str_send_window = PyUnicode_InternFromString("send_window"))
+        || !(str_max_frame_size = PyUnicode_InternFromString("max_frame_size")))
         return NULL;
     return PyModule_Create(&module);
 }
