@@ -157,6 +157,20 @@ void tw_act_prepare_f32(tw_act *a, const float *x, int ldx, int k, int m0, int m
     }
 }
 
+/* The int8 activations' rounding, one definition for the INT4 products' groups and the int8
+ * rows' blocks: d = max|x| / 127 over the group, q = round-to-nearest-even(x * 127 / max|x|)
+ * within [-127, 127]. */
+static float block_amax(const float *x, int begin, int end) {
+    float amax = 0.0f;
+    for (int i = begin; i < end; i++) amax = fmaxf(amax, fabsf(x[i]));
+    return amax;
+}
+
+static int q8_round(float x, float inv) {
+    int v = (int)lrintf(x * inv);
+    return v > 127 ? 127 : (v < -127 ? -127 : v);
+}
+
 /* q8 path: per group d = max|x| / 127, xq = round(x / d), stored per 8-k chunk as
  * [k0, k0+2, k0+4, k0+6, k0+1, k0+3, k0+5, k0+7] to meet the low / high nibbles of a lane. */
 void tw_act_prepare_q8(tw_act *a, const float *x, int ldx, int k, int m0, int m1) {
@@ -166,14 +180,12 @@ void tw_act_prepare_q8(tw_act *a, const float *x, int ldx, int k, int m0, int m1
         int8_t *dst = a->xq + (size_t)m * kp;
         for (int g = 0; g < ng; g++) {
             int base = g * gs, end = base + gs < k ? base + gs : k;
-            float amax = 0.0f;
-            for (int i = base; i < end; i++) amax = fmaxf(amax, fabsf(src[i]));
+            float amax = block_amax(src, base, end);
             float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
             int32_t total = 0;
             for (int i = 0; i < gs; i++) {
                 int kk = base + i;
-                int v = kk < k ? (int)lrintf(src[kk] * inv) : 0;
-                v = v > 127 ? 127 : (v < -127 ? -127 : v);
+                int v = kk < k ? q8_round(src[kk], inv) : 0;
                 int c = i / 8, j = i % 8;                    /* chunk, nibble index */
                 dst[base + 8 * c + (j % 2) * 4 + j / 2] = (int8_t)v;
                 total += v;
@@ -194,13 +206,9 @@ void tw_rows_prepare_q8(const float *x, int ldx, int k, int m0, int m1, int8_t *
         int8_t *dst = xq + (size_t)m * ldq;
         for (int b = 0; b < nb; b++) {
             const int base = b * TW_ROWS_Q8_BLOCK;
-            float amax = 0.0f;
-            for (int i = base; i < base + TW_ROWS_Q8_BLOCK; i++) amax = fmaxf(amax, fabsf(src[i]));
+            const float amax = block_amax(src, base, base + TW_ROWS_Q8_BLOCK);
             const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int i = base; i < base + TW_ROWS_Q8_BLOCK; i++) {
-                int v = (int)lrintf(src[i] * inv);
-                dst[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
-            }
+            for (int i = base; i < base + TW_ROWS_Q8_BLOCK; i++) dst[i] = (int8_t)q8_round(src[i], inv);
             xd[(size_t)m * (ldq / TW_ROWS_Q8_BLOCK) + b] = amax / 127.0f;
         }
     }
