@@ -203,19 +203,17 @@ def _temperatures(params, chunk: list) -> np.ndarray:
     return np.array([params[i].temperature for i in chunk], dtype=np.float64)[:, None]      # [k, 1]
 
 
-def _reference_exponentials(block: np.ndarray, params, chunk: list) -> np.ndarray:
-    """float32 [k, V] -> the reference's float64 exp(x / T - max), bit for bit."""
+def _reference_exponentials(block: np.ndarray, temperatures: np.ndarray) -> np.ndarray:
+    """float32 [k, V], float64 [k] -> the reference's float64 exp(x / T - max), bit for bit."""
     x = block.astype(np.float64)                                                      # [k, V]
-    x /= _temperatures(params, chunk)
+    x /= temperatures[:, None]
     x -= x.max(axis=1, keepdims=True)
     return np.exp(x, out=x)
 
 
 def _numpy_exponentials(block: np.ndarray, temperatures: np.ndarray, block_size: int) -> tuple:
     """`sample`'s `exponentials` contract, exactly (np.exp): -> e [k, V], block sums [k, nb]."""
-    x = block.astype(np.float64) / temperatures[:, None]
-    x -= x.max(axis=1, keepdims=True)
-    np.exp(x, out=x)
+    x = _reference_exponentials(block, temperatures)
     return x, np.add.reduceat(x, np.arange(0, x.shape[1], block_size), axis=1)
 
 
@@ -224,18 +222,19 @@ def _sample_plain(block: np.ndarray, params, chunk: list, draws: dict, exponenti
     EXP_ULPS of them), then the CDF crossing found from block sums (see `_crossing`); the
     reference's own inversion for a row whose crossing is too close to call."""
     u = np.array([draws[i] for i in chunk])
+    temperatures = _temperatures(params, chunk)[:, 0]                                 # [k]
     if block.shape[1] <= WHOLE_ROW_MAX_VOCAB:                       # small rows: the reference's inversion
-        x = _reference_exponentials(block, params, chunk)
+        x = _reference_exponentials(block, temperatures)
         return invert_cdf(x / x.sum(axis=1, keepdims=True), u)
-    x, block_sums = (exponentials or _numpy_exponentials)(block, _temperatures(params, chunk)[:, 0], CDF_BLOCK)
+    x, block_sums = (exponentials or _numpy_exponentials)(block, temperatures, CDF_BLOCK)
     block_cdf = np.cumsum(block_sums, axis=1)                                         # [k, V / CDF_BLOCK]
     out = np.empty(len(chunk), dtype=np.int64)
-    for r, i in enumerate(chunk):
+    for r in range(len(chunk)):
         token = None
         if np.isfinite(block_cdf[r, -1]) and block_cdf[r, -1] > 0:
             token = _crossing(x[r], block_cdf[r], u[r])
         if token is None:
-            e = _reference_exponentials(block[r:r + 1], params, [i])[0]
+            e = _reference_exponentials(block[r:r + 1], temperatures[r:r + 1])[0]
             token = int(invert_cdf((e / e.sum())[None], u[r:r + 1])[0])
         out[r] = token
     return out
