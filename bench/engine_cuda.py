@@ -18,8 +18,10 @@ Per shape:
    event (sampling finished) to its ids in the pinned ring, on the GPU clock (event timing)
    and as the host sees it (spinning on both events).
 4. Prefill tokens/s: one eager step of --prefill-tokens tokens (sequences of --prompt-len).
-5. --profile: one eager decode step at batch 1 with an event after every kernel: time per
-   kernel kind, and each projection's achieved bandwidth, to show what a missed target blames.
+5. --profile: at the smallest and the largest batch, every distinct kernel launch of a decode
+   step timed alone (captured 20 times into a graph and replayed): microseconds per launch and
+   per step, each projection's achieved bandwidth, and the kernels' sum against the graph step
+   (the rest is launch gaps), to show what a missed target blames.
 """
 
 import argparse
@@ -27,7 +29,6 @@ import json
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,8 @@ from ..core.config import ModelConfig
 from ..core.executor import SeqStep
 from ..core.options import DEFAULTS
 from ..core.sampling_params import SamplingParams
-from ..kernels.cuda.driver import CudaDriver, CudaUnavailable
+from ..kernels.cuda.driver import CudaDriver, CudaUnavailable, capture_graph
+from ..kernels.cuda import forward
 from ..kernels.cuda.executor import CudaExecutor, CudaOptions
 from ..kernels.cuda.weights import linear_bytes
 from .shapes import all_shapes, random_engine
@@ -54,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedding", default="int4", choices=("fp16", "int8", "int4"),
                         help="embedding and lm_head encoding (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    parser.add_argument("--profile", action="store_true", help="time every kernel of one eager decode step")
+    parser.add_argument("--profile", action="store_true", help="time every kernel of a decode step alone, at the smallest and largest batch")
     add_cuda_arguments(parser)
 
 
@@ -69,6 +71,8 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
                    help="no programmatic dependent launch between kernels (default: on where the GPU has it, sm_90+)")
     g.add_argument("--unfused", action="store_true",
                    help="the unfused reference kernels (10 per layer) instead of the fused decoder (5 per layer)")
+    g.add_argument("--mm-blocks-per-sm", type=int, default=forward.MM_BLOCKS_PER_SM,
+                   help="INT4 products split K until they have this many blocks per SM (default: %(default)s)")
     g.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
     g.add_argument("--int4-activations", default="exact", choices=("exact", "fp16"),
                    help="INT4 tensor-core activations: exact (hi/lo fp16 pair) or fp16 (default: %(default)s)")
@@ -167,37 +171,91 @@ def time_prefill(executor, prompt_len: int, total_tokens: int, reps: int = 3) ->
     return n * prompt_len / statistics.median(times)
 
 
-def profile_decode(executor, context: int) -> list:
-    """One eager decode step at batch 1, an event after each kernel. -> [(kernel, ms, bytes or 0)]"""
-    drv, dev = executor.drv, executor.dev
-    records = []
+def step_launches(executor, batch: int, context: int) -> list:
+    """The kernel launches of one eager decode step of `batch` sequences, in order, as launched:
+    [(name, grid, block, smem, args)]."""
+    dev, launches = executor.dev, []
     original = dev.launch
 
-    def timed(name, grid, block, stream, smem=0, **args):
+    def recording(name, grid, block, stream, smem=0, **args):
+        launches.append((name, tuple(grid), block, smem, args))
         original(name, grid, block, stream, smem=smem, **args)
-        event = drv.event_create(timing=True)
-        drv.event_record(event, stream)
-        records.append((name, args.get("qw") or args.get("w") or args.get("qweight") or 0, event))
     per_seq = blocks_per_seq(context, 2)
-    executor.step(decode_steps(1, context, 0, executor.config.vocab_size, per_seq))       # warm
-    start = drv.event_create(timing=True)
     executor.graphs_enabled = False
-    dev.launch = timed
+    dev.launch = recording
     try:
-        drv.event_record(start, dev.compute_stream)
-        executor.step(decode_steps(1, context, 1, executor.config.vocab_size, per_seq))
+        executor.step(decode_steps(batch, context, 0, executor.config.vocab_size, per_seq))
     finally:
         dev.launch = original
         executor.graphs_enabled = executor.options.use_graphs
-    sizes = _weight_sizes(executor)
-    out, prev = [], start
-    for name, wptr, event in records:
-        out.append((name, drv.event_elapsed_ms(prev, event), sizes.get(wptr, 0), sizes.get(("name", wptr), "")))
-        prev = event
-    for _, _, event in records:
-        drv.event_destroy(event)
-    drv.event_destroy(start)
+    return launches
+
+
+def launch_host_us(executor, batch: int, context: int, rounds: int = 5) -> dict:
+    """Host microseconds per eager kernel launch (what prefill and sampled steps pay per kernel),
+    by launch path: the ctypes cuLaunchKernelEx (NativeLaunch) and cuda-python's wrapper, the
+    launches of one decode step replayed back to back, median of `rounds`. -> {path: us}"""
+    drv, dev = executor.drv, executor.dev
+    launches = step_launches(executor, batch, context)
+    native, out = getattr(drv, "native_launch", None), {}
+    try:
+        for path, launcher in (("native", native), ("cuda-python", None)):
+            if path == "native" and native is None:
+                continue
+            drv.native_launch = launcher
+            times = []
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                for name, grid, block, smem, args in launches:
+                    dev.launch(name, grid, block, dev.compute_stream, smem=smem, **args)
+                times.append((time.perf_counter() - t0) / len(launches))
+                drv.stream_synchronize(dev.compute_stream)
+            out[path] = statistics.median(times) * 1e6
+    finally:
+        drv.native_launch = native
     return out
+
+
+def profile_kernels(executor, batch: int, context: int, repeats: int = 20, replays: int = 3) -> list:
+    """Every distinct kernel launch of one decode step of `batch` sequences, timed alone: the launch
+    captured `repeats` times into a CUDA graph and the graph replayed, so neither the host's launch
+    gaps nor a neighbour count (events between the kernels of an eager step measure the host).
+    Layers repeat: one row per distinct (kernel, grid, projection), with its launches per step.
+    -> [(kernel, projection, grid, launches per step, us per launch, weight bytes per launch)]"""
+    drv, dev = executor.drv, executor.dev
+    stream, sizes = dev.compute_stream, _weight_sizes(executor)
+    distinct = {}
+    for name, grid, block, smem, args in step_launches(executor, batch, context):
+        wptr = args.get("qw") or args.get("w") or args.get("qweight") or 0
+        key = (name, grid, block, smem, sizes.get(("name", wptr), ""))
+        if key in distinct:
+            distinct[key][1] += 1
+        else:
+            distinct[key] = [(name, grid, block, smem, args, sizes.get(wptr, 0)), 1]
+    start, end = drv.event_create(timing=True), drv.event_create(timing=True)
+    rows = []
+    try:
+        for (name, grid, block, smem, args, nbytes), count in distinct.values():
+            def enqueue(s, name=name, grid=grid, block=block, smem=smem, args=args):
+                for _ in range(repeats):
+                    dev.launch(name, grid, block, s, smem=smem, **args)
+            graph = capture_graph(drv, stream, enqueue)
+            try:
+                drv.graph_launch(graph, stream)                              # warm
+                drv.event_record(start, stream)
+                for _ in range(replays):
+                    drv.graph_launch(graph, stream)
+                drv.event_record(end, stream)
+                drv.event_synchronize(end)
+                us = drv.event_elapsed_ms(start, end) * 1e3 / (replays * repeats)
+            finally:
+                drv.graph_destroy(graph)
+            proj = sizes.get(("name", args.get("qw") or args.get("w") or args.get("qweight") or 0), "")
+            rows.append((name, proj, grid, count, us, nbytes))
+    finally:
+        drv.event_destroy(start)
+        drv.event_destroy(end)
+    return rows
 
 
 def _weight_sizes(executor) -> dict:
@@ -211,23 +269,30 @@ def _weight_sizes(executor) -> dict:
     return sizes
 
 
-def print_profile(rows: list) -> None:
-    total = sum(ms for _, ms, _, _ in rows)
-    by_kind = defaultdict(lambda: [0.0, 0, 0])
-    for name, ms, nbytes, proj in rows:
+def print_profile(rows: list, batch: int, step_ms: float) -> list:
+    """The kernels of one decode step, slowest first; -> the rows as dicts (for --json)."""
+    total_ms = sum(count * us for _, _, _, count, us, _ in rows) / 1e3
+    print(f"   profile, decode step at batch {batch}, each kernel alone (captured 20x in a graph, replayed): "
+          f"{total_ms:.3f} ms in kernels, the graph step {step_ms:.3f} ms "
+          f"({step_ms - total_ms:+.3f} ms launch gaps, less PDL overlap)")
+    out = []
+    for name, proj, grid, count, us, nbytes in sorted(rows, key=lambda r: -r[3] * r[4]):
         key = f"{name} ({proj})" if proj else name
-        by_kind[key][0] += ms
-        by_kind[key][1] += 1
-        by_kind[key][2] += nbytes
-    print(f"   profile, one eager decode step at batch 1 (events between kernels, launch gaps included): {total:.3f} ms")
-    for key, (ms, n, nbytes) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]):
-        bw = f"{nbytes / (ms / 1e3) / 1e12:6.2f} TB/s" if nbytes else ""
-        print(f"     {key:34} x{n:<4} {ms:8.3f} ms {100 * ms / total:5.1f}%  {bw}")
+        bw = f"{nbytes / (us / 1e6) / 1e12:6.2f} TB/s" if nbytes else ""
+        print(f"     {key:36} grid {'x'.join(map(str, grid)):>12} x{count:<4} {us:9.2f} us "
+              f"{count * us / 1e3:8.3f} ms {100 * count * us / 1e3 / total_ms:5.1f}%  {bw}")
+        out.append({"kernel": name, "projection": proj, "grid": list(grid), "launches_per_step": count,
+                    "us_per_launch": us, "weight_bytes": nbytes})
+    return out
 
 
 # ------------------------------------------------------------------ one shape
 
 def build_executor(shape: str, args, driver=None, image_fn=None):
+    if getattr(args, "mm_blocks_per_sm", None) is not None:
+        if args.mm_blocks_per_sm < 1:
+            raise SystemExit("tokenwire bench engine: --mm-blocks-per-sm must be >= 1")
+        forward.MM_BLOCKS_PER_SM = args.mm_blocks_per_sm
     config = ModelConfig.from_dict(all_shapes()[shape])
     tensors = random_engine(config, args.group_size, args.embedding)
     batches = parse_batches(args.batch)
@@ -252,7 +317,8 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
         print(f"\n== {shape}: {c.num_layers} layers, hidden {c.hidden_size}, intermediate {c.intermediate_size}, "
               f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
               f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.int4_activations} "
-              f"activations), pdl {dev.pdl}, {'fused' if ex.options.fused else 'unfused'} kernels")
+              f"activations), pdl {dev.pdl}, {'fused' if ex.options.fused else 'unfused'} kernels, "
+              f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
               f"= {weights / roofline * 1e3:.3f} ms per step")
@@ -281,7 +347,11 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
         print(f"   prefill: {prefill:.0f} tokens/s ({args.prefill_tokens} tokens per step, "
               f"sequences of {min(args.prompt_len, args.prefill_tokens)})")
         if args.profile:
-            print_profile(profile_decode(ex, args.context))
+            for row in (rows[0], rows[-1]) if len(rows) > 1 else rows:
+                row["profile"] = print_profile(profile_kernels(ex, row["batch"], args.context), row["batch"],
+                                               row["decode_step_ms"])
+            rows[0]["launch_host_us"] = host = launch_host_us(ex, 1, args.context)
+            print("   host time per eager launch: " + ", ".join(f"{k} {v:.1f} us" for k, v in host.items()))
         return rows
     finally:
         ex.close()

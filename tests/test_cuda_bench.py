@@ -31,7 +31,12 @@ def test_bench_rows_and_profile(tmp_path, monkeypatch, capsys):
             assert r[key] > 0, key
         assert r["graph"] is True
     text = capsys.readouterr().out
-    assert "profile, one eager decode step" in text and "int4_mm_tc_x4_rope_f32 (qkv_proj)" in text
+    assert "profile, decode step at batch 1, each kernel alone" in text and "at batch 3," in text
+    assert "int4_mm_tc_x4_rope_f32 (qkv_proj)" in text
+    profile = {p["kernel"]: p for p in rows[0]["profile"]}                 # layers repeat: one row per kind
+    assert profile["int4_mm_tc_x4_rope_f32"]["launches_per_step"] == TINY["num_layers"]
+    assert all(p["us_per_launch"] > 0 for p in rows[0]["profile"])
+    assert "host time per eager launch: cuda-python" in text and rows[0]["launch_host_us"]["cuda-python"] > 0
     assert "fused kernels" in text and all(r["fused"] for r in rows)
     args.unfused, args.no_pdl, args.json = True, True, None
     assert engine_cuda.run(args, driver=FakeDriver(total_memory=1 << 30), image_fn=lambda arch: b"fake") == 0

@@ -55,9 +55,12 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 __device__ __forceinline__ float act_silu(float x) { return x / (1.0f + expf(-x)); }
 
+// 0.5 x (1 + tanh(u)) written as x / (1 + e^(-2u)): the same function without the cancellation
+// of 1 + tanh(u) for negative x, where tanhf rounds to -1 and the product to 0 (the H200 run of
+// 2026-11-27 returned -0 for -1.56e-6 at x = -4.9); e^(-2u) overflowing to inf gives -0, as it should.
 __device__ __forceinline__ float act_gelu_tanh(float x) {
     const float k = 0.7978845608028654f;                   // sqrt(2 / pi)
-    return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+    return x / (1.0f + expf(-2.0f * k * (x + 0.044715f * x * x * x)));
 }
 
 // ------------------------------------------------------------------ reductions

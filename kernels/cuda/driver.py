@@ -26,6 +26,7 @@ stays for kernels/trt, which still uses it.
 
 import ctypes
 import logging
+import os
 import threading
 from typing import Callable, Sequence
 
@@ -89,6 +90,41 @@ class NativeEventSync:
         return self._fn(handle)
 
 
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig (56 bytes on x86-64; tests/test_cuda_driver.py checks the offsets
+    against the header with the C compiler)."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: the id, padding to 8, a 64-byte value union whose first int is
+    programmaticStreamSerializationAllowed (72 bytes)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6     # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class NativeLaunch:
+    """cuLaunchKernelEx(config, f, params, NULL) through ctypes: cuda-python's wrapper builds a
+    CUlaunchConfig and a CUlaunchAttribute object per launch, the larger part of an eager launch's
+    host time (prefill and sampled steps launch eagerly; 150 to 400 launches a step). The driver
+    copies the config and the parameters during the call, so nothing here outlives it.
+    TOKENWIRE_CUDA_LAUNCH=python turns it off (cuda-python's path, the reference)."""
+
+    def __init__(self, library: str = LIBCUDA):
+        self._fn = ctypes.CDLL(library).cuLaunchKernelEx
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+        self._pdl = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+
+    def __call__(self, function: int, grid, block: int, smem: int, stream: int, params, pdl: bool) -> int:
+        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(block, 1, 1), smem, stream,
+                               ctypes.addressof(self._pdl) if pdl else None, 1 if pdl else 0)
+        return self._fn(ctypes.byref(config), function, params, None)
+
+
 class CudaDriver:
     def __init__(self, device_index: int = 0):
         self.cu = cu = import_driver()
@@ -109,6 +145,12 @@ class CudaDriver:
         except (OSError, AttributeError) as exc:  # cuInit worked, so libcuda is loaded: not expected
             log.warning("cuEventSynchronize through ctypes unavailable (%s): waits use cuda-python's wrapper", exc)
             self._native_sync = None
+        self.native_launch = None
+        if os.environ.get("TOKENWIRE_CUDA_LAUNCH", "native") != "python":
+            try:
+                self.native_launch = NativeLaunch()
+            except (OSError, AttributeError) as exc:   # a driver older than CUDA 11.8
+                log.warning("cuLaunchKernelEx through ctypes unavailable (%s): launches use cuda-python's", exc)
         self._callbacks = {}                      # host-function key -> Python callable (kernels/trt only)
         self._next_key = 0
         self._host_fn_lock = threading.Lock()
@@ -273,6 +315,11 @@ class CudaDriver:
         "f" float32), in the kernel's order. `pdl`: programmatic dependent launch (sm_90)."""
         values = [CTYPES[t](a) for t, a in zip(param_types, args, strict=True)]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        if self.native_launch is not None:
+            err = self.native_launch(int(function), grid, block, smem, int(stream), params, pdl)
+            if err:
+                self._check("cuLaunchKernelEx", (self.cu.CUresult(err),))
+            return
         gx, gy, gz = grid
         if not pdl:
             self._check("cuLaunchKernel", self.cu.cuLaunchKernel(

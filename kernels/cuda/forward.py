@@ -30,6 +30,10 @@ from .layout import round_up
 from .weights import ALIGN, DeviceWeights, Linear
 
 LARGE_SPLIT = 1 << 30              # split_size when a step runs attention unsplit
+# INT4 products split K until they have this many blocks per SM (decode of a matrix with few
+# row blocks); read at executor build (workspace) and at every launch, so set it before building.
+# `bench engine --backend cuda --mm-blocks-per-sm N` sweeps it.
+MM_BLOCKS_PER_SM = 2
 
 
 class KVCache(NamedTuple):
@@ -163,11 +167,11 @@ class MatmulPlan(NamedTuple):
 
 def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
     """Tensor-core kernel, grid and K split for an INT4 product of M tokens: enough blocks for
-    two per SM, splitting K when the rows alone are too few (decode of a small matrix)."""
+    MM_BLOCKS_PER_SM per SM, splitting K when the rows alone are too few (decode of a small matrix)."""
     tokens, kernel = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
     Np, num_units = round_up(lin.N, MM_ROWS), lin.Kp // 128
     row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)
-    blocks, target = row_blocks * tiles, 2 * num_sms
+    blocks, target = row_blocks * tiles, MM_BLOCKS_PER_SM * num_sms
     ksplit = 1 if blocks >= target else min(num_units, -(-target // blocks))
     ups = -(-num_units // ksplit)
     ksplit = -(-num_units // ups)

@@ -26,6 +26,7 @@
 #   serve          `serve --backend cuda` (the embedded default model) driven by `bench load` at
 #                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
+#   sweep          bench-fused's decode (8B shape) with the INT4 products' K split to 4 and 8 blocks per SM
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
 #   Logs and JSON go to $WORK/logs as they are written: $OUT holds two files (the device tool
@@ -46,7 +47,7 @@ PY="${PYTHON:-python3}"
 CARRY_LIMIT=$((64 * 1024 * 1024))      # bytes the device tool carries per call
 TOTAL_BUDGET=480                       # seconds for every phase together; the call's timeout_s is 540
 # name:seconds, in the order `all` runs them; the budgets sum to TOTAL_BUDGET at most
-PHASES="env:25 kernels:85 golden:85 serve:70 bench-fused:90 bench-unfused:90 sanitize:35"
+PHASES="env:25 kernels:60 golden:50 serve:60 bench-fused:100 sweep:60 bench-unfused:70 sanitize:30"
 SERVE_PORT=8123
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
@@ -187,6 +188,38 @@ except Exception as exc:
 path = build.cached_path(f"sm_{cc[0]}{cc[1]}")
 print(f"cubin: {'prebuilt, found by its hash' if path.is_file() else 'NOT prebuilt: NVRTC compiles at first use'}: "
       f"{path.name}")
+# kernels launch through ctypes (driver.NativeLaunch); one kernel launched both ways must agree,
+# or the later phases fall back to cuda-python's launch (LOGS/../phase.env), saying so
+if getattr(drv, "native_launch", None) is not None:
+    import numpy as np
+    from tokenwire.kernels.cuda.device import Device
+    dev = Device(drv, pdl=cc >= (9, 0))
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    ptrs = [drv.mem_alloc(x.nbytes) for _ in range(3)]
+    drv.memcpy_htod_async(ptrs[0], x, x.nbytes, dev.compute_stream)
+    drv.memcpy_htod_async(ptrs[1], np.ones(64, np.float32), 256, dev.compute_stream)
+    results, native = {}, drv.native_launch
+    try:
+        for path, launcher in (("native", native), ("cuda-python", None)):
+            drv.native_launch = launcher
+            drv.memset_async(ptrs[2], x.nbytes, dev.compute_stream)
+            dev.launch("rmsnorm", (2,), 256, dev.compute_stream, x=ptrs[0], ldx=64, rows=0, w=ptrs[1], out=ptrs[2],
+                       ldo=64, D=64, eps=1e-5, accumulate=0)
+            got = np.zeros_like(x)
+            drv.memcpy_dtoh_async(got, ptrs[2], x.nbytes, dev.compute_stream)
+            drv.stream_synchronize(dev.compute_stream)
+            results[path] = got
+        same = np.array_equal(results["native"], results["cuda-python"]) and np.abs(results["native"]).max() > 0
+        print(f"launch: ctypes cuLaunchKernelEx {'agrees with' if same else 'DIFFERS from'} cuda-python's launch")
+    except Exception as exc:
+        same = False
+        print(f"launch: ctypes cuLaunchKernelEx FAILED: {type(exc).__name__}: {exc}")
+    finally:
+        drv.native_launch = native
+    if not same:
+        with open(os.environ.get("VERIFY_PHASE_ENV", os.devnull), "w") as f:
+            f.write("export TOKENWIRE_CUDA_LAUNCH=python\n")
+        print("launch: the phases below use cuda-python's launch (TOKENWIRE_CUDA_LAUNCH=python)")
 print("env: FAILED: " + failed[0] if failed else "env: ok")
 sys.exit(4 if failed else 0)
 EOF
@@ -228,6 +261,13 @@ bench_engine() {
 
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
+phase_sweep() {   # the INT4 products' K split at 4 and 8 blocks per SM (bench-fused's is 2), 8B shape
+  for n in 4 8; do
+    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16,64 --steps 20 --mm-blocks-per-sm $n \
+      --json "$LOGS/sweep-$n.json" || return $?
+  done
+}
+
 phase_bench_unfused() { bench_engine --unfused --json "$LOGS/bench-unfused.json"; }
 
 phase_sanitize() {
@@ -248,6 +288,7 @@ status_line() {      # NAME TEXT: one line on stdout and in the summary
 # run_phase NAME LIMIT: phase_NAME under its own timeout, its output in $LOGS/NAME.log
 run_phase() {
   local name="$1" limit="$2" t0=$SECONDS rc
+  [ -f "$WORK/phase.env" ] && . "$WORK/phase.env"        # what the env phase found (TOKENWIRE_CUDA_LAUNCH)
   if [ -n "${VERIFY_STUB:-}" ]; then
     echo "stub of phase $name ($limit s)" > "$LOGS/$name.log"; rc=0
   else
@@ -308,7 +349,7 @@ key_figures() {      # from $LOGS: what a reader needs first, in at most about 1
   echo "-- env"
   if grep -q "^env: ok" "$LOGS/env.log" 2>/dev/null; then
     grep -A1 "^name, driver_version" "$LOGS/env.log" | tail -1
-    grep -E "^(gpu|cubin|imports|env): " "$LOGS/env.log"
+    grep -E "^(gpu|cubin|imports|launch|env): " "$LOGS/env.log"
   else
     head -20 "$LOGS/env.log" 2>/dev/null | cut -c1-400
   fi
@@ -328,18 +369,19 @@ key_figures() {      # from $LOGS: what a reader needs first, in at most about 1
       "$LOGS/serve.log" | sed -e "s#^http://127.0.0.1:$SERVE_PORT##" -e 's/^server \{21\}/server/' -e 's/^-\{21\}//' \
       | cut -c1-220 | tail -40
   fi
-  for name in bench-fused bench-unfused; do
+  for name in bench-fused sweep bench-unfused; do
     [ -f "$LOGS/$name.log" ] || continue
     echo "-- $name"
-    awk '/^== / {print substr($0, 1, 110); next} /roofline \(|^ +batch|^ +[0-9]+ |prefill:|Error|error/ {print; next}
-         /profile, one eager/ {print; top = 3; next} top > 0 {print; top--}' "$LOGS/$name.log" | cut -c1-200 | tail -40
+    awk '/^== / {print substr($0, 1, 110); next} /roofline \(|^ +batch|^ +[0-9]+ |prefill:|per eager launch|Error|error/ {print; next}
+         /profile, decode step/ {print; top = 4; next} top > 0 {print; top--}' "$LOGS/$name.log" | cut -c1-170 | tail -44
   done
   [ -f "$LOGS/sanitize.log" ] && { echo "-- sanitize"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$LOGS/sanitize.log" | tail -6; }
   echo "-- phases"; cat "$LOGS/phases.txt" 2>/dev/null
 }
 
 run_on_gpu() {
-  rm -rf "$LOGS" && mkdir -p "$LOGS" "$OUT"
+  rm -rf "$LOGS" "$WORK/phase.env" && mkdir -p "$LOGS" "$OUT"
+  export VERIFY_PHASE_ENV="$WORK/phase.env"
   : > "$LOGS/summary.txt"
   print_plan | tee "$LOGS/plan.txt"
   start_packer
@@ -359,7 +401,7 @@ mode="${1:-all}"
 case "$mode" in
   prepare) prepare ;;
   all) run_on_gpu ;;
-  env|kernels|golden|serve|bench-fused|bench-unfused|sanitize) run_on_gpu "$@" ;;   # env runs first anyway
+  env|kernels|golden|serve|bench-fused|sweep|bench-unfused|sanitize) run_on_gpu "$@" ;;   # env runs first anyway
   key-figures) key_figures ;;        # again, from an unpacked logs.tar.gz: VERIFY_WORK=<the folder holding logs/>
   *) echo "usage: $0 prepare | all | PHASE... (one or more of: $(echo $PHASES | sed 's/:[0-9]*//g'))" >&2; exit 2 ;;
 esac
