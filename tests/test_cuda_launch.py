@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenwire.kernels.cuda.driver import CudaDriver, CudaError, NativeLaunch
+from tokenwire.kernels.cuda.driver import CTYPES, CudaDriver, CudaError, NativeLaunch, ParamBuffer
+from tokenwire.kernels.cuda.kernels import SPECS
 
 STUB = r"""
 #include <cuda.h>
@@ -102,3 +103,20 @@ def test_the_driver_launches_through_ctypes_and_names_errors(libcuda_stub):
         drv.launch(Handle(0x78), (1, 1, 1), 32, 0, Handle(0x5000), "pif", (0, 0, 0.0))
     with pytest.raises(ValueError):                   # a parameter list of the wrong length never launches
         drv.launch(Handle(0x77), (1, 1, 1), 32, 0, Handle(0x5000), "pif", (0, 0))
+
+
+def test_every_signature_packs_in_the_c_layout():
+    """ParamBuffer's argument offsets are a C struct's (ctypes lays Structures out by the platform
+    ABI, as nvcc lays out a kernel's parameters), and a value packed reads back at its offset."""
+    for name, spec in SPECS.items():
+        fields = [(f"a{i}", CTYPES[t]) for i, t in enumerate(spec.param_types)]
+        layout = type("Layout", (ctypes.Structure,), {"_fields_": fields})
+        buf = ParamBuffer(spec.param_types)
+        base = ctypes.addressof(buf.buffer)
+        assert [p - base for p in buf.pointers] == [getattr(layout, f).offset for f, _ in fields], name
+        values = [7 + i if t != "f" else 0.5 + i for i, t in enumerate(spec.param_types)]
+        buf.pack(values)
+        back = layout.from_buffer_copy(buf.buffer.raw.ljust(ctypes.sizeof(layout), b"\0"))   # + tail padding
+        assert [getattr(back, f) for f, _ in fields] == values, name
+    with pytest.raises(ValueError, match="do not fit the signature"):
+        ParamBuffer("pi").pack((1, 2.5))                 # a float where the kernel takes an int

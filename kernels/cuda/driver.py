@@ -7,7 +7,8 @@ Contract:
 - Device pointers, streams, events, modules, functions and graphs are opaque handles to the
   caller; host pinned buffers come back as numpy uint8 views.
 - Kernel arguments are packed once per launch from a `KernelSpec` (kernels/cuda/kernels.py):
-  its parameter types fix the C layout, so a launch costs one ctypes struct and one call.
+  its parameter types fix the C layout (`ParamBuffer`), so a launch costs one struct.pack_into
+  and one call of cuLaunchKernelEx through ctypes (`NativeLaunch`).
 - `kernels/cuda/fake.py` implements the same interface without a GPU for host-side tests.
 
 cuda-python is imported lazily (`cuda.bindings.driver`, or `cuda.cuda` before 12.6), so a
@@ -27,6 +28,7 @@ stays for kernels/trt, which still uses it.
 import ctypes
 import logging
 import os
+import struct
 import threading
 from typing import Callable, Sequence
 
@@ -59,6 +61,35 @@ def import_driver():
 
 # C types of kernel parameters, by the one-letter codes of kernels/cuda/kernels.py
 CTYPES = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
+FORMATS = {"p": "Q", "i": "i", "f": "f"}      # struct codes; "@": C alignment, as the kernel lays them out
+
+
+class ParamBuffer:
+    """One kernel signature's arguments as the kernel reads them (C layout, natural alignment) and
+    the array of pointers to each that cuLaunchKernel takes, both made once per signature: a launch
+    packs its values in with one struct.pack_into (a ctypes object per argument cost ~10 us a
+    launch). The driver copies the arguments during the launch call, so launches share a buffer
+    under `LAUNCH_LOCK`."""
+
+    def __init__(self, param_types: str):
+        codes = [FORMATS[t] for t in param_types]
+        self.format = "@" + "".join(codes)
+        self.buffer = ctypes.create_string_buffer(max(struct.calcsize(self.format), 1))
+        base = ctypes.addressof(self.buffer)
+        offsets = [struct.calcsize("@" + "".join(codes[:i + 1])) - struct.calcsize("@" + codes[i])
+                   for i in range(len(codes))]
+        self.pointers = (ctypes.c_void_p * len(codes))(*[base + o for o in offsets])
+
+    def pack(self, args: Sequence) -> None:
+        try:
+            struct.pack_into(self.format, self.buffer, 0, *args)
+        except struct.error as exc:
+            raise ValueError(f"kernel arguments {tuple(args)!r} do not fit the signature {self.format[1:]!r}: {exc}") \
+                from None
+
+
+PARAMS: dict = {}                  # param_types -> ParamBuffer
+LAUNCH_LOCK = threading.Lock()
 HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 LIBCUDA = "libcuda.so.1"
 
@@ -313,18 +344,23 @@ class CudaDriver:
                param_types: str, args: Sequence, pdl: bool = False) -> None:
         """One kernel launch. `param_types`: one code per parameter ("p" pointer, "i" int32,
         "f" float32), in the kernel's order. `pdl`: programmatic dependent launch (sm_90)."""
-        values = [CTYPES[t](a) for t, a in zip(param_types, args, strict=True)]
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        if self.native_launch is not None:
-            err = self.native_launch(int(function), grid, block, smem, int(stream), params, pdl)
-            if err:
-                self._check("cuLaunchKernelEx", (self.cu.CUresult(err),))
-            return
+        buf = PARAMS.get(param_types) or PARAMS.setdefault(param_types, ParamBuffer(param_types))
+        with LAUNCH_LOCK:
+            buf.pack(args)
+            if self.native_launch is not None:
+                err = self.native_launch(int(function), grid, block, smem, int(stream), buf.pointers, pdl)
+            else:
+                err = self._launch_cuda_python(function, grid, block, smem, stream, buf.pointers, pdl)
+        if err:
+            self._check("cuLaunchKernelEx" if pdl or self.native_launch is not None else "cuLaunchKernel",
+                        (self.cu.CUresult(err),))
+
+    def _launch_cuda_python(self, function, grid, block: int, smem: int, stream, params, pdl: bool) -> int:
+        """cuda-python's wrappers (TOKENWIRE_CUDA_LAUNCH=python): -> the CUresult as an int."""
         gx, gy, gz = grid
         if not pdl:
-            self._check("cuLaunchKernel", self.cu.cuLaunchKernel(
-                function, gx, gy, gz, block, 1, 1, smem, stream, ctypes.addressof(params), 0))
-            return
+            err, = self.cu.cuLaunchKernel(function, gx, gy, gz, block, 1, 1, smem, stream, ctypes.addressof(params), 0)
+            return int(err)
         config = self.cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
         config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
@@ -333,7 +369,8 @@ class CudaDriver:
         attr.id = self.cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
         config.attrs, config.numAttrs = [attr], 1
-        self._check("cuLaunchKernelEx", self.cu.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0))
+        err, = self.cu.cuLaunchKernelEx(config, function, ctypes.addressof(params), 0)
+        return int(err)
 
     # ------------------------------------------------------------ graphs
 

@@ -168,8 +168,10 @@ def _logit_softcap(d, grid, logits, ldl, vocab_size, cap):
 
 
 def _glu_act(g, gelu):
-    if gelu:
-        return 0.5 * g * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (g + np.float32(0.044715) * g * g * g)))
+    if gelu:                        # common.cuh's act_gelu_tanh: x / (1 + e^(-2u)), no 1 + tanh(u) to cancel
+        u = np.float32(np.sqrt(2.0 / np.pi)) * (g + np.float32(0.044715) * g * g * g)
+        with np.errstate(over="ignore"):
+            return g / (np.float32(1.0) + np.exp(np.float32(-2.0) * u))
     return g / (1.0 + np.exp(-g))
 
 

@@ -86,9 +86,12 @@ class KernelSpec(NamedTuple):
     name: str
     param_names: tuple
     param_types: str                    # one code per parameter
+    name_set: frozenset                 # param_names, for the launch's one-comparison check
 
     def bind(self, **kwargs) -> tuple:
         """Arguments in kernel order from keywords; a missing or unknown name is an error."""
+        if kwargs.keys() == self.name_set:                    # every launch but a wrong one
+            return tuple(map(kwargs.__getitem__, self.param_names))
         unknown = set(kwargs) - set(self.param_names)
         missing = [n for n in self.param_names if n not in kwargs]
         if unknown or missing:
@@ -98,7 +101,7 @@ class KernelSpec(NamedTuple):
 
 def _spec(name: str, text: str) -> KernelSpec:
     names, types = zip(*(p.split(":") for p in text.split()))
-    return KernelSpec(name, tuple(names), "".join(types))
+    return KernelSpec(name, tuple(names), "".join(types), frozenset(names))
 
 
 SPECS = {name: _spec(name, text) for name, text in SIGNATURES.items()}
