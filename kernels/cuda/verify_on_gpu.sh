@@ -26,7 +26,7 @@
 #   serve          `serve --backend cuda` (the embedded default model) driven by `bench load` at
 #                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
-#   sweep          bench-fused's decode (8B shape) with the INT4 products' K split to 4 and 8 blocks per SM
+#   sweep          bench-fused's decode (8B shape) with the INT4 products' K split to 1 and 4 blocks per SM
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
 #   Logs and JSON go to $WORK/logs as they are written: $OUT holds two files (the device tool
@@ -261,8 +261,8 @@ bench_engine() {
 
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
-phase_sweep() {   # the INT4 products' K split at 4 and 8 blocks per SM (bench-fused's is 2), 8B shape
-  for n in 4 8; do
+X
+  for n in 1 4; do
     "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16,64 --steps 20 --mm-blocks-per-sm $n \
       --json "$LOGS/sweep-$n.json" || return $?
   done
