@@ -261,7 +261,7 @@ bench_engine() {
 
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
-X
+phase_sweep() {   # the INT4 products' K split at 1 and 4 blocks per SM (bench-fused's is 2), 8B shape
   for n in 1 4; do
     "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16,64 --steps 20 --mm-blocks-per-sm $n \
       --json "$LOGS/sweep-$n.json" || return $?
