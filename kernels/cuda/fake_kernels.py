@@ -60,14 +60,15 @@ def _int4_tc_product(d, grid, xs, M, qw, sz, num_units, group_size, units_per_sp
 def _int4_tc_fused(d, grid, x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate,
                    ws, counters, norm_w, norm_dim, eps, positions, slot_mapping, cos_sin, max_positions, q_out, ldq,
                    k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, out_tokens,
-                   tokens, fp16, epilogue):
-    """int4_matmul.cu's fused kernels: RMSNorm prologue, then the epilogue on the device-order rows."""
+                   denoms, tokens, fp16, epilogue):
+    """int4_matmul.cu's fused kernels: RMSNorm prologue (its denominators from `denoms` when
+    given: rms_denoms ran first), then the epilogue on the device-order rows."""
     assert not accumulate, "the fused products never accumulate"
     Kp = num_units * 128
     src = _f32(d, x, M, ldx)[:, :norm_dim]
     xs = np.zeros((M, Kp), dtype=np.float32)
-    xs[:, :norm_dim] = src / np.sqrt(np.mean(src * src, axis=-1, keepdims=True) + np.float32(eps)) \
-        * d.view(norm_w, np.float32, norm_dim)
+    denom = d.view(denoms, np.float32, M)[:, None] if denoms else _rms_denoms_of(src, eps)
+    xs[:, :norm_dim] = src / denom * d.view(norm_w, np.float32, norm_dim)
     out = _int4_tc_product(d, grid, xs, M, qw, sz, num_units, group_size, units_per_split, bias, N, ws, counters,
                            tokens, fp16, ldx)
     if epilogue == "argmax":
@@ -143,11 +144,19 @@ def _embed(kind):
     return run
 
 
+def _rms_denoms_of(src, eps):
+    return np.sqrt(np.mean(src * src, axis=-1, keepdims=True) + np.float32(eps))
+
+
+def _rms_denoms(d, grid, x, ldx, D, eps, out):
+    d.view(out, np.float32, grid[0])[:] = _rms_denoms_of(_f32(d, x, grid[0], ldx)[:, :D], eps)[:, 0]
+
+
 def _rmsnorm(d, grid, x, ldx, rows, w, out, ldo, D, eps, accumulate):
     R = grid[0]
     idx = d.view(rows, np.int32, R) if rows else np.arange(R)
     src = _f32(d, x, int(idx.max()) + 1, ldx)[idx, :D]
-    res = src / np.sqrt(np.mean(src * src, axis=-1, keepdims=True) + np.float32(eps)) * d.view(w, np.float32, D)
+    res = src / _rms_denoms_of(src, eps) * d.view(w, np.float32, D)
     dst = _f32(d, out, R, ldo)
     dst[:, :D] = dst[:, :D] + res if accumulate else res
 
@@ -368,6 +377,7 @@ EMULATORS = {
     "embed_i8": _embed("i8"),
     "embed_i4": _embed("i4"),
     "rmsnorm": _rmsnorm,
+    "rms_denoms": _rms_denoms,
     "head_rmsnorm": _head_rmsnorm,
     "logit_softcap": _logit_softcap,
     "glu_silu": _glu(False),

@@ -34,6 +34,10 @@ LARGE_SPLIT = 1 << 30              # split_size when a step runs attention unspl
 # row blocks); read at executor build (workspace) and at every launch, so set it before building.
 # `bench engine --backend cuda --mm-blocks-per-sm N` sweeps it.
 MM_BLOCKS_PER_SM = 2
+# A fused product of more tokens than this reads its RMSNorm denominators from one rms_denoms
+# launch instead of each block summing every token of its tile (16 or 64) itself: at 64 tokens
+# that prologue made the fused gate_up 2.3x the time of its weights (H200, 2026-11-27).
+NORM_DENOMS_ABOVE = 8
 
 
 class KVCache(NamedTuple):
@@ -74,6 +78,7 @@ class Activations(NamedTuple):
     am_keys: int = 0                # u64 [R] the argmax epilogue's best keys, zero between launches
     am_counters: int = 0            # int32 [R] its arrival counters per token tile, zero between launches
     att_counters: int = 0           # int32 [T * Hq] the fused attention's split counters, zero between launches
+    denoms: int = 0                 # fp32 [max(T, R)] rms_denoms' output for a fused product of many tokens
 
 
 class StepGeometry(NamedTuple):
@@ -113,7 +118,8 @@ def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, ws_entries:
             ("ws_acc", max(ws_entries, 1), c.head_dim, 4),
             ("mm_ws", max(mm_ws_floats, 1), 1, 4), ("mm_counters", max(mm_counters, 1), 1, 4),
             ("am_keys", max_rows, 1, 8), ("am_counters", max_rows, 1, 4),
-            ("att_counters", max(max_tokens, max_rows) * c.num_heads, 1, 4)]
+            ("att_counters", max(max_tokens, max_rows) * c.num_heads, 1, 4),
+            ("denoms", max(max_tokens, max_rows), 1, 4)]
     plan, offset = {}, 0
     for name, n, width, itemsize in rows:
         plan[name] = (offset, width)
@@ -132,7 +138,7 @@ def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, ws_e
                        p["attn"], ld["attn"], p["gu"], ld["gu"], p["act"], ld["act"], p["hn"], ld["hn"],
                        p["logits"], p["plogits"], ld["logits"], p["tokens"], p["token_logprob"],
                        p["top_ids"], p["top_logprobs"], p["ws_ml"], p["ws_acc"], p["mm_ws"], p["mm_counters"],
-                       mm_mode, p["am_keys"], p["am_counters"], p["att_counters"])
+                       mm_mode, p["am_keys"], p["am_counters"], p["att_counters"], p["denoms"])
 
 
 def heads_per_block(c: ModelConfig) -> int:
@@ -212,7 +218,7 @@ def launch_matmul(dev, lin: Linear, x: int, ldx: int, M: int, y: int, ldy: int, 
 
 # the fused products' extra parameters (kernels.py _MATMUL_FUSED), all unused
 _FUSED_NONE = dict(positions=0, slot_mapping=0, cos_sin=0, max_positions=0, q_out=0, ldq=0, k_cache=0, v_cache=0,
-                   num_heads=0, num_kv_heads=0, head_dim=0, argmax_keys=0, argmax_counters=0, tokens=0)
+                   num_heads=0, num_kv_heads=0, head_dim=0, argmax_keys=0, argmax_counters=0, tokens=0, denoms=0)
 
 
 def launch_matmul_fused(dev, c: ModelConfig, lin: Linear, epilogue: str, x: int, ldx: int, M: int, y: int, ldy: int,
@@ -221,10 +227,15 @@ def launch_matmul_fused(dev, c: ModelConfig, lin: Linear, epilogue: str, x: int,
     "fused kernels"); `epilogue` is rope_f32 | rope_f16 | silu | gelu | argmax, `extra` its arguments."""
     assert lin.kind == "int4_tc" and ldx >= lin.Kp, f"{lin.name}: no fused kernel for {lin.kind} / width {ldx}"
     plan = matmul_plan(lin, M, dev.num_sms, acts.mm_mode)
+    denoms = 0
+    if M > NORM_DENOMS_ABOVE:
+        dev.launch("rms_denoms", (M,), 256, stream, x=x, ldx=ldx, D=c.hidden_size, eps=c.rms_norm_eps,
+                   out=acts.denoms)
+        denoms = acts.denoms
     args = dict(_FUSED_NONE, x=x, ldx=ldx, M=M, qw=lin.w, sz=lin.aux, num_units=lin.Kp // 128,
                 group_size=lin.group_size, units_per_split=plan.units_per_split, bias=lin.bias, y=y, ldy=ldy, N=lin.N,
                 accumulate=0, ws=acts.mm_ws, counters=acts.mm_counters, norm_w=norm_w, norm_dim=c.hidden_size,
-                eps=c.rms_norm_eps)
+                eps=c.rms_norm_eps, denoms=denoms)
     args.update(extra)
     dev.launch(f"{plan.kernel}_{epilogue}", plan.grid, 256, stream, **args)
 

@@ -163,6 +163,7 @@ struct FusedArgs {
     float* q_out; int ldq; void* k_cache; void* v_cache;
     int num_heads; int num_kv_heads; int head_dim;
     u64* argmax_keys; int* argmax_counters; int* tokens;        // EPI_ARGMAX
+    const float* denoms;                                        // prologue: rms_denoms' [M], or null: the block sums
 };
 
 __device__ __forceinline__ void store_cache_value(float* p, float v) { *p = v; }
@@ -255,7 +256,8 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // PDL: the block's first PREFETCH units of weights load (and the rest of its slice is prefetched
 // into L2) before the dependency wait, and dependents are signalled as soon as the last weight
 // load is issued. NORM: x's rows are RMS-normalized on the fly (f.norm_w), each block computing
-// its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair).
+// its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair), or,
+// for many tokens, reading them from f.denoms (rmsnorm.cu's rms_denoms, launched just before).
 template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false>
 __device__ __forceinline__ void int4_mm_tc(
     const float* __restrict__ x, int ldx, int M,                 // x: [M, ldx], zero beyond K
@@ -317,7 +319,10 @@ __device__ __forceinline__ void int4_mm_tc(
     if (EPI == EPI_ARGMAX && tid < TOKENS) best[tid] = 0ull;
     pdl_wait();
     bool signalled = false;                                      // pdl_launch_dependents issued
-    if (NORM) {
+    if (NORM && f.denoms) {                                      // rms_denoms ran first (many tokens)
+        if (tid < TOKENS) denom[tid] = f.denoms[min(tok0 + tid, M - 1)];
+        __syncthreads();
+    } else if (NORM) {
         // rmsnorm.cu's sum for each token of the tile, in its order (thread tid's partial over
         // d = tid, tid + 256, ..., then block_sum's tree: each warp's warp_sum, the 8 warp sums
         // through shared memory, a warp_sum of those), 8 tokens at a time so that their loads are
@@ -514,9 +519,10 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
 #define MMF_ARGS MM_ARGS, const float* __restrict__ norm_w, int norm_dim, float eps, \
     const int* __restrict__ positions, const int* __restrict__ slot_mapping, const float2* __restrict__ cos_sin, \
     int max_positions, float* __restrict__ q_out, int ldq, void* k_cache, void* v_cache, int num_heads, \
-    int num_kv_heads, int head_dim, u64* argmax_keys, int* argmax_counters, int* tokens
+    int num_kv_heads, int head_dim, u64* argmax_keys, int* argmax_counters, int* tokens, \
+    const float* __restrict__ denoms
 #define MMF_STRUCT FusedArgs{norm_w, norm_dim, eps, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, \
-    k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, tokens}
+    k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, tokens, denoms}
 #define MM_FUSED(NAME, NT, SPLIT, PREFETCH) \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32(MMF_ARGS) \
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, true>(MM_PASS, MMF_STRUCT); } \

@@ -18,7 +18,7 @@ _MATMUL_INT4 = ("x:p ldx:i M:i qw:p sz:p num_units:i group_size:i units_per_spli
 # the RMSNorm prologue's, the RoPE/KV epilogue's and the argmax epilogue's (0 where unused)
 _MATMUL_FUSED = (_MATMUL_INT4 + " norm_w:p norm_dim:i eps:f positions:p slot_mapping:p cos_sin:p max_positions:i "
                  "q_out:p ldq:i k_cache:p v_cache:p num_heads:i num_kv_heads:i head_dim:i argmax_keys:p "
-                 "argmax_counters:p tokens:p")
+                 "argmax_counters:p tokens:p denoms:p")
 FUSED_EPILOGUES = ("rope_f32", "rope_f16", "silu", "gelu", "argmax")
 _DENSE = "x:p ldx:i M:i w:p ldw:i row_scales:p bias:p y:p ldy:i N:i accumulate:i"
 _EMBED = "token_ids:p table:p scales:p zeros:p ldw:i group_size:i vocab_size:i D:i multiplier:f out:p ldo:i"
@@ -53,6 +53,7 @@ SIGNATURES = {
     "embed_i8": _EMBED,
     "embed_i4": _EMBED,
     "rmsnorm": "x:p ldx:i rows:p w:p out:p ldo:i D:i eps:f accumulate:i",
+    "rms_denoms": "x:p ldx:i D:i eps:f out:p",
     "head_rmsnorm": "qkv:p ldqkv:i q_norm:p k_norm:p num_heads:i head_dim:i eps:f",
     "logit_softcap": "logits:p ldl:i vocab_size:i cap:f",
     "glu_silu": _GLU,

@@ -5,22 +5,40 @@
 // row r when rows is null. grid (R), block 256; the row is read twice (from L1 the second time).
 #include "common.cuh"
 
+// sqrt(mean(row^2) + eps) over D values: thread i sums d = i, i + blockDim, ... in order, then
+// block_sum's tree. int4_matmul.cu's fused prologue repeats this order exactly (tested equal).
+__device__ __forceinline__ float rms_denom(const float* row, int D, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) ss += row[d] * row[d];
+    ss = block_sum(ss, scratch);
+    return sqrtf(ss / (float)D + eps);
+}
+
 extern "C" __global__ void __launch_bounds__(256) rmsnorm(
     const float* __restrict__ x, int ldx, const int* __restrict__ rows, const float* __restrict__ w,
     float* __restrict__ out, int ldo, int D, float eps, int accumulate) {
     __shared__ float scratch[32];
     pdl_wait();
     const float* row = x + (size_t)(rows ? rows[blockIdx.x] : blockIdx.x) * ldx;
-    float ss = 0.0f;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) ss += row[d] * row[d];
-    ss = block_sum(ss, scratch);
-    const float denom = sqrtf(ss / (float)D + eps);
+    const float denom = rms_denom(row, D, eps, scratch);
     pdl_launch_dependents();
     float* dst = out + (size_t)blockIdx.x * ldo;
     if (accumulate)
         for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = __fadd_rn(dst[d], __fmul_rn(row[d] / denom, w[d]));
     else
         for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = row[d] / denom * w[d];
+}
+
+// The denominators alone, for the fused products of many tokens (forward.py NORM_DENOMS_ABOVE):
+// out[r] = rms_denom(x[r]), which those products read instead of each block summing every token
+// of its tile itself. grid (R), block 256.
+extern "C" __global__ void __launch_bounds__(256) rms_denoms(const float* __restrict__ x, int ldx, int D, float eps,
+                                                             float* __restrict__ out) {
+    __shared__ float scratch[32];
+    pdl_wait();
+    const float denom = rms_denom(x + (size_t)blockIdx.x * ldx, D, eps, scratch);
+    pdl_launch_dependents();
+    if (threadIdx.x == 0) out[blockIdx.x] = denom;
 }
 
 // Per-head RMSNorm of the new tokens' query and key heads in place (Qwen3, Gemma 3: before
