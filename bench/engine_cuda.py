@@ -73,6 +73,9 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the unfused reference kernels (10 per layer) instead of the fused decoder (5 per layer)")
     g.add_argument("--mm-blocks-per-sm", type=int, default=forward.MM_BLOCKS_PER_SM,
                    help="INT4 products split K until they have this many blocks per SM (default: %(default)s)")
+    g.add_argument("--mm-staged", action="store_true",
+                   help="decode products of up to 4 tokens by the staged kernels (an experiment: forward.py "
+                        "MM_STAGE_ACTIVATIONS)")
     g.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
     g.add_argument("--int4-activations", default="exact", choices=("exact", "fp16"),
                    help="INT4 tensor-core activations: exact (hi/lo fp16 pair) or fp16 (default: %(default)s)")
@@ -289,10 +292,6 @@ def print_profile(rows: list, batch: int, step_ms: float) -> list:
 # ------------------------------------------------------------------ one shape
 
 def build_executor(shape: str, args, driver=None, image_fn=None):
-    if getattr(args, "mm_blocks_per_sm", None) is not None:
-        if args.mm_blocks_per_sm < 1:
-            raise SystemExit("tokenwire bench engine: --mm-blocks-per-sm must be >= 1")
-        forward.MM_BLOCKS_PER_SM = args.mm_blocks_per_sm
     config = ModelConfig.from_dict(all_shapes()[shape])
     tensors = random_engine(config, args.group_size, args.embedding)
     batches = parse_batches(args.batch)
@@ -318,7 +317,7 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
               f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
               f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.int4_activations} "
               f"activations), pdl {dev.pdl}, {'fused' if ex.options.fused else 'unfused'} kernels, "
-              f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM")
+              f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM{', staged decode products' if forward.MM_STAGE_ACTIVATIONS else ''}")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
               f"= {weights / roofline * 1e3:.3f} ms per step")
@@ -366,8 +365,8 @@ def parse_batches(text: str) -> list:
 
 def run(args, driver=None, image_fn=None) -> int:
     """Entry point (also the hook bench/engine.py calls for --backend cuda)."""
-    for name in ("context", "steps", "prompt_len", "prefill_tokens", "max_model_len"):
-        if getattr(args, name) < 1:
+    for name in ("context", "steps", "prompt_len", "prefill_tokens", "max_model_len", "mm_blocks_per_sm"):
+        if getattr(args, name, 1) < 1:
             raise SystemExit(f"tokenwire bench engine: --{name.replace('_', '-')} must be >= 1")
     try:
         drv = driver if driver is not None else CudaDriver(0)
@@ -375,9 +374,16 @@ def run(args, driver=None, image_fn=None) -> int:
         raise SystemExit(f"tokenwire bench engine --backend cuda: {exc}") from None
     free, _ = drv.mem_get_info()
     roofline = copy_bandwidth(drv, min(2 << 30, free // 8))
-    rows = []
-    for shape in args.shape or ["llama-3.2-1b", "llama-3.1-8b"]:
-        rows += run_shape(shape, args, drv, roofline, driver=drv, image_fn=image_fn)
+    rows, kept = [], (forward.MM_BLOCKS_PER_SM, forward.MM_STAGE_ACTIVATIONS)
+    # the products' plan knobs are module constants read at executor build and every launch: set
+    # for this run, restored after it
+    forward.MM_BLOCKS_PER_SM = getattr(args, "mm_blocks_per_sm", None) or kept[0]
+    forward.MM_STAGE_ACTIVATIONS = bool(getattr(args, "mm_staged", False))
+    try:
+        for shape in args.shape or ["llama-3.2-1b", "llama-3.1-8b"]:
+            rows += run_shape(shape, args, drv, roofline, driver=drv, image_fn=image_fn)
+    finally:
+        forward.MM_BLOCKS_PER_SM, forward.MM_STAGE_ACTIVATIONS = kept
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
         print(f"\nwrote {len(rows)} rows to {args.json}", file=sys.stderr)

@@ -7,7 +7,7 @@ the fused epilogue's row order (kernels/cuda/layout.py) for the fused kernel.
 - silu / gelu:         rmsnorm -> gate_up -> glu_*        (the activation)
 - argmax:              rmsnorm -> lm_head -> argmax_rows  (logits and greedy ids)
 Shapes cross every tensor-core tile (M = 1 .. 64), K splits (few rows, long K) and the exact and
-fp16 activation modes; each fused launch runs twice, since its counters must re-arm themselves.
+fp16 activation modes, and the staged twins of the decode kernels (forward.MM_STAGE_ACTIVATIONS); each fused launch runs twice, since its counters must re-arm themselves.
 The RMSNorm prologue keeps rmsnorm.cu's order of operations, so results agree to rounding.
 The fused attention (combine folded into the last split) is tested in test_cuda_kernels.py.
 """
@@ -21,7 +21,7 @@ from tokenwire.engine_build.quantize import quantize_int4
 from tokenwire.kernels.cuda.forward import launch_matmul, launch_matmul_fused, launch_rmsnorm
 from tokenwire.kernels.cuda.layout import glu_row_order, round_up, rope_row_order
 
-from test_cuda_kernels import Gpu, assert_close, device, gpu, matmul_acts, padded, upload_int4   # noqa: F401
+from test_cuda_kernels import Gpu, assert_close, device, gpu, matmul_acts, padded, product_mode, upload_int4   # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -71,11 +71,12 @@ def tensor_cores(gpu):
         pytest.skip("the fused kernels are tensor-core kernels (sm_80+)")
 
 
-@pytest.mark.parametrize("mode", ["exact", "fp16"])
+@pytest.mark.parametrize("mode", ["exact", "fp16", "staged"])
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("M,D,G", CASES)
 @pytest.mark.parametrize("hd,bias", [(64, False), (128, True), (16, False)])
-def test_fused_qkv_rope_matches_rmsnorm_qkv_rope(gpu, M, D, G, cache, mode, hd, bias):
+def test_fused_qkv_rope_matches_rmsnorm_qkv_rope(gpu, M, D, G, cache, mode, product_mode, hd, bias):
+    mode = product_mode(mode)
     c = model(D, hd=hd)
     rng = np.random.default_rng(M + D + hd)
     heads = c.num_heads + 2 * c.num_kv_heads
@@ -112,11 +113,12 @@ def test_fused_qkv_rope_matches_rmsnorm_qkv_rope(gpu, M, D, G, cache, mode, hd, 
         assert_close(got, want, rtol=1e-5, fp16_steps=1 if got.dtype == np.float16 else 0)
 
 
-@pytest.mark.parametrize("mode", ["exact", "fp16"])
+@pytest.mark.parametrize("mode", ["exact", "fp16", "staged"])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("M,D,G", CASES)
 @pytest.mark.parametrize("I", [8, 200, 1024])
-def test_fused_gate_up_matches_rmsnorm_gate_up_glu(gpu, M, D, G, act, mode, I):
+def test_fused_gate_up_matches_rmsnorm_gate_up_glu(gpu, M, D, G, act, mode, product_mode, I):
+    mode = product_mode(mode)
     c = model(D, I=I)
     rng = np.random.default_rng(M + D + I)
     plain, fused = weights(gpu, rng, 2 * I, D, G, glu_row_order(I))
@@ -138,10 +140,11 @@ def test_fused_gate_up_matches_rmsnorm_gate_up_glu(gpu, M, D, G, act, mode, I):
     assert_close(outs["fused"], outs["plain"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["exact", "fp16"])
+@pytest.mark.parametrize("mode", ["exact", "fp16", "staged"])
 @pytest.mark.parametrize("M,D,G", CASES)
 @pytest.mark.parametrize("V", [97, 1000, 32000])
-def test_fused_lm_head_argmax_matches_rmsnorm_lm_head_argmax(gpu, M, D, G, mode, V):
+def test_fused_lm_head_argmax_matches_rmsnorm_lm_head_argmax(gpu, M, D, G, mode, product_mode, V):
+    mode = product_mode(mode)
     c = model(D, V=V)
     rng = np.random.default_rng(M + D + V)
     lin, _ = weights(gpu, rng, V, D, G)

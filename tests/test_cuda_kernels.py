@@ -20,6 +20,7 @@ from tokenwire.kernels.rope import apply_rope, rope_cos_sin, rope_inv_freq
 from tokenwire.core.sampling_params import SamplingParams
 from tokenwire.engine_build.quantize import quantize_int4, quantize_int8
 from tokenwire.kernels.cuda.device import attention_smem_bytes, sample_smem_bytes
+from tokenwire.kernels.cuda import forward
 from tokenwire.kernels.cuda.forward import launch_matmul
 from tokenwire.kernels.cuda.kernels import MAX_TOP_LOGPROBS
 from tokenwire.kernels.cuda.layout import pack_tc, round_up, tc_shape
@@ -160,9 +161,22 @@ def matmul_acts(gpu, lin, M, mode):
     return SimpleNamespace(mm_ws=ws, mm_counters=counters, mm_mode=mode, denoms=gpu.zeros(4 * max(M, 64)))
 
 
-@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt"])
+@pytest.fixture
+def product_mode(monkeypatch):
+    """'exact' | 'fp16' | 'staged' -> the activation mode launch_matmul takes; 'staged' is exact
+    by the staged twins of the decode kernels (forward.MM_STAGE_ACTIVATIONS, an experiment)."""
+    def resolve(mode: str) -> str:
+        if mode == "staged":
+            monkeypatch.setattr(forward, "MM_STAGE_ACTIVATIONS", True)
+            return "exact"
+        return mode
+    return resolve
+
+
+@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt", "staged"])
 @pytest.mark.parametrize("M,N,K,G", MATMUL_CASES)
-def test_int4_matmul(gpu, matmul, M, N, K, G):
+def test_int4_matmul(gpu, matmul, M, N, K, G, product_mode):
+    mode = product_mode(matmul)
     if matmul != "simt" and not gpu.dev.tensor_cores:
         pytest.skip("tensor-core kernels need sm_80+")
     rng = np.random.default_rng(M * 1000 + N + K)
@@ -174,7 +188,7 @@ def test_int4_matmul(gpu, matmul, M, N, K, G):
     width = round_up(K, 128)
     y0 = rng.standard_normal((M, N + 3)).astype(np.float32)
     xp, yp = gpu.upload(padded(x, width)), gpu.upload(y0)
-    acts = matmul_acts(gpu, lin, M, "exact" if matmul == "simt" else matmul)
+    acts = matmul_acts(gpu, lin, M, "exact" if matmul == "simt" else mode)
     want = y0.copy()
     want[:, :N] += int4_linear(xr, parts["qweight"], parts["scales"], parts["zeros"], K) + bias
     for _ in range(2):                                    # twice: K-split counters must re-arm themselves

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import sampling as ref_sampling
 from ..reference import dequantize_int4
-from .kernels import FUSED_EPILOGUES, MAX_TOP_LOGPROBS, MM_KERNELS
+from .kernels import FUSED_EPILOGUES, MAX_TOP_LOGPROBS, MM_KERNELS, MM_STAGED
 from .layout import TcShape, dequantize_tc, glu_row_order, pack_tc, rope_row_order, round_up
 
 
@@ -394,3 +394,5 @@ EMULATORS = {
     "sample_tokens": _sample,
     "compute_logprobs": _logprobs,
 }
+for _plain, (_twin, _) in MM_STAGED.items():       # a staged twin computes what its kernel does
+    EMULATORS.update({_twin: EMULATORS[_plain], **{f"{_twin}_{e}": EMULATORS[f"{_plain}_{e}"] for e in FUSED_EPILOGUES}})

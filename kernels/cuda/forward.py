@@ -25,7 +25,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from .device import attention_smem_bytes, sample_smem_bytes
-from .kernels import DENSE_MT, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, SIMT_MT
+from .kernels import DENSE_MT, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, MM_STAGED, SIMT_MT
 from .layout import round_up
 from .weights import ALIGN, DeviceWeights, Linear
 
@@ -38,6 +38,11 @@ MM_BLOCKS_PER_SM = 2
 # launch instead of each block summing every token of its tile (16 or 64) itself: at 64 tokens
 # that prologue made the fused gate_up 2.3x the time of its weights (H200, 2026-11-27).
 NORM_DENOMS_ABOVE = 8
+# An experiment, off until a GPU has measured it: decode products of up to 4 tokens by the staged
+# twin of their kernel (kernels.py MM_STAGED: every unit's activations loaded before the loop),
+# K split so no block takes more units than the twin stages. Like MM_BLOCKS_PER_SM: set it
+# before building an executor (`bench engine --backend cuda --mm-staged`).
+MM_STAGE_ACTIVATIONS = False
 
 
 class KVCache(NamedTuple):
@@ -179,6 +184,9 @@ def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
     row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)
     blocks, target = row_blocks * tiles, MM_BLOCKS_PER_SM * num_sms
     ksplit = 1 if blocks >= target else min(num_units, -(-target // blocks))
+    if MM_STAGE_ACTIVATIONS and kernel in MM_STAGED:
+        kernel, most = MM_STAGED[kernel]
+        ksplit = max(ksplit, -(-num_units // most))
     ups = -(-num_units // ksplit)
     ksplit = -(-num_units // ups)
     if ksplit == 1:

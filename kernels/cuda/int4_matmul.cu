@@ -258,7 +258,11 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // load is issued. NORM: x's rows are RMS-normalized on the fly (f.norm_w), each block computing
 // its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair), or,
 // for many tokens, reading them from f.denoms (rmsnorm.cu's rms_denoms, launched just before).
-template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false>
+// STAGED > 0 (the "s" kernels, an experiment: forward.py MM_STAGE_ACTIVATIONS): the activations
+// of every unit of the block's K range (at most STAGED units; the host splits K so) are loaded
+// at once and staged in shared memory before the loop, which then has no activation load and no
+// barrier per unit: the streaming kernel waits for one activation round trip per unit.
+template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false, int STAGED = 0>
 __device__ __forceinline__ void int4_mm_tc(
     const float* __restrict__ x, int ldx, int M,                 // x: [M, ldx], zero beyond K
     const uint4* __restrict__ qw, const u32* __restrict__ sz,    // "tc" layout
@@ -271,7 +275,7 @@ __device__ __forceinline__ void int4_mm_tc(
     constexpr int NACC = SPLIT ? 2 : 4;                          // results per tile and lane
     constexpr bool DOUBLE = NT <= 8;                             // 2 x 16 KB at most: static shared memory
     constexpr int PER_THREAD = (TOKENS * 64 + 255) / 256;
-    __shared__ uint2 frag[DOUBLE ? 2 : 1][8][NT][32];            // [buffer][k16 step][n8 tile][lane] B fragments
+    __shared__ uint2 frag[STAGED ? STAGED : (DOUBLE ? 2 : 1)][8][NT][32];   // [buffer or unit][k16 step][n8 tile][lane]
     __shared__ int is_last;
     __shared__ float denom[NORM ? TOKENS : 1];                   // the fused RMSNorm's per-token sqrt(mean + eps)
     __shared__ u64 best[EPI == EPI_ARGMAX ? TOKENS : 1];         // EPI_ARGMAX: the block's best key per token
@@ -360,7 +364,17 @@ __device__ __forceinline__ void int4_mm_tc(
 
     float2 xr[PER_THREAD];
     int cur = 0;                                                 // the buffer being multiplied
-    if (u_begin < u_end) {
+    if (STAGED) {                                                // every unit's loads in flight together
+        if (u_end - u_begin > STAGED) __trap();                  // the host's K split keeps to STAGED
+        float2 xs[STAGED ? STAGED : 1][PER_THREAD];
+#pragma unroll
+        for (int i = 0; i < STAGED; ++i)
+            if (u_begin + i < u_end)
+                load_unit_x<TOKENS, PER_THREAD>(xs[i], x, ldx, M, tok0, u_begin + i, dn, f.norm_w, f.norm_dim);
+#pragma unroll
+        for (int i = 0; i < STAGED; ++i)
+            if (u_begin + i < u_end) store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xs[i], frag[i]);
+    } else if (u_begin < u_end) {
         load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u_begin, dn, f.norm_w, f.norm_dim);
         store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[0]);
     }
@@ -375,7 +389,8 @@ __device__ __forceinline__ void int4_mm_tc(
                 pdl_launch_dependents();
                 signalled = true;
             }
-            if (DOUBLE) {
+            if (STAGED) {
+            } else if (DOUBLE) {
                 if (u + 1 < u_end) load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u + 1, dn, f.norm_w, f.norm_dim);
             } else if (u != u_begin) {
                 load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u, dn, f.norm_w, f.norm_dim);
@@ -404,7 +419,7 @@ __device__ __forceinline__ void int4_mm_tc(
                 dequant_word_zero(words[s], zf, a);
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    const uint2 b = frag[cur][s][j][lane];
+                    const uint2 b = frag[STAGED ? u - u_begin : cur][s][j][lane];
                     mma_16816(part[j], a, b.x, b.y);
                 }
                 if (((s + 1) & (steps_per_group - 1)) == 0) {    // the group ends: scale its products
@@ -436,6 +451,7 @@ __device__ __forceinline__ void int4_mm_tc(
                     }
                 }
             }
+            if (STAGED) continue;                                // nothing changes hands
             if (DOUBLE) {
                 if (u + 1 < u_end) store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[cur ^ 1]);
                 cur ^= 1;
@@ -505,6 +521,10 @@ __device__ __forceinline__ void int4_mm_tc(
 
 // exact (hi/lo activations): 4, 8, 16 tokens for decode, 64 for prefill
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4(MM_ARGS) { int4_mm_tc<1, true, 4>(MM_PASS); }
+// the staged experiment (forward.py MM_STAGE_ACTIVATIONS): x4 with 16 units of activations staged up front
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4s(MM_ARGS) {
+    int4_mm_tc<1, true, 4, EPI_STORE, false, 16>(MM_PASS);
+}
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x8(MM_ARGS) { int4_mm_tc<2, true, 4>(MM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x16(MM_ARGS) { int4_mm_tc<4, true, 2>(MM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x64(MM_ARGS) { int4_mm_tc<16, true, 1>(MM_PASS); }
@@ -523,25 +543,26 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
     const float* __restrict__ denoms
 #define MMF_STRUCT FusedArgs{norm_w, norm_dim, eps, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, \
     k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, tokens, denoms}
-#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) \
+#define MM_FUSED(NAME, NT, SPLIT, PREFETCH, STAGED) \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, true>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, true, STAGED>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f16(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, true>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, true, STAGED>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_silu(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, true>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, true, STAGED>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_gelu(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, true>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, true, STAGED>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_argmax(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, true>(MM_PASS, MMF_STRUCT); }
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, true, STAGED>(MM_PASS, MMF_STRUCT); }
 
-MM_FUSED(int4_mm_tc_x4, 1, true, 4)
-MM_FUSED(int4_mm_tc_x8, 2, true, 4)
-MM_FUSED(int4_mm_tc_x16, 4, true, 2)
-MM_FUSED(int4_mm_tc_x64, 16, true, 1)
-MM_FUSED(int4_mm_tc_h8, 1, false, 4)
-MM_FUSED(int4_mm_tc_h16, 2, false, 4)
-MM_FUSED(int4_mm_tc_h64, 8, false, 2)
+MM_FUSED(int4_mm_tc_x4, 1, true, 4, 0)
+MM_FUSED(int4_mm_tc_x4s, 1, true, 4, 16)
+MM_FUSED(int4_mm_tc_x8, 2, true, 4, 0)
+MM_FUSED(int4_mm_tc_x16, 4, true, 2, 0)
+MM_FUSED(int4_mm_tc_x64, 16, true, 1, 0)
+MM_FUSED(int4_mm_tc_h8, 1, false, 4, 0)
+MM_FUSED(int4_mm_tc_h16, 2, false, 4, 0)
+MM_FUSED(int4_mm_tc_h64, 8, false, 2, 0)
 
 // ------------------------------------------------------------------ layout conversion at load time
 

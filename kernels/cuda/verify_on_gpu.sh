@@ -26,7 +26,8 @@
 #   serve          `serve --backend cuda` (the embedded default model) driven by `bench load` at
 #                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
-#   sweep          bench-fused's decode (8B shape) with the INT4 products' K split to 1 and 4 blocks per SM
+#   sweep          bench-fused's decode (8B shape) by the staged decode products (profiled, an experiment),
+#                  then with the INT4 products' K split to 1 and 4 blocks per SM
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
 #   Logs and JSON go to $WORK/logs as they are written: $OUT holds two files (the device tool
@@ -47,7 +48,7 @@ PY="${PYTHON:-python3}"
 CARRY_LIMIT=$((64 * 1024 * 1024))      # bytes the device tool carries per call
 TOTAL_BUDGET=480                       # seconds for every phase together; the call's timeout_s is 540
 # name:seconds, in the order `all` runs them; the budgets sum to TOTAL_BUDGET at most
-PHASES="env:25 kernels:60 golden:50 serve:60 bench-fused:100 sweep:60 bench-unfused:70 sanitize:30"
+PHASES="env:25 kernels:60 golden:50 serve:60 bench-fused:100 sweep:75 bench-unfused:55 sanitize:30"
 SERVE_PORT=8123
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
@@ -261,7 +262,9 @@ bench_engine() {
 
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
-phase_sweep() {   # the INT4 products' K split at 1 and 4 blocks per SM (bench-fused's is 2), 8B shape
+phase_sweep() {   # 8B shape: the staged decode products (profiled), then the K split at 1 and 4 blocks per SM
+  "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16 --steps 20 --mm-staged --profile \
+    --json "$LOGS/sweep-staged.json" || return $?
   for n in 1 4; do
     "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16,64 --steps 20 --mm-blocks-per-sm $n \
       --json "$LOGS/sweep-$n.json" || return $?
