@@ -73,9 +73,14 @@ def cuda(config, tensors, **options):
 
 
 @pytest.mark.parametrize("options", [{}, dict(use_graphs=False), dict(pdl=False), dict(matmul="simt"),
-                                     dict(split_size=32), dict(fused=False), dict(fused=False, pdl=False)])
-def test_stories260k_greedy_matches_the_cpu_backend(stories, options):
+                                     dict(split_size=32), dict(fused=False), dict(fused=False, pdl=False),
+                                     dict(staged=True)])
+def test_stories260k_greedy_matches_the_cpu_backend(stories, options, monkeypatch):
     config, tensors, want = stories
+    if options.get("staged"):          # the staged decode products (forward.MM_STAGE_ACTIVATIONS, an experiment)
+        from tokenwire.kernels.cuda import forward
+        monkeypatch.setattr(forward, "MM_STAGE_ACTIVATIONS", True)
+        options = {k: v for k, v in options.items() if k != "staged"}
     ex = cuda(config, tensors, **options)
     try:
         got = run_greedy(ex, PROMPT, 120)
