@@ -12,8 +12,9 @@
 # prepare: the sm_90 cubin built with nvcc into .gpu/cuda-cache (the runtime finds it by the hash of
 #   the sources: no NVRTC compile there), stories260K into .gpu/shared/models (../shared does not
 #   travel), the cp312 manylinux wheels serving needs and the image lacks (h2, hpack, hyperframe,
-#   orjson) into .gpu/wheels; then checks the wheel names and that the carried size (the working tree
-#   as the tool sends it, plus .gpu) is under the tool's 64 MiB. .gitignore keeps .gpu/ out of git.
+#   orjson) into .gpu/wheels, the host path's C extensions for CPython 3.12 into .gpu/ext; then
+#   checks the wheel names and that the carried size (the working tree as the tool sends it, plus
+#   .gpu) is under the tool's 64 MiB. .gitignore keeps .gpu/ out of git.
 # all: the phases in PHASES, most valuable first, each under its own `timeout`, within one deadline
 #   of TOTAL_BUDGET seconds from the start, so a slow phase cuts only the tail:
 #   env            nvidia-smi, driver, compute capability, the imports, the cubin found by its hash;
@@ -71,7 +72,32 @@ prepare() {
       --cache-dir "$GPU_DIR/cuda-cache" || echo "prepare: no prebuilt cubin: the GPU machine will compile with NVRTC"
   fi
   prepare_wheels || return 1
+  prepare_extensions
   check_carry
+}
+
+# The serving host path's C extensions (net/protocol/_frames.c, core/_rows.c, net/writer/_columns.c:
+# Python.h and libc only) built for the image's CPython 3.12 into .gpu/ext, at their package paths;
+# setup_env copies them into the tree there. The ones setup.py builds here are for this machine's
+# Python, so without these the device runs their Python twins (same outputs, slower host path).
+# Needs a CPython 3.12 with its headers here (PYTHON312, else pyenv's); without one, says so.
+prepare_extensions() {
+  local py312="${PYTHON312:-$(ls /root/.pyenv/versions/3.12*/bin/python3 2>/dev/null | tail -1)}" inc suffix src out
+  rm -rf "$GPU_DIR/ext"
+  if [ -z "$py312" ] || ! inc="$("$py312" -c "import sysconfig; print(sysconfig.get_paths()['include'])")" \
+      || [ ! -f "$inc/Python.h" ]; then
+    echo "prepare: no CPython 3.12 with headers here (set PYTHON312): the device runs the host path's Python twins"
+    return 0
+  fi
+  suffix="$("$py312" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")"
+  for src in net/protocol/_frames.c core/_rows.c net/writer/_columns.c; do
+    out="$GPU_DIR/ext/${src%.c}$suffix"
+    mkdir -p "$(dirname "$out")"
+    cc -shared -fPIC -O2 -std=c11 -fvisibility=hidden -I core -I "$inc" "$src" -o "$out" \
+      || { echo "prepare: $src did not build for 3.12: the device runs its Python twin"; rm -f "$out"; }
+  done
+  echo "host extensions for $("$py312" -c 'import sys; print(sys.version.split()[0])'):" \
+    "$(cd "$GPU_DIR/ext" 2>/dev/null && find . -name '*.so' | sort | tr '\n' ' ')"
 }
 
 prepare_wheels() {
@@ -140,6 +166,8 @@ setup_env() {
     timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tw-site \
       "$GPU_DIR"/wheels/*.whl && export PYTHONPATH="/tmp/tw-site${PYTHONPATH:+:$PYTHONPATH}"
   fi
+  # the host path's C extensions built for this Python by prepare (their ABI tag keeps any other away)
+  [ -d "$GPU_DIR/ext" ] && cp -r "$GPU_DIR/ext/." "$REPO/"
   find_repo_package
   # the golden tests read ../shared/models (tests/conftest.py)
   if [ ! -f "$REPO/../shared/models/stories260K/stories260K.bin" ] && [ -d "$GPU_DIR/shared/models" ]; then
@@ -170,6 +198,14 @@ for name in ("tokenwire.kernels.cuda.executor", "tokenwire.serve", "tokenwire.be
     except Exception as exc:
         failed.append(f"{name}: {type(exc).__name__}: {exc}")
 print("imports:", "; ".join(failed) or "the CUDA path, serve and the benchmarks import")
+try:
+    from tokenwire.core import scheduler
+    from tokenwire.net.protocol import frames
+    from tokenwire.net.writer import dispatch
+    print("host C extensions:", ", ".join(f"{n} {'C' if ok else 'Python twin'}" for n, ok in
+          (("frames", frames.NATIVE), ("rows", scheduler.ROWS is not None), ("columns", dispatch.COLUMNS is not None))))
+except Exception as exc:
+    print(f"host C extensions: not checked ({type(exc).__name__}: {exc})")
 from tokenwire.kernels.cuda import build
 print(f"compilers: nvrtc {build.nvrtc_available()}, nvcc {build.nvcc_path()}; cubin cache {build.cache_dir()}")
 try:
@@ -352,7 +388,7 @@ key_figures() {      # from $LOGS: what a reader needs first, in at most about 1
   echo "-- env"
   if grep -q "^env: ok" "$LOGS/env.log" 2>/dev/null; then
     grep -A1 "^name, driver_version" "$LOGS/env.log" | tail -1
-    grep -E "^(gpu|cubin|imports|launch|env): " "$LOGS/env.log"
+    grep -E "^(gpu|cubin|imports|host C extensions|launch|env): " "$LOGS/env.log"
   else
     head -20 "$LOGS/env.log" 2>/dev/null | cut -c1-400
   fi
