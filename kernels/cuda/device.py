@@ -53,7 +53,8 @@ class Device:
     def launch(self, name: str, grid, block: int, stream, smem: int = 0, **args) -> None:
         """Launch one kernel (hot path during eager steps and graph capture)."""
         spec = SPECS[name]
-        grid = tuple(grid) + (1,) * (3 - len(grid))
+        if len(grid) != 3:
+            grid = (*grid, 1, 1)[:3]
         self.drv.launch(self.functions[name], grid, block, smem, stream, spec.param_types,
                         spec.bind(**args), pdl=self.pdl)
 

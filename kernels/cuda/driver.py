@@ -79,10 +79,12 @@ class ParamBuffer:
         offsets = [struct.calcsize("@" + "".join(codes[:i + 1])) - struct.calcsize("@" + codes[i])
                    for i in range(len(codes))]
         self.pointers = (ctypes.c_void_p * len(codes))(*[base + o for o in offsets])
+        self.address = ctypes.addressof(self.pointers)          # what cuLaunchKernel takes as kernelParams
+        self._packer = struct.Struct(self.format)
 
     def pack(self, args: Sequence) -> None:
         try:
-            struct.pack_into(self.format, self.buffer, 0, *args)
+            self._packer.pack_into(self.buffer, 0, *args)
         except struct.error as exc:
             raise ValueError(f"kernel arguments {tuple(args)!r} do not fit the signature {self.format[1:]!r}: {exc}") \
                 from None
@@ -144,16 +146,25 @@ class NativeLaunch:
     copies the config and the parameters during the call, so nothing here outlives it.
     TOKENWIRE_CUDA_LAUNCH=python turns it off (cuda-python's path, the reference)."""
 
+    # the config's bytes, packed in place: grid, block, smem, (pad), hStream, attrs, numAttrs
+    CONFIG = struct.Struct("@7IQQI")
+
     def __init__(self, library: str = LIBCUDA):
         self._fn = ctypes.CDLL(library).cuLaunchKernelEx
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._fn.restype = ctypes.c_int
         self._pdl = _LaunchAttribute(id=PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self._pdl_address = ctypes.addressof(self._pdl)
+        self._config = ctypes.create_string_buffer(ctypes.sizeof(_LaunchConfig))
+        self._config_address = ctypes.addressof(self._config)
+        assert self.CONFIG.size <= ctypes.sizeof(_LaunchConfig)
 
-    def __call__(self, function: int, grid, block: int, smem: int, stream: int, params, pdl: bool) -> int:
-        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(block, 1, 1), smem, stream,
-                               ctypes.addressof(self._pdl) if pdl else None, 1 if pdl else 0)
-        return self._fn(ctypes.byref(config), function, params, None)
+    def __call__(self, function: int, grid, block: int, smem: int, stream: int, params: int, pdl: bool) -> int:
+        """`params`: the address of the array of argument pointers. One config buffer is reused:
+        callers serialize (CudaDriver.launch holds LAUNCH_LOCK)."""
+        self.CONFIG.pack_into(self._config, 0, grid[0], grid[1], grid[2], block, 1, 1, smem, stream,
+                              self._pdl_address if pdl else 0, 1 if pdl else 0)
+        return self._fn(self._config_address, function, params, None)
 
 
 class CudaDriver:
@@ -348,7 +359,7 @@ class CudaDriver:
         with LAUNCH_LOCK:
             buf.pack(args)
             if self.native_launch is not None:
-                err = self.native_launch(int(function), grid, block, smem, int(stream), buf.pointers, pdl)
+                err = self.native_launch(int(function), grid, block, smem, int(stream), buf.address, pdl)
             else:
                 err = self._launch_cuda_python(function, grid, block, smem, stream, buf.pointers, pdl)
         if err:
