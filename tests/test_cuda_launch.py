@@ -1,4 +1,5 @@
-"""Kernel launches through ctypes (kernels/cuda/driver.py NativeLaunch), CPU only.
+"""Kernel launches and a step's other driver calls through ctypes (kernels/cuda/driver.py
+NativeLaunch, NativeStreamOps), CPU only.
 
 A stand-in libcuda compiled here against the real cuda.h records what its cuLaunchKernelEx
 was given, read through the header's own CUlaunchConfig and CUlaunchAttribute: so the
@@ -14,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tokenwire.kernels.cuda.driver import CTYPES, CudaDriver, CudaError, NativeLaunch, ParamBuffer
+from tokenwire.kernels.cuda.driver import CTYPES, CudaDriver, CudaError, NativeLaunch, NativeStreamOps, ParamBuffer
 from tokenwire.kernels.cuda.kernels import SPECS
 
 STUB = r"""
@@ -34,6 +35,27 @@ CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **params, 
     seen[15] = (unsigned long long)extra;
     return f == (CUfunction)0x77 ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
+
+/* the step's other calls (NativeStreamOps): each records its arguments, in order, into `ops` */
+unsigned long long ops[8];
+static CUresult record(unsigned long long a, unsigned long long b, unsigned long long c, unsigned long long d) {
+    ops[0] = a; ops[1] = b; ops[2] = c; ops[3] = d;
+    return a == 0x99 ? CUDA_ERROR_INVALID_HANDLE : CUDA_SUCCESS;
+}
+CUresult cuEventRecord(CUevent e, CUstream s) { return record((unsigned long long)e, (unsigned long long)s, 0, 0); }
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) {
+    return record((unsigned long long)s, (unsigned long long)e, flags, 0);
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) {
+    return record(dst, (unsigned long long)src, n, (unsigned long long)s);
+}
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) {
+    return record((unsigned long long)dst, src, n, (unsigned long long)s);
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+    return record(dst, src, n, (unsigned long long)s);
+}
+CUresult cuGraphLaunch(CUgraphExec g, CUstream s) { return record((unsigned long long)g, (unsigned long long)s, 0, 0); }
 """
 
 
@@ -120,3 +142,41 @@ def test_every_signature_packs_in_the_c_layout():
         assert [getattr(back, f) for f, _ in fields] == values, name
     with pytest.raises(ValueError, match="do not fit the signature"):
         ParamBuffer("pi").pack((1, 2.5))                 # a float where the kernel takes an int
+
+
+def test_the_step_s_other_calls_reach_the_driver_as_the_header_declares_them(libcuda_stub):
+    """CudaDriver's event, wait, copy and graph calls go through NativeStreamOps (never
+    cuda-python's wrappers) with their arguments in the header's order, and an error code comes
+    back as a CudaError naming the call."""
+    import numpy as np
+
+    class Handle:
+        def __init__(self, address):
+            self.address = address
+
+        def __int__(self):
+            return self.address
+
+    def wrapper_not_used(*args):
+        raise AssertionError("a cuda-python wrapper was called")
+    names = ("cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync",
+             "cuGraphLaunch")
+    drv = CudaDriver.__new__(CudaDriver)
+    drv.cu = SimpleNamespace(**{n: wrapper_not_used for n in names}, CUresult=lambda code: code,
+                             cuGetErrorName=lambda err: (0, b"CUDA_ERROR_INVALID_HANDLE"),
+                             cuGetErrorString=lambda err: (0, b"invalid resource handle"))
+    drv.native_ops = NativeStreamOps(libcuda_stub)
+    ops = (ctypes.c_ulonglong * 8).in_dll(ctypes.CDLL(libcuda_stub), "ops")
+    host = np.zeros(64, np.uint8)
+    stream, event = Handle(0x5000), Handle(0x6000)
+    calls = [(lambda: drv.event_record(event, stream), [0x6000, 0x5000, 0, 0]),
+             (lambda: drv.stream_wait_event(stream, event), [0x5000, 0x6000, 0, 0]),
+             (lambda: drv.memcpy_htod_async(0x7000, host, 48, stream), [0x7000, host.ctypes.data, 48, 0x5000]),
+             (lambda: drv.memcpy_dtoh_async(host, 0x7000, 40, stream), [host.ctypes.data, 0x7000, 40, 0x5000]),
+             (lambda: drv.memcpy_dtod_async(0x7000, 0x8000, 32, stream), [0x7000, 0x8000, 32, 0x5000]),
+             (lambda: drv.graph_launch(Handle(0x9000), stream), [0x9000, 0x5000, 0, 0])]
+    for call, want in calls:
+        call()
+        assert list(ops[:4]) == want
+    with pytest.raises(CudaError, match="cuGraphLaunch failed: CUDA_ERROR_INVALID_HANDLE"):
+        drv.graph_launch(Handle(0x99), stream)

@@ -167,7 +167,28 @@ class NativeLaunch:
         return self._fn(self._config_address, function, params, None)
 
 
+class NativeStreamOps:
+    """A step's other driver calls through ctypes, as libcuda exports them (cuda.h maps the async
+    copies to their _v2 symbols): event records, the stream wait, the pinned copies and the graph
+    launch, about eight a decode step. Handles go in as integers (cuda-python's through int()).
+    Off with TOKENWIRE_CUDA_LAUNCH=python, like NativeLaunch."""
+
+    _P, _U64, _SIZE = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t
+    SIGNATURES = {"cuEventRecord": (_P, _P), "cuStreamWaitEvent": (_P, _P, ctypes.c_uint),
+                  "cuMemcpyHtoDAsync_v2": (_U64, _P, _SIZE, _P), "cuMemcpyDtoHAsync_v2": (_P, _U64, _SIZE, _P),
+                  "cuMemcpyDtoDAsync_v2": (_U64, _U64, _SIZE, _P), "cuGraphLaunch": (_P, _P)}
+
+    def __init__(self, library: str = LIBCUDA):
+        lib = ctypes.CDLL(library)
+        for name, argtypes in self.SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+            setattr(self, name.removesuffix("_v2"), fn)
+
+
 class CudaDriver:
+    native_launch = native_ops = None       # set in __init__ unless TOKENWIRE_CUDA_LAUNCH=python
+
     def __init__(self, device_index: int = 0):
         self.cu = cu = import_driver()
         try:
@@ -187,12 +208,13 @@ class CudaDriver:
         except (OSError, AttributeError) as exc:  # cuInit worked, so libcuda is loaded: not expected
             log.warning("cuEventSynchronize through ctypes unavailable (%s): waits use cuda-python's wrapper", exc)
             self._native_sync = None
-        self.native_launch = None
+        self.native_launch = self.native_ops = None
         if os.environ.get("TOKENWIRE_CUDA_LAUNCH", "native") != "python":
             try:
-                self.native_launch = NativeLaunch()
+                self.native_launch, self.native_ops = NativeLaunch(), NativeStreamOps()
             except (OSError, AttributeError) as exc:   # a driver older than CUDA 11.8
-                log.warning("cuLaunchKernelEx through ctypes unavailable (%s): launches use cuda-python's", exc)
+                log.warning("the driver through ctypes is unavailable (%s): every call goes through cuda-python", exc)
+                self.native_launch = self.native_ops = None
         self._callbacks = {}                      # host-function key -> Python callable (kernels/trt only)
         self._next_key = 0
         self._host_fn_lock = threading.Lock()
@@ -255,15 +277,28 @@ class CudaDriver:
     def memset_async(self, ptr: int, nbytes: int, stream) -> None:
         self._check("cuMemsetD8Async", self.cu.cuMemsetD8Async(ptr, 0, int(nbytes), stream))
 
+    def _native_result(self, call: str, err: int) -> None:
+        if err:
+            self._check(call, (self.cu.CUresult(err),))
+
     def memcpy_htod_async(self, dst: int, src: np.ndarray, nbytes: int, stream) -> None:
         """`src` must stay alive (and unchanged) until the copy ran: pinned staging, or a
         pageable array followed by a stream synchronize."""
+        if self.native_ops is not None:
+            return self._native_result("cuMemcpyHtoDAsync", self.native_ops.cuMemcpyHtoDAsync(
+                dst, src.ctypes.data, int(nbytes), int(stream)))
         self._check("cuMemcpyHtoDAsync", self.cu.cuMemcpyHtoDAsync(dst, src.ctypes.data, int(nbytes), stream))
 
     def memcpy_dtoh_async(self, dst: np.ndarray, src: int, nbytes: int, stream) -> None:
+        if self.native_ops is not None:
+            return self._native_result("cuMemcpyDtoHAsync", self.native_ops.cuMemcpyDtoHAsync(
+                dst.ctypes.data, src, int(nbytes), int(stream)))
         self._check("cuMemcpyDtoHAsync", self.cu.cuMemcpyDtoHAsync(dst.ctypes.data, src, int(nbytes), stream))
 
     def memcpy_dtod_async(self, dst: int, src: int, nbytes: int, stream) -> None:
+        if self.native_ops is not None:
+            return self._native_result("cuMemcpyDtoDAsync", self.native_ops.cuMemcpyDtoDAsync(
+                dst, src, int(nbytes), int(stream)))
         self._check("cuMemcpyDtoDAsync", self.cu.cuMemcpyDtoDAsync(dst, src, int(nbytes), stream))
 
     # ------------------------------------------------------------ streams and events
@@ -279,6 +314,8 @@ class CudaDriver:
         self._check("cuStreamSynchronize", self.cu.cuStreamSynchronize(stream))
 
     def stream_wait_event(self, stream, event) -> None:
+        if self.native_ops is not None:
+            return self._native_result("cuStreamWaitEvent", self.native_ops.cuStreamWaitEvent(int(stream), int(event), 0))
         self._check("cuStreamWaitEvent", self.cu.cuStreamWaitEvent(stream, event, 0))
 
     def event_create(self, timing: bool = False, blocking: bool = False):
@@ -291,6 +328,8 @@ class CudaDriver:
         self._check("cuEventDestroy", self.cu.cuEventDestroy(event))
 
     def event_record(self, event, stream) -> None:
+        if self.native_ops is not None:
+            return self._native_result("cuEventRecord", self.native_ops.cuEventRecord(int(event), int(stream)))
         self._check("cuEventRecord", self.cu.cuEventRecord(event, stream))
 
     def event_query(self, event) -> bool:
@@ -398,6 +437,8 @@ class CudaDriver:
             self._check("cuGraphDestroy", self.cu.cuGraphDestroy(graph))
 
     def graph_launch(self, graph_exec, stream) -> None:
+        if self.native_ops is not None:
+            return self._native_result("cuGraphLaunch", self.native_ops.cuGraphLaunch(int(graph_exec), int(stream)))
         self._check("cuGraphLaunch", self.cu.cuGraphLaunch(graph_exec, stream))
 
     def graph_destroy(self, graph_exec) -> None:

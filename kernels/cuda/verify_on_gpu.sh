@@ -225,8 +225,9 @@ except Exception as exc:
 path = build.cached_path(f"sm_{cc[0]}{cc[1]}")
 print(f"cubin: {'prebuilt, found by its hash' if path.is_file() else 'NOT prebuilt: NVRTC compiles at first use'}: "
       f"{path.name}")
-# kernels launch through ctypes (driver.NativeLaunch); one kernel launched both ways must agree,
-# or the later phases fall back to cuda-python's launch (LOGS/../phase.env), saying so
+# kernels launch, and a step's copies and events go, through ctypes (driver.NativeLaunch,
+# NativeStreamOps); one upload, kernel and download done both ways must agree, or the later
+# phases fall back to cuda-python's wrappers (LOGS/../phase.env), saying so
 if getattr(drv, "native_launch", None) is not None:
     import numpy as np
     from tokenwire.kernels.cuda.device import Device
@@ -235,10 +236,10 @@ if getattr(drv, "native_launch", None) is not None:
     ptrs = [drv.mem_alloc(x.nbytes) for _ in range(3)]
     drv.memcpy_htod_async(ptrs[0], x, x.nbytes, dev.compute_stream)
     drv.memcpy_htod_async(ptrs[1], np.ones(64, np.float32), 256, dev.compute_stream)
-    results, native = {}, drv.native_launch
+    results, native = {}, (drv.native_launch, drv.native_ops)
     try:
-        for path, launcher in (("native", native), ("cuda-python", None)):
-            drv.native_launch = launcher
+        for path, (launcher, ops) in (("native", native), ("cuda-python", (None, None))):
+            drv.native_launch, drv.native_ops = launcher, ops
             drv.memset_async(ptrs[2], x.nbytes, dev.compute_stream)
             dev.launch("rmsnorm", (2,), 256, dev.compute_stream, x=ptrs[0], ldx=64, rows=0, w=ptrs[1], out=ptrs[2],
                        ldo=64, D=64, eps=1e-5, accumulate=0)
@@ -247,12 +248,12 @@ if getattr(drv, "native_launch", None) is not None:
             drv.stream_synchronize(dev.compute_stream)
             results[path] = got
         same = np.array_equal(results["native"], results["cuda-python"]) and np.abs(results["native"]).max() > 0
-        print(f"launch: ctypes cuLaunchKernelEx {'agrees with' if same else 'DIFFERS from'} cuda-python's launch")
+        print(f"launch: ctypes launch and copies {'agree with' if same else 'DIFFER from'} cuda-python's")
     except Exception as exc:
         same = False
-        print(f"launch: ctypes cuLaunchKernelEx FAILED: {type(exc).__name__}: {exc}")
+        print(f"launch: ctypes launch or copies FAILED: {type(exc).__name__}: {exc}")
     finally:
-        drv.native_launch = native
+        drv.native_launch, drv.native_ops = native
     if not same:
         with open(os.environ.get("VERIFY_PHASE_ENV", os.devnull), "w") as f:
             f.write("export TOKENWIRE_CUDA_LAUNCH=python\n")
