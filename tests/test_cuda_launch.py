@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from tokenwire.kernels.cuda.driver import CTYPES, CudaDriver, CudaError, NativeLaunch, NativeStreamOps, ParamBuffer
@@ -84,6 +85,26 @@ def seen(lib: str) -> list:
     return list((ctypes.c_ulonglong * 16).in_dll(ctypes.CDLL(lib), "seen"))
 
 
+class Handle:                                         # cuda-python handles give their address through int()
+    def __init__(self, address):
+        self.address = address
+
+    def __int__(self):
+        return self.address
+
+
+def driver_without_wrappers(*names) -> CudaDriver:
+    """A CudaDriver whose cuda-python wrappers `names` fail the test if called; errors named as the
+    real one names them."""
+    def wrapper_not_used(*args):
+        raise AssertionError("a cuda-python wrapper was called")
+    drv = CudaDriver.__new__(CudaDriver)
+    drv.cu = SimpleNamespace(**{n: wrapper_not_used for n in names}, CUresult=lambda code: code,
+                             cuGetErrorName=lambda err: (0, b"CUDA_ERROR_INVALID_HANDLE"),
+                             cuGetErrorString=lambda err: (0, b"invalid resource handle"))
+    return drv
+
+
 def params(*values) -> ctypes.Array:
     boxed = [ctypes.c_uint64(values[0]), ctypes.c_int32(values[1]), ctypes.c_float(values[2])]
     array = (ctypes.c_void_p * 3)(*[ctypes.addressof(v) for v in boxed])
@@ -104,20 +125,7 @@ def test_the_header_reads_what_ctypes_wrote(libcuda_stub, pdl):
 def test_the_driver_launches_through_ctypes_and_names_errors(libcuda_stub):
     """CudaDriver.launch packs the parameters by the kernel's type codes, goes to the ctypes call
     (never cuda-python's wrapper) and turns an error code into a CudaError naming the call."""
-    class Handle:                                     # cuda-python handles give their address through int()
-        def __init__(self, address):
-            self.address = address
-
-        def __int__(self):
-            return self.address
-
-    def wrapper_not_used(*args):
-        raise AssertionError("cuda-python's cuLaunchKernelEx was called")
-    drv = CudaDriver.__new__(CudaDriver)
-    drv.cu = SimpleNamespace(cuLaunchKernelEx=wrapper_not_used, cuLaunchKernel=wrapper_not_used,
-                             CUresult=lambda code: code,
-                             cuGetErrorName=lambda err: (0, b"CUDA_ERROR_INVALID_HANDLE"),
-                             cuGetErrorString=lambda err: (0, b"invalid resource handle"))
+    drv = driver_without_wrappers("cuLaunchKernelEx", "cuLaunchKernel")
     drv.native_launch = NativeLaunch(libcuda_stub)
     drv.launch(Handle(0x77), (2, 1, 1), 128, 0, Handle(0x5000), "pif", (0x1000, 3, 0.125), pdl=True)
     assert seen(libcuda_stub)[:14] == [2, 1, 1, 128, 1, 1, 0, 0x5000, 1, 6, 1, 0x77, 0x1000, 3]
@@ -148,23 +156,8 @@ def test_the_step_s_other_calls_reach_the_driver_as_the_header_declares_them(lib
     """CudaDriver's event, wait, copy and graph calls go through NativeStreamOps (never
     cuda-python's wrappers) with their arguments in the header's order, and an error code comes
     back as a CudaError naming the call."""
-    import numpy as np
-
-    class Handle:
-        def __init__(self, address):
-            self.address = address
-
-        def __int__(self):
-            return self.address
-
-    def wrapper_not_used(*args):
-        raise AssertionError("a cuda-python wrapper was called")
-    names = ("cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyDtoDAsync",
-             "cuGraphLaunch")
-    drv = CudaDriver.__new__(CudaDriver)
-    drv.cu = SimpleNamespace(**{n: wrapper_not_used for n in names}, CUresult=lambda code: code,
-                             cuGetErrorName=lambda err: (0, b"CUDA_ERROR_INVALID_HANDLE"),
-                             cuGetErrorString=lambda err: (0, b"invalid resource handle"))
+    drv = driver_without_wrappers("cuEventRecord", "cuStreamWaitEvent", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync",
+                                  "cuMemcpyDtoDAsync", "cuGraphLaunch")
     drv.native_ops = NativeStreamOps(libcuda_stub)
     ops = (ctypes.c_ulonglong * 8).in_dll(ctypes.CDLL(libcuda_stub), "ops")
     host = np.zeros(64, np.uint8)
