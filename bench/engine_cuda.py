@@ -37,8 +37,8 @@ from ..core.config import ModelConfig
 from ..core.executor import SeqStep
 from ..core.options import DEFAULTS
 from ..core.sampling_params import SamplingParams
-from ..kernels.cuda.driver import CudaDriver, CudaUnavailable, capture_graph
 from ..kernels.cuda import forward
+from ..kernels.cuda.driver import CudaDriver, CudaUnavailable, capture_graph
 from ..kernels.cuda.executor import CudaExecutor, CudaOptions
 from ..kernels.cuda.weights import linear_bytes
 from .shapes import all_shapes, random_engine
@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedding", default="int4", choices=("fp16", "int8", "int4"),
                         help="embedding and lm_head encoding (default: %(default)s)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    parser.add_argument("--profile", action="store_true", help="time every kernel of a decode step alone, at the smallest and largest batch")
+    parser.add_argument("--profile", action="store_true",
+                        help="time every kernel of a decode step alone, at the smallest and the largest batch")
     add_cuda_arguments(parser)
 
 

@@ -124,7 +124,7 @@ class NativeEventSync:
 
 
 class _LaunchConfig(ctypes.Structure):
-    """cuda.h's CUlaunchConfig (56 bytes on x86-64; tests/test_cuda_driver.py checks the offsets
+    """cuda.h's CUlaunchConfig (56 bytes on x86-64; tests/test_cuda_launch.py checks the offsets
     against the header with the C compiler)."""
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
