@@ -318,7 +318,8 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
               f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
               f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.int4_activations} "
               f"activations), pdl {dev.pdl}, {'fused' if ex.options.fused else 'unfused'} kernels, "
-              f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM{', staged decode products' if forward.MM_STAGE_ACTIVATIONS else ''}")
+              f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM"
+              f"{', staged decode products' if forward.MM_STAGE_ACTIVATIONS else ''}")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
               f"= {weights / roofline * 1e3:.3f} ms per step")

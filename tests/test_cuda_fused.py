@@ -7,7 +7,8 @@ the fused epilogue's row order (kernels/cuda/layout.py) for the fused kernel.
 - silu / gelu:         rmsnorm -> gate_up -> glu_*        (the activation)
 - argmax:              rmsnorm -> lm_head -> argmax_rows  (logits and greedy ids)
 Shapes cross every tensor-core tile (M = 1 .. 64), K splits (few rows, long K) and the exact and
-fp16 activation modes, and the staged twins of the decode kernels (forward.MM_STAGE_ACTIVATIONS); each fused launch runs twice, since its counters must re-arm themselves.
+fp16 activation modes, and the staged twins of the decode kernels (forward.MM_STAGE_ACTIVATIONS);
+each fused launch runs twice, since its counters must re-arm themselves.
 The RMSNorm prologue keeps rmsnorm.cu's order of operations, so results agree to rounding.
 The fused attention (combine folded into the last split) is tested in test_cuda_kernels.py.
 """

@@ -315,7 +315,8 @@ class CudaDriver:
 
     def stream_wait_event(self, stream, event) -> None:
         if self.native_ops is not None:
-            return self._native_result("cuStreamWaitEvent", self.native_ops.cuStreamWaitEvent(int(stream), int(event), 0))
+            return self._native_result("cuStreamWaitEvent",
+                                       self.native_ops.cuStreamWaitEvent(int(stream), int(event), 0))
         self._check("cuStreamWaitEvent", self.cu.cuStreamWaitEvent(stream, event, 0))
 
     def event_create(self, timing: bool = False, blocking: bool = False):

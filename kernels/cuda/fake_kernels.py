@@ -395,4 +395,5 @@ EMULATORS = {
     "compute_logprobs": _logprobs,
 }
 for _plain, (_twin, _) in MM_STAGED.items():       # a staged twin computes what its kernel does
-    EMULATORS.update({_twin: EMULATORS[_plain], **{f"{_twin}_{e}": EMULATORS[f"{_plain}_{e}"] for e in FUSED_EPILOGUES}})
+    EMULATORS.update({_twin: EMULATORS[_plain],
+                      **{f"{_twin}_{e}": EMULATORS[f"{_plain}_{e}"] for e in FUSED_EPILOGUES}})
