@@ -84,7 +84,10 @@ def extensions():
     slots = dict(include_dirs=["core"], depends=[os.path.join("core", "_slots.h")], extra_compile_args=plain)
     exts = [Extension("tokenwire.net.protocol._frames", sources=[os.path.join("net", "protocol", "_frames.c")], **slots),
             Extension("tokenwire.core._rows", sources=[os.path.join("core", "_rows.c")], **slots),
-            Extension("tokenwire.net.writer._columns", sources=[os.path.join("net", "writer", "_columns.c")], **slots)]
+            Extension("tokenwire.net.writer._columns", sources=[os.path.join("net", "writer", "_columns.c")], **slots),
+            # a CUDA kernel launch in one C call (libcuda found at run time: no CUDA needed to build)
+            Extension("tokenwire.kernels.cuda._launch", sources=[os.path.join("kernels", "cuda", "_launch.c")],
+                      extra_compile_args=plain, extra_link_args=["-ldl"])]
     sources = cpu_kernel_sources()
     if not sources:
         return exts

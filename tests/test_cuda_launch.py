@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tokenwire.kernels.cuda.driver import CTYPES, CudaDriver, CudaError, NativeLaunch, NativeStreamOps, ParamBuffer
+from tokenwire.kernels.cuda.driver import (C_LAUNCH, CTYPES, CudaDriver, CudaError, NativeLaunch, NativeStreamOps,
+                                            ParamBuffer)
 from tokenwire.kernels.cuda.kernels import SPECS
 
 STUB = r"""
@@ -113,26 +114,52 @@ def params(*values) -> ctypes.Array:
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-def test_the_header_reads_what_ctypes_wrote(libcuda_stub, pdl):
+@pytest.mark.parametrize("path", ["ctypes", "c"])
+def test_the_header_reads_what_ctypes_wrote(libcuda_stub, pdl, path):
+    """Both launch paths: NativeLaunch's ctypes call, and kernels/cuda/_launch.c's (setup.py builds it)."""
     launch = NativeLaunch(libcuda_stub)
-    assert launch(0x77, (7, 5, 3), 256, 48 * 1024, 0xABC0, params(0xDEADBEEF00, -12, 2.5), pdl) == 0
+    if path == "c":
+        assert C_LAUNCH is not None, "kernels/cuda/_launch.c was not built (setup.py)"
+        assert C_LAUNCH.launch(launch.entry, 0x77, 7, 5, 3, 256, 48 * 1024, 0xABC0, pdl, "pif",
+                               (0xDEADBEEF00, -12, 2.5)) == 0
+    else:
+        assert launch(0x77, (7, 5, 3), 256, 48 * 1024, 0xABC0, params(0xDEADBEEF00, -12, 2.5), pdl) == 0
     s = seen(libcuda_stub)
     assert s[:8] == [7, 5, 3, 256, 1, 1, 48 * 1024, 0xABC0]
     assert s[8:11] == ([1, 6, 1] if pdl else [0, 99, 99])   # 6: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
     assert s[11:] == [0x77, 0xDEADBEEF00, (-12) % 2**64, 2500, 0]
 
 
-def test_the_driver_launches_through_ctypes_and_names_errors(libcuda_stub):
-    """CudaDriver.launch packs the parameters by the kernel's type codes, goes to the ctypes call
-    (never cuda-python's wrapper) and turns an error code into a CudaError naming the call."""
+@pytest.mark.parametrize("c_launch", [C_LAUNCH, None], ids=["c", "ctypes"])
+def test_the_driver_launches_natively_and_names_errors(libcuda_stub, c_launch):
+    """CudaDriver.launch converts the parameters by the kernel's type codes, calls libcuda in C
+    (_launch.c) or through ctypes (never cuda-python's wrapper) and turns an error code into a
+    CudaError naming the call."""
     drv = driver_without_wrappers("cuLaunchKernelEx", "cuLaunchKernel")
-    drv.native_launch = NativeLaunch(libcuda_stub)
+    drv.native_launch = NativeLaunch(libcuda_stub, c_launch=c_launch)
+    assert (drv.native_launch.c_launch is None) == (c_launch is None)
     drv.launch(Handle(0x77), (2, 1, 1), 128, 0, Handle(0x5000), "pif", (0x1000, 3, 0.125), pdl=True)
     assert seen(libcuda_stub)[:14] == [2, 1, 1, 128, 1, 1, 0, 0x5000, 1, 6, 1, 0x77, 0x1000, 3]
     with pytest.raises(CudaError, match="cuLaunchKernelEx failed: CUDA_ERROR_INVALID_HANDLE"):
         drv.launch(Handle(0x78), (1, 1, 1), 32, 0, Handle(0x5000), "pif", (0, 0, 0.0))
+    (ctypes.c_ulonglong * 16).in_dll(ctypes.CDLL(libcuda_stub), "seen")[0] = 12345      # no launch leaves it
     with pytest.raises(ValueError):                   # a parameter list of the wrong length never launches
         drv.launch(Handle(0x77), (1, 1, 1), 32, 0, Handle(0x5000), "pif", (0, 0))
+    for bad in ((0, 2.5, 0.0), (0, 2**31, 0.0), (-1, 0, 0.0), ("x", 0, 0.0)):   # none converts: nothing launches
+        with pytest.raises((TypeError, OverflowError, ValueError)):
+            drv.launch(Handle(0x77), (1, 1, 1), 32, 0, Handle(0x5000), "pif", bad)
+    assert seen(libcuda_stub)[0] == 12345
+
+
+def test_the_c_launch_refuses_what_it_cannot_convert():
+    if C_LAUNCH is None:
+        pytest.skip("kernels/cuda/_launch.c was not built")
+    with pytest.raises(OSError, match="dlopen"):
+        C_LAUNCH.bind("/nonexistent/libcuda.so.1")
+    with pytest.raises(ValueError, match="unknown type code 'q'"):
+        C_LAUNCH.launch(1, 1, 1, 1, 1, 32, 0, 0, False, "q", (1,))
+    with pytest.raises(TypeError, match="11 arguments"):
+        C_LAUNCH.launch(1, 2)
 
 
 def test_every_signature_packs_in_the_c_layout():

@@ -76,8 +76,9 @@ prepare() {
   check_carry
 }
 
-# The serving host path's C extensions (net/protocol/_frames.c, core/_rows.c, net/writer/_columns.c:
-# Python.h and libc only) built for the image's CPython 3.12 into .gpu/ext, at their package paths;
+# The serving host path's C extensions (net/protocol/_frames.c, core/_rows.c, net/writer/_columns.c,
+# kernels/cuda/_launch.c: Python.h and libc only) built for the image's CPython 3.12 into .gpu/ext, at
+# their package paths;
 # setup_env copies them into the tree there. The ones setup.py builds here are for this machine's
 # Python, so without these the device runs their Python twins (same outputs, slower host path).
 # Needs a CPython 3.12 with its headers here (PYTHON312, else pyenv's); without one, says so.
@@ -90,10 +91,10 @@ prepare_extensions() {
     return 0
   fi
   suffix="$("$py312" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")"
-  for src in net/protocol/_frames.c core/_rows.c net/writer/_columns.c; do
+  for src in net/protocol/_frames.c core/_rows.c net/writer/_columns.c kernels/cuda/_launch.c; do
     out="$GPU_DIR/ext/${src%.c}$suffix"
     mkdir -p "$(dirname "$out")"
-    cc -shared -fPIC -O2 -std=c11 -fvisibility=hidden -I core -I "$inc" "$src" -o "$out" \
+    cc -shared -fPIC -O2 -std=c11 -fvisibility=hidden -I core -I "$inc" "$src" -o "$out" -ldl \
       || { echo "prepare: $src did not build for 3.12: the device runs its Python twin"; rm -f "$out"; }
   done
   echo "host extensions for $("$py312" -c 'import sys; print(sys.version.split()[0])'):" \
@@ -202,8 +203,10 @@ try:
     from tokenwire.core import scheduler
     from tokenwire.net.protocol import frames
     from tokenwire.net.writer import dispatch
+    from tokenwire.kernels.cuda import driver as cuda_driver
     print("host C extensions:", ", ".join(f"{n} {'C' if ok else 'Python twin'}" for n, ok in
-          (("frames", frames.NATIVE), ("rows", scheduler.ROWS is not None), ("columns", dispatch.COLUMNS is not None))))
+          (("frames", frames.NATIVE), ("rows", scheduler.ROWS is not None), ("columns", dispatch.COLUMNS is not None),
+           ("launch", cuda_driver.C_LAUNCH is not None))))
 except Exception as exc:
     print(f"host C extensions: not checked ({type(exc).__name__}: {exc})")
 from tokenwire.kernels.cuda import build
