@@ -1,7 +1,8 @@
-"""Build tokenwire: one import namespace over the repository's top-level folders, plus four C
+"""Build tokenwire: one import namespace over the repository's top-level folders, plus five C
 extensions: the CPU kernels (kernels/cpu/src), the per-step HTTP/2 DATA framing
-(net/protocol/_frames.c), and the common case of the per-row loops of the scheduler
-(core/_rows.c) and of the step writer (net/writer/_columns.c).
+(net/protocol/_frames.c), the common case of the per-row loops of the scheduler
+(core/_rows.c) and of the step writer (net/writer/_columns.c), and a CUDA kernel launch in one
+C call (kernels/cuda/_launch.c: libcuda is looked up at run time, so it builds without CUDA).
 
 The repository keeps the design's layout (core/, kernels/, net/, engine_build/, bench/);
 `package_dir` maps each folder onto `tokenwire.<folder>`, so site-packages gets one
@@ -9,8 +10,9 @@ The repository keeps the design's layout (core/, kernels/, net/, engine_build/, 
 
 The C extensions are optional at install time: with no working compiler the install still
 succeeds and tokenwire falls back to the numpy reference kernels, printing one warning
-when the CPU backend starts, to the same framing in Python (net/protocol/frames.py), and to
-the Python loop bodies (core/scheduler.py, net/writer/dispatch.py).
+when the CPU backend starts, to the same framing in Python (net/protocol/frames.py), to
+the Python loop bodies (core/scheduler.py, net/writer/dispatch.py), and to the launch through
+ctypes (kernels/cuda/driver.py NativeLaunch).
 With TOKENWIRE_REQUIRE_C=1 in the environment (CI sets it, in scripts/test.sh) an extension
 that fails to compile fails the install instead, loudly.
 """
