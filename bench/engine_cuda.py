@@ -14,7 +14,8 @@ Per shape:
 3. Per batch size B, decode steps of B one-token sequences at context --context, replayed from
    the bucket's CUDA graph: tokens/s from the median wall step (launch + wait); weight bytes
    read per step / step time = achieved bandwidth, and its fraction of the copy roofline;
-   host time per step (the `launch` call alone); completion-to-ring: from the step's "done"
+   host time per step (the `launch` call alone: wall, and the engine thread's CPU time, which
+   another process's time slices do not inflate); completion-to-ring: from the step's "done"
    event (sampling finished) to its ids in the pinned ring, on the GPU clock (event timing)
    and as the host sees it (spinning on both events).
 4. Prefill tokens/s: one eager step of --prefill-tokens tokens (sequences of --prompt-len).
@@ -130,17 +131,18 @@ def decode_steps(batch: int, context: int, step: int, vocab_size: int, per_seq: 
 
 
 def time_decode(executor, batch: int, context: int, num_steps: int) -> dict:
-    """Median wall time per step, host launch time, and completion-to-ring (GPU and host views)."""
+    """Median wall time per step, host launch time (wall, and the thread's CPU time: what the host
+    did, without another process's time slices), and completion-to-ring (GPU and host views)."""
     drv, vocab = executor.drv, executor.config.vocab_size
     per_seq = blocks_per_seq(context, num_steps)
     for i in range(WARMUP_STEPS):                                    # warm-up (and graph capture)
         executor.step(decode_steps(batch, context, i, vocab, per_seq))
-    wall, host, ring_gpu, ring_host = [], [], [], []
+    wall, host, host_cpu, ring_gpu, ring_host = [], [], [], [], []
     for i in range(num_steps):
         seqs = decode_steps(batch, context, WARMUP_STEPS + i, vocab, per_seq)
-        t0 = time.perf_counter_ns()
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
         handle = executor.launch(seqs)
-        t1 = time.perf_counter_ns()
+        t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         slot = executor.ring[handle.slot]
         while not drv.event_query(slot.done):
             pass
@@ -152,9 +154,11 @@ def time_decode(executor, batch: int, context: int, num_steps: int) -> dict:
         t4 = time.perf_counter_ns()
         wall.append((t4 - t0) / 1e9)
         host.append((t1 - t0) / 1e3)
+        host_cpu.append((c1 - c0) / 1e3)
         ring_host.append((t3 - t2) / 1e3)
         ring_gpu.append(drv.event_elapsed_ms(slot.done, slot.ready) * 1e3)
     return {"step_s": statistics.median(wall), "host_us": statistics.median(host),
+            "host_cpu_us": statistics.median(host_cpu),
             "ring_gpu_us": statistics.median(ring_gpu), "ring_host_us": statistics.median(ring_host),
             "graph": handle.graph}
 
@@ -324,7 +328,7 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
               f"= {weights / roofline * 1e3:.3f} ms per step")
         print(f"   {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'weights TB/s':>12} {'% roofline':>10} "
-              f"{'host us/step':>12} {'ring us gpu':>11} {'ring us host':>12} {'KV MB/step':>10}")
+              f"{'host us/step':>12} {'host cpu us':>11} {'ring us gpu':>11} {'ring us host':>12} {'KV MB/step':>10}")
         prefill = time_prefill(ex, min(args.prompt_len, args.prefill_tokens), args.prefill_tokens)
         rows = []
         for batch in parse_batches(args.batch):
@@ -336,14 +340,16 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
                    "prefill_tokens_per_s": prefill, "weight_bytes_per_token": weights / batch,
                    "weight_bytes_per_step": weights, "read_bandwidth_bytes_per_s": roofline,
                    "achieved_bytes_per_s": weights / t["step_s"], "roofline_fraction": weights / roofline / t["step_s"],
-                   "host_us_per_step": t["host_us"], "ring_us_gpu": t["ring_gpu_us"], "ring_us_host": t["ring_host_us"],
+                   "host_us_per_step": t["host_us"], "host_cpu_us_per_step": t["host_cpu_us"],
+                   "ring_us_gpu": t["ring_gpu_us"], "ring_us_host": t["ring_host_us"],
                    "graph": t["graph"], "kv_bytes_per_step": kv, "context": args.context, "pdl": dev.pdl,
                    "fused": ex.options.fused,
                    "group_size": args.group_size, "embedding": args.embedding, "kv_dtype": args.kv_dtype,
                    "activations": args.int4_activations}
             print(f"   {batch:>5} {row['decode_tokens_per_s']:>13.1f} {row['decode_step_ms']:>8.3f} "
                   f"{row['achieved_bytes_per_s'] / 1e12:>12.2f} {100 * row['roofline_fraction']:>9.1f}% "
-                  f"{row['host_us_per_step']:>12.1f} {row['ring_us_gpu']:>11.1f} {row['ring_us_host']:>12.1f} {kv / 1e6:>10.1f}")
+                  f"{row['host_us_per_step']:>12.1f} {row['host_cpu_us_per_step']:>11.1f} {row['ring_us_gpu']:>11.1f} "
+                  f"{row['ring_us_host']:>12.1f} {kv / 1e6:>10.1f}")
             rows.append(row)
         print(f"   prefill: {prefill:.0f} tokens/s ({args.prefill_tokens} tokens per step, "
               f"sequences of {min(args.prompt_len, args.prefill_tokens)})")

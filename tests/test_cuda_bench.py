@@ -27,7 +27,7 @@ def test_bench_rows_and_profile(tmp_path, monkeypatch, capsys):
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
         for key in ("decode_tokens_per_s", "prefill_tokens_per_s", "roofline_fraction", "read_bandwidth_bytes_per_s",
-                    "host_us_per_step", "ring_us_gpu", "ring_us_host", "weight_bytes_per_token"):
+                    "host_us_per_step", "host_cpu_us_per_step", "ring_us_gpu", "ring_us_host", "weight_bytes_per_token"):
             assert r[key] > 0, key
         assert r["graph"] is True
     text = capsys.readouterr().out
