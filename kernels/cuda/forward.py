@@ -19,6 +19,7 @@ Contract:
 Shapes follow kernels/model.py: h [T, D] residual stream, qkv [T, Hq*hd + 2 Hkv*hd], ...
 """
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -178,13 +179,19 @@ class MatmulPlan(NamedTuple):
 
 def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
     """Tensor-core kernel, grid and K split for an INT4 product of M tokens: enough blocks for
-    MM_BLOCKS_PER_SM per SM, splitting K when the rows alone are too few (decode of a small matrix)."""
+    MM_BLOCKS_PER_SM per SM, splitting K when the rows alone are too few (decode of a small matrix).
+    (Hot path: every eager product; remembered per shape and knob setting.)"""
+    return _matmul_plan(lin.N, lin.Kp, M, num_sms, mode, MM_BLOCKS_PER_SM, MM_STAGE_ACTIVATIONS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _matmul_plan(N: int, Kp: int, M: int, num_sms: int, mode: str, blocks_per_sm: int, staged: bool) -> MatmulPlan:
     tokens, kernel = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
-    Np, num_units = round_up(lin.N, MM_ROWS), lin.Kp // 128
+    Np, num_units = round_up(N, MM_ROWS), Kp // 128
     row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)
-    blocks, target = row_blocks * tiles, MM_BLOCKS_PER_SM * num_sms
+    blocks, target = row_blocks * tiles, blocks_per_sm * num_sms
     ksplit = 1 if blocks >= target else min(num_units, -(-target // blocks))
-    if MM_STAGE_ACTIVATIONS and kernel in MM_STAGED:
+    if staged and kernel in MM_STAGED:
         kernel, most = MM_STAGED[kernel]
         ksplit = max(ksplit, -(-num_units // most))
     ups = -(-num_units // ksplit)
