@@ -201,14 +201,16 @@ def step_launches(executor, batch: int, context: int) -> list:
 
 def launch_host_us(executor, batch: int, context: int, rounds: int = 5) -> dict:
     """Host microseconds per eager kernel launch (what prefill and sampled steps pay per kernel),
-    by launch path: the ctypes cuLaunchKernelEx (NativeLaunch) and cuda-python's wrapper, the
-    launches of one decode step replayed back to back, median of `rounds`. -> {path: us}"""
+    by launch path: cuLaunchKernelEx from C (_launch.c) or through ctypes (NativeLaunch), and
+    cuda-python's wrapper; the launches of one decode step replayed back to back, median of
+    `rounds`. -> {path: us}"""
     drv, dev = executor.drv, executor.dev
     launches = step_launches(executor, batch, context)
     native, out = getattr(drv, "native_launch", None), {}
     try:
-        for path, launcher in (("native", native), ("cuda-python", None)):
-            if path == "native" and native is None:
+        which = "native C" if getattr(native, "c_launch", None) is not None else "native ctypes"
+        for path, launcher in ((which, native), ("cuda-python", None)):
+            if launcher is None and path != "cuda-python":
                 continue
             drv.native_launch = launcher
             times = []
