@@ -167,8 +167,13 @@ setup_env() {
     timeout 60 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/tw-site \
       "$GPU_DIR"/wheels/*.whl && export PYTHONPATH="/tmp/tw-site${PYTHONPATH:+:$PYTHONPATH}"
   fi
-  # the host path's C extensions built for this Python by prepare (their ABI tag keeps any other away)
-  [ -d "$GPU_DIR/ext" ] && cp -r "$GPU_DIR/ext/." "$REPO/"
+  # the host path's C extensions prepare built for the image's Python: copied in only for a Python
+  # of that ABI (a rehearsal here leaves the tree alone)
+  if [ -d "$GPU_DIR/ext" ]; then
+    local suffix f
+    suffix="$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")"
+    while IFS= read -r f; do cp "$GPU_DIR/ext/$f" "$REPO/$f"; done < <(cd "$GPU_DIR/ext" && find . -name "*$suffix")
+  fi
   find_repo_package
   # the golden tests read ../shared/models (tests/conftest.py)
   if [ ! -f "$REPO/../shared/models/stories260K/stories260K.bin" ] && [ -d "$GPU_DIR/shared/models" ]; then
