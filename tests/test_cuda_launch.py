@@ -151,15 +151,21 @@ def test_the_driver_launches_natively_and_names_errors(libcuda_stub, c_launch):
     assert seen(libcuda_stub)[0] == 12345
 
 
-def test_the_c_launch_refuses_what_it_cannot_convert():
-    if C_LAUNCH is None:
-        pytest.skip("kernels/cuda/_launch.c was not built")
+def test_the_c_launch_refuses_what_it_cannot_convert(libcuda_stub):
+    assert C_LAUNCH is not None, "kernels/cuda/_launch.c was not built (setup.py)"
     with pytest.raises(OSError, match="dlopen"):
         C_LAUNCH.bind("/nonexistent/libcuda.so.1")
+    entry = C_LAUNCH.bind(libcuda_stub)                  # a call that got through would reach the stub
+    (ctypes.c_ulonglong * 16).in_dll(ctypes.CDLL(libcuda_stub), "seen")[0] = 12345
     with pytest.raises(ValueError, match="unknown type code 'q'"):
-        C_LAUNCH.launch(1, 1, 1, 1, 1, 32, 0, 0, False, "q", (1,))
+        C_LAUNCH.launch(entry, 0x77, 1, 1, 1, 32, 0, 0, False, "q", (1,))
     with pytest.raises(TypeError, match="11 arguments"):
-        C_LAUNCH.launch(1, 2)
+        C_LAUNCH.launch(entry, 2)
+    with pytest.raises(OverflowError):                    # a negative grid dimension
+        C_LAUNCH.launch(entry, 0x77, -1, 1, 1, 32, 0, 0, False, "p", (1,))
+    with pytest.raises(OverflowError):                    # a grid dimension past 32 bits
+        C_LAUNCH.launch(entry, 0x77, 2**32, 1, 1, 32, 0, 0, False, "p", (1,))
+    assert seen(libcuda_stub)[0] == 12345
 
 
 def test_every_signature_packs_in_the_c_layout():

@@ -57,13 +57,22 @@ static PyObject *py_launch(PyObject *self, PyObject *const *argv, Py_ssize_t arg
     launch_config config;
     memset(&config, 0, sizeof config);
     void *function = PyLong_AsVoidPtr(argv[0]);
-    for (int i = 0; i < 3; ++i) config.grid[i] = (unsigned)PyLong_AsUnsignedLong(argv[1 + i]);
-    config.block[0] = (unsigned)PyLong_AsUnsignedLong(argv[4]);
+    if (function == NULL && PyErr_Occurred()) return NULL;
+    unsigned dims[5];                                   /* grid x, y, z, block, smem */
+    for (int i = 0; i < 5; ++i) {
+        unsigned long d = PyLong_AsUnsignedLong(argv[1 + i]);
+        if (d == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+        if (d > UINT32_MAX) return PyErr_Format(PyExc_OverflowError, "launch dimension %d: %lu", i, d);
+        dims[i] = (unsigned)d;
+    }
+    memcpy(config.grid, dims, sizeof config.grid);
+    config.block[0] = dims[3];
     config.block[1] = config.block[2] = 1;
-    config.smem = (unsigned)PyLong_AsUnsignedLong(argv[5]);
+    config.smem = dims[4];
     config.stream = PyLong_AsVoidPtr(argv[6]);
+    if (config.stream == NULL && PyErr_Occurred()) return NULL;
     int pdl = PyObject_IsTrue(argv[7]);
-    if (PyErr_Occurred() || pdl < 0) return NULL;
+    if (pdl < 0) return NULL;
     Py_ssize_t num_types;
     const char *types = PyUnicode_AsUTF8AndSize(argv[8], &num_types);
     if (types == NULL) return NULL;
