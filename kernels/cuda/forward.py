@@ -36,9 +36,11 @@ LARGE_SPLIT = 1 << 30              # split_size when a step runs attention unspl
 # `bench engine --backend cuda --mm-blocks-per-sm N` sweeps it.
 MM_BLOCKS_PER_SM = 2
 # A fused product of more tokens than this reads its RMSNorm denominators from one rms_denoms
-# launch instead of each block summing every token of its tile (16 or 64) itself: at 64 tokens
-# that prologue made the fused gate_up 2.3x the time of its weights (H200, 2026-11-27).
-NORM_DENOMS_ABOVE = 8
+# launch instead of each block summing every token of its tile itself: at 64 tokens that prologue
+# made the fused gate_up 2.3x the time of its weights (H200, 2026-11-27). Not for 16 tokens or
+# fewer (the x4..x16 tiles: one or two 8-token passes): an eager step pays ~10-20 us of host time
+# per launch, and a short prompt's prefill would launch two more kernels a layer.
+NORM_DENOMS_ABOVE = 16
 # An experiment, off until a GPU has measured it: decode products of up to 4 tokens by the staged
 # twin of their kernel (kernels.py MM_STAGED: every unit's activations loaded before the loop),
 # K split so no block takes more units than the twin stages. Like MM_BLOCKS_PER_SM: set it
