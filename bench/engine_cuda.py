@@ -237,15 +237,16 @@ def profile_kernels(executor, batch: int, context: int, repeats: int = 20, repla
     distinct = {}
     for name, grid, block, smem, args in step_launches(executor, batch, context):
         wptr = args.get("qw") or args.get("w") or args.get("qweight") or 0
-        key = (name, grid, block, smem, sizes.get(("name", wptr), ""))
+        proj = sizes.get(("name", wptr), "")
+        key = (name, grid, block, smem, proj)
         if key in distinct:
             distinct[key][1] += 1
         else:
-            distinct[key] = [(name, grid, block, smem, args, sizes.get(wptr, 0)), 1]
+            distinct[key] = [(name, grid, block, smem, args, sizes.get(wptr, 0), proj), 1]
     start, end = drv.event_create(timing=True), drv.event_create(timing=True)
     rows = []
     try:
-        for (name, grid, block, smem, args, nbytes), count in distinct.values():
+        for (name, grid, block, smem, args, nbytes, proj), count in distinct.values():
             def enqueue(s, name=name, grid=grid, block=block, smem=smem, args=args):
                 for _ in range(repeats):
                     dev.launch(name, grid, block, s, smem=smem, **args)
@@ -260,7 +261,6 @@ def profile_kernels(executor, batch: int, context: int, repeats: int = 20, repla
                 us = drv.event_elapsed_ms(start, end) * 1e3 / (replays * repeats)
             finally:
                 drv.graph_destroy(graph)
-            proj = sizes.get(("name", args.get("qw") or args.get("w") or args.get("qweight") or 0), "")
             rows.append((name, proj, grid, count, us, nbytes))
     finally:
         drv.event_destroy(start)

@@ -67,7 +67,7 @@ def import_driver():
 
 # C types of kernel parameters, by the one-letter codes of kernels/cuda/kernels.py
 CTYPES = {"p": ctypes.c_uint64, "i": ctypes.c_int32, "f": ctypes.c_float}
-FORMATS = {"p": "Q", "i": "i", "f": "f"}      # struct codes; "@": C alignment, as the kernel lays them out
+FORMATS = {code: ct._type_ for code, ct in CTYPES.items()}   # their struct codes ("@": C alignment)
 
 
 class ParamBuffer:
