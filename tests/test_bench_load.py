@@ -359,7 +359,11 @@ def test_bench_load_with_the_c_client_reports_server_ttft(mock_server, tmp_path)
     assert doc["config"]["client"] == "c" and [r["concurrency"] for r in doc["levels"]] == [1, 3]
     for r in doc["levels"]:
         assert r["client"] == "c" and r["num_errors"] == 0 and r["num_tokens"] == 36
-        assert 0 < r["server_ttft_us_p50"] <= r["server_ttft_us_p99"] and r["server_ttft_us_p50"] < r["ttft_us_p50"]
+        assert 0 < r["server_ttft_us_p50"] <= r["server_ttft_us_p99"]
+        # the server's part lies inside what the client saw; its clock stops after the first token's
+        # write, so a thread descheduled between the write and the stamp can land a few µs past the
+        # client's read on a busy machine (CI, 2026-11-28: 361 against 356 µs)
+        assert r["server_ttft_us_p50"] < r["ttft_us_p50"] + 1000
 
 
 def test_bench_load_client_options_are_checked(mock_server):
