@@ -23,6 +23,10 @@ Per shape:
    step timed alone (captured 20 times into a graph and replayed): microseconds per launch and
    per step, each projection's achieved bandwidth, and the kernels' sum against the graph step
    (the rest is launch gaps), to show what a missed target blames.
+6. --mm-probe: at batch 1, each INT4 product beside its weight-stream probes (the same grid and
+   weight loads, nothing computed), each timed alone: whether a product's shortfall against the
+   roofline lies in its load pipeline or in its arithmetic and barriers. --mm-variant runs every
+   product by an experiment's twin kernels (kernels.py MM_VARIANTS).
 """
 
 import argparse
@@ -41,6 +45,7 @@ from ..core.sampling_params import SamplingParams
 from ..kernels.cuda import forward
 from ..kernels.cuda.driver import CudaDriver, CudaUnavailable, capture_graph
 from ..kernels.cuda.executor import CudaExecutor, CudaOptions
+from ..kernels.cuda.kernels import MM_PROBES, MM_VARIANTS, SIGNATURES
 from ..kernels.cuda.weights import linear_bytes
 from .shapes import all_shapes, random_engine
 
@@ -75,9 +80,12 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the unfused reference kernels (10 per layer) instead of the fused decoder (5 per layer)")
     g.add_argument("--mm-blocks-per-sm", type=int, default=forward.MM_BLOCKS_PER_SM,
                    help="INT4 products split K until they have this many blocks per SM (default: %(default)s)")
-    g.add_argument("--mm-staged", action="store_true",
-                   help="decode products of up to 4 tokens by the staged kernels (an experiment: forward.py "
-                        "MM_STAGE_ACTIVATIONS)")
+    g.add_argument("--mm-variant", default="", choices=("",) + tuple(MM_VARIANTS),
+                   help="INT4 products by a variant's twin kernels (an experiment: kernels.py MM_VARIANTS; "
+                        "n: no L2 prefetch of a block's weight slice)")
+    g.add_argument("--mm-probe", action="store_true",
+                   help="at batch 1, each decode product beside its weight-stream probes (the same grid and "
+                        "weight loads, nothing computed: the ceiling of the product's load pipeline)")
     g.add_argument("--matmul", default="auto", choices=("auto", "tc", "simt"), help="(default: %(default)s)")
     g.add_argument("--int4-activations", default="exact", choices=("exact", "fp16"),
                    help="INT4 tensor-core activations: exact (hi/lo fp16 pair) or fp16 (default: %(default)s)")
@@ -232,9 +240,7 @@ def profile_kernels(executor, batch: int, context: int, repeats: int = 20, repla
     gaps nor a neighbour count (events between the kernels of an eager step measure the host).
     Layers repeat: one row per distinct (kernel, grid, projection), with its launches per step.
     -> [(kernel, projection, grid, launches per step, us per launch, weight bytes per launch)]"""
-    drv, dev = executor.drv, executor.dev
-    stream, sizes = dev.compute_stream, _weight_sizes(executor)
-    distinct = {}
+    sizes, distinct = _weight_sizes(executor), {}
     for name, grid, block, smem, args in step_launches(executor, batch, context):
         wptr = args.get("qw") or args.get("w") or args.get("qweight") or 0
         proj = sizes.get(("name", wptr), "")
@@ -243,29 +249,66 @@ def profile_kernels(executor, batch: int, context: int, repeats: int = 20, repla
             distinct[key][1] += 1
         else:
             distinct[key] = [(name, grid, block, smem, args, sizes.get(wptr, 0), proj), 1]
+    return [(name, proj, grid, count, time_alone(executor, name, grid, block, smem, args, repeats, replays), nbytes)
+            for (name, grid, block, smem, args, nbytes, proj), count in distinct.values()]
+
+
+def time_alone(executor, name: str, grid: tuple, block: int, smem: int, args: dict, repeats: int = 20,
+               replays: int = 3) -> float:
+    """Microseconds of one kernel launch: captured `repeats` times into a CUDA graph, the graph
+    replayed `replays` times after a warm-up."""
+    drv, dev = executor.drv, executor.dev
+    stream = dev.compute_stream
+
+    def enqueue(s):
+        for _ in range(repeats):
+            dev.launch(name, grid, block, s, smem=smem, **args)
     start, end = drv.event_create(timing=True), drv.event_create(timing=True)
-    rows = []
+    graph = capture_graph(drv, stream, enqueue)
     try:
-        for (name, grid, block, smem, args, nbytes, proj), count in distinct.values():
-            def enqueue(s, name=name, grid=grid, block=block, smem=smem, args=args):
-                for _ in range(repeats):
-                    dev.launch(name, grid, block, s, smem=smem, **args)
-            graph = capture_graph(drv, stream, enqueue)
-            try:
-                drv.graph_launch(graph, stream)                              # warm
-                drv.event_record(start, stream)
-                for _ in range(replays):
-                    drv.graph_launch(graph, stream)
-                drv.event_record(end, stream)
-                drv.event_synchronize(end)
-                us = drv.event_elapsed_ms(start, end) * 1e3 / (replays * repeats)
-            finally:
-                drv.graph_destroy(graph)
-            rows.append((name, proj, grid, count, us, nbytes))
+        drv.graph_launch(graph, stream)                                      # warm
+        drv.event_record(start, stream)
+        for _ in range(replays):
+            drv.graph_launch(graph, stream)
+        drv.event_record(end, stream)
+        drv.event_synchronize(end)
+        return drv.event_elapsed_ms(start, end) * 1e3 / (replays * repeats)
     finally:
+        drv.graph_destroy(graph)
         drv.event_destroy(start)
         drv.event_destroy(end)
-    return rows
+
+
+def probe_products(executor, context: int) -> list:
+    """Each distinct INT4 product of a batch-1 decode step beside its weight-stream probes
+    (kernels.py MM_PROBES: the same grid and weight loads, nothing computed), each timed alone: a
+    probe near the copy roofline puts the product's shortfall in its arithmetic and barriers, a
+    probe as slow as the product in the grid and load pipeline. -> [dict]"""
+    sizes, seen, out = _weight_sizes(executor), set(), []
+    plain = SIGNATURES["int4_mm_tc_x4"].split()
+    kernels = {k: k for k in MM_PROBES} | {twin: k for twins in MM_VARIANTS.values() for k, twin in twins.items()}
+    for name, grid, block, smem, args in step_launches(executor, 1, context):
+        base = next((kernels[k] for k in kernels if name == k or name.startswith(k + "_")), None)
+        proj = sizes.get(("name", args.get("qw")), "")
+        if base is None or (grid, proj) in seen:
+            continue
+        seen.add((grid, proj))
+        nbytes = sizes.get(args["qw"], 0)
+        times = {name: time_alone(executor, name, grid, block, smem, args)}
+        probe_args = {k: v for k, v in args.items() if f"{k}:p" in plain or f"{k}:i" in plain}
+        for probe in MM_PROBES[base]:
+            times[probe] = time_alone(executor, probe, grid, block, smem, probe_args)
+        out.append({"projection": proj, "grid": list(grid), "weight_bytes": nbytes, "us": times})
+    return out
+
+
+def print_probes(rows: list) -> None:
+    print("   products at batch 1 beside their weight-stream probes (each alone; p: loads only, pn: loads only, "
+          "no L2 slice prefetch)")
+    for r in rows:
+        cells = "  ".join(f"{k} {us:7.2f} us {r['weight_bytes'] / (us / 1e6) / 1e12:5.2f} TB/s"
+                          for k, us in r["us"].items())
+        print(f"     {r['projection']:10} grid {'x'.join(map(str, r['grid'])):>10}  {cells}")
 
 
 def _weight_sizes(executor) -> dict:
@@ -325,7 +368,7 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
               f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.int4_activations} "
               f"activations), pdl {dev.pdl}, {'fused' if ex.options.fused else 'unfused'} kernels, "
               f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM"
-              f"{', staged decode products' if forward.MM_STAGE_ACTIVATIONS else ''}")
+              f"{f', product variant {forward.MM_VARIANT}' if forward.MM_VARIANT else ''}")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
               f"= {weights / roofline * 1e3:.3f} ms per step")
@@ -361,6 +404,9 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
                                                row["decode_step_ms"])
             rows[0]["launch_host_us"] = host = launch_host_us(ex, 1, args.context)
             print("   host time per eager launch: " + ", ".join(f"{k} {v:.1f} us" for k, v in host.items()))
+        if getattr(args, "mm_probe", False):
+            rows[0]["probes"] = probes = probe_products(ex, args.context)
+            print_probes(probes)
         return rows
     finally:
         ex.close()
@@ -384,16 +430,16 @@ def run(args, driver=None, image_fn=None) -> int:
         raise SystemExit(f"tokenwire bench engine --backend cuda: {exc}") from None
     free, _ = drv.mem_get_info()
     roofline = copy_bandwidth(drv, min(2 << 30, free // 8))
-    rows, kept = [], (forward.MM_BLOCKS_PER_SM, forward.MM_STAGE_ACTIVATIONS)
+    rows, kept = [], (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT)
     # the products' plan knobs are module constants read at executor build and every launch: set
     # for this run, restored after it
     forward.MM_BLOCKS_PER_SM = getattr(args, "mm_blocks_per_sm", None) or kept[0]
-    forward.MM_STAGE_ACTIVATIONS = bool(getattr(args, "mm_staged", False))
+    forward.MM_VARIANT = getattr(args, "mm_variant", "") or ""
     try:
         for shape in args.shape or ["llama-3.2-1b", "llama-3.1-8b"]:
             rows += run_shape(shape, args, drv, roofline, driver=drv, image_fn=image_fn)
     finally:
-        forward.MM_BLOCKS_PER_SM, forward.MM_STAGE_ACTIVATIONS = kept
+        forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT = kept
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
         print(f"\nwrote {len(rows)} rows to {args.json}", file=sys.stderr)

@@ -54,18 +54,21 @@ def test_bench_rejects_bad_numbers():
 
 
 def test_bench_sweeps_the_product_plan_and_restores_it(monkeypatch, capsys):
-    """--mm-staged and --mm-blocks-per-sm change forward.py's plan for that run only."""
+    """--mm-variant and --mm-blocks-per-sm change forward.py's plan for that run only; --mm-probe
+    times each batch-1 product beside its weight-stream probes."""
     from tokenwire.kernels.cuda import forward
     monkeypatch.setitem(shapes.SHAPES_CUDA, "tiny", TINY)
     parser = argparse.ArgumentParser()
     engine_cuda.add_arguments(parser)
     args = parser.parse_args(["--shape", "tiny", "--batch", "1", "--steps", "2", "--context", "40", "--prompt-len",
-                              "32", "--prefill-tokens", "32", "--max-model-len", "256", "--mm-staged",
-                              "--mm-blocks-per-sm", "3", "--profile"])
+                              "32", "--prefill-tokens", "32", "--max-model-len", "256", "--mm-variant", "n",
+                              "--mm-blocks-per-sm", "3", "--profile", "--mm-probe"])
     assert engine_cuda.run(args, driver=FakeDriver(total_memory=1 << 30), image_fn=lambda arch: b"fake") == 0
     text = capsys.readouterr().out
-    assert "K split to 3 blocks per SM, staged decode products" in text
-    assert "int4_mm_tc_x4s_rope_f32 (qkv_proj)" in text and "int4_mm_tc_x4s (down_proj)" in text
-    assert (forward.MM_BLOCKS_PER_SM, forward.MM_STAGE_ACTIVATIONS) == (2, False)
+    assert "K split to 3 blocks per SM, product variant n" in text
+    assert "int4_mm_tc_x4n_rope_f32 (qkv_proj)" in text and "int4_mm_tc_x4n (down_proj)" in text
+    probes = [line for line in text.splitlines() if "int4_mm_tc_x4pn" in line]
+    assert any("down_proj" in line and "int4_mm_tc_x4n " in line and "int4_mm_tc_x4p " in line for line in probes)
+    assert (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT) == (2, "")
     with pytest.raises(SystemExit, match="--mm-blocks-per-sm"):
         engine_cuda.run(parser.parse_args(["--mm-blocks-per-sm", "0"]), driver=FakeDriver())

@@ -199,6 +199,7 @@ def test_decode_attention_splits_fill_the_gpu_at_batch_one_only():
     c = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                     num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072,
                     rms_norm_eps=1e-5, rope_theta=500000.0)
-    splits, size = decode_splits(c, 1, 2048, 132)
-    assert size % 32 == 0 and splits * size >= 2048 and 8 * splits >= 0.9 * 264
-    assert decode_splits(c, 128, 2048, 132) == (1, 2048)
+    splits = decode_splits(c, 1, 2048, 132)
+    assert 8 * splits >= 0.9 * 264 and splits <= 2048 // 32
+    assert decode_splits(c, 1, 40, 132) == 2             # no more than one split per 32 keys
+    assert decode_splits(c, 128, 2048, 132) == 1

@@ -74,13 +74,13 @@ def cuda(config, tensors, **options):
 
 @pytest.mark.parametrize("options", [{}, dict(use_graphs=False), dict(pdl=False), dict(matmul="simt"),
                                      dict(split_size=32), dict(fused=False), dict(fused=False, pdl=False),
-                                     dict(staged=True)])
+                                     dict(variant="n")])
 def test_stories260k_greedy_matches_the_cpu_backend(stories, options, monkeypatch):
     config, tensors, want = stories
-    if options.get("staged"):          # the staged decode products (forward.MM_STAGE_ACTIVATIONS, an experiment)
+    if options.get("variant"):         # the products by an experiment's twin kernels (forward.MM_VARIANT)
         from tokenwire.kernels.cuda import forward
-        monkeypatch.setattr(forward, "MM_STAGE_ACTIVATIONS", True)
-        options = {k: v for k, v in options.items() if k != "staged"}
+        monkeypatch.setattr(forward, "MM_VARIANT", options["variant"])
+        options = {k: v for k, v in options.items() if k != "variant"}
     ex = cuda(config, tensors, **options)
     try:
         got = run_greedy(ex, PROMPT, 120)

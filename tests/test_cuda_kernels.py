@@ -163,17 +163,17 @@ def matmul_acts(gpu, lin, M, mode):
 
 @pytest.fixture
 def product_mode(monkeypatch):
-    """'exact' | 'fp16' | 'staged' -> the activation mode launch_matmul takes; 'staged' is exact
-    by the staged twins of the decode kernels (forward.MM_STAGE_ACTIVATIONS, an experiment)."""
+    """'exact' | 'fp16' | 'variant-n' -> the activation mode launch_matmul takes; 'variant-n' is
+    exact by variant n's twins of the decode kernels (forward.MM_VARIANT, an experiment)."""
     def resolve(mode: str) -> str:
-        if mode == "staged":
-            monkeypatch.setattr(forward, "MM_STAGE_ACTIVATIONS", True)
+        if mode.startswith("variant-"):
+            monkeypatch.setattr(forward, "MM_VARIANT", mode.removeprefix("variant-"))
             return "exact"
         return mode
     return resolve
 
 
-@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt", "staged"])
+@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt", "variant-n"])
 @pytest.mark.parametrize("M,N,K,G", MATMUL_CASES)
 def test_int4_matmul(gpu, matmul, M, N, K, G, product_mode):
     mode = product_mode(matmul)
@@ -329,11 +329,13 @@ def one_sequence_attention(q, k_cache, v_cache, table, context_len, positions, w
                            window, scale, cap)[0]
 
 
-ATTENTION_CASES = [  # Hq, Hkv, hd, block_size, window, split_size, chunk, soft cap (Gemma 2)
+# split: keys per split, 0 unsplit, -Z: Z splits with split_size 0 (each item's keys spread over them)
+ATTENTION_CASES = [  # Hq, Hkv, hd, block_size, window, split, chunk, soft cap (Gemma 2)
     (4, 2, 8, 16, None, 0, 1, None), (8, 8, 64, 16, None, 64, 1, None), (32, 8, 128, 16, None, 128, 1, None),
     (8, 1, 256, 32, None, 0, 5, None), (32, 1, 64, 16, None, 96, 1, None), (12, 4, 64, 8, 40, 0, 7, None),
     (8, 2, 128, 16, 100, 64, 1, None), (4, 4, 32, 16, None, 0, 33, None),
     (8, 4, 128, 16, 40, 0, 7, 2.0), (16, 8, 256, 16, None, 64, 1, 50.0),
+    (32, 8, 128, 16, None, -5, 1, None), (8, 2, 128, 16, 100, -7, 1, None), (12, 4, 64, 8, 40, -3, 7, 2.0),
 ]
 
 
@@ -372,7 +374,7 @@ def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk, cap,
         t += nq
     T = t
     q = rng.standard_normal((T, Hq, hd)).astype(np.float32)
-    splits = 1 if not split else max(-(-n // split) for n in ctx)
+    splits = 1 if not split else -split if split < 0 else max(-(-n // split) for n in ctx)
     out = gpu.zeros(T * Hq * hd * 4)
     ws_ml, ws_acc = gpu.zeros(T * Hq * splits * 8), gpu.zeros(T * Hq * splits * hd * 4)
     args = dict(q=gpu.upload(q), ldq=Hq * hd, k_cache=gpu.upload(kc), v_cache=gpu.upload(vc),
@@ -380,7 +382,7 @@ def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk, cap,
                 items=gpu.upload(np.array(items, np.int32)), out=out, ldo=Hq * hd, ws_ml=ws_ml, ws_acc=ws_acc,
                 max_splits=splits, num_heads=Hq, num_kv_heads=Hkv, head_dim=hd, block_size=bs, heads_per_block=hpb,
                 sliding_window=window or 0, scale=float(np.float32(hd ** -0.5)), softcap=cap or 0.0,
-                split_size=split or (1 << 30))
+                split_size=max(split, 0) or (0 if split else 1 << 30))
     grid = (len(items), Hkv * (Hq // Hkv // hpb), splits)
     counters = gpu.zeros(4 * grid[0] * grid[1])
     for _ in range(2 if fused else 1):

@@ -9,6 +9,8 @@
 //   k/v_cache:    one layer's [num_slots, Hkv, hd] (fp32 or fp16), slot = block * block_size + offset
 //   block_tables: int [S, ld_bt]; positions: int [T]
 //   items:        int [num_items, 3] = (sequence, first token row, number of queries <= 16 / heads_per_block)
+//   split_size:   keys per split, or 0: each item's keys spread evenly over the grid's splits, in
+//                 whole tiles of 32 (a split past the item's keys finds none)
 //   out:          [T, ldo] fp32 when the grid has one split; otherwise per-split partials go to
 //                 ws_ml float2 [T, Hq, max_splits] (running max, sum) and ws_acc [T, Hq, max_splits, hd]
 //                 and attention_combine merges them.
@@ -149,8 +151,13 @@ __device__ __forceinline__ void attention_paged(
     const int num_pairs = nq * heads_per_block;
     const int p_first = positions[t0], p_last = positions[t0 + nq - 1];
     const int lo = sliding_window > 0 ? max(0, p_first - sliding_window + 1) : 0;
-    const int split_lo = lo + blockIdx.z * split_size;
-    const int split_hi = min(p_last + 1, split_lo + split_size);
+    // split_size 0: this item's keys spread over the grid's splits in whole tiles (decode graphs:
+    // the grid is fixed at capture, the context is not; 128 keys of one sequence were one block of
+    // 28 us a layer on an H200 at batch 1, when a split size fixed by max_model_len took them all)
+    const int keys_per_split = split_size > 0
+        ? split_size : ((p_last + 1 - lo + (int)gridDim.z - 1) / (int)gridDim.z + ATT_TILE - 1) / ATT_TILE * ATT_TILE;
+    const int split_lo = lo + blockIdx.z * keys_per_split;
+    const int split_hi = min(p_last + 1, split_lo + keys_per_split);
     const int* table = block_tables + (size_t)seq * ld_bt;
 
     for (int i = threadIdx.x; i < num_pairs * head_dim; i += blockDim.x) {

@@ -158,7 +158,7 @@ class CudaExecutor:
         linears = [lin for l in w.layers for lin in (l.qkv, l.o, l.gate_up, l.down)] + [w.lm_head]
         ws, counters = matmul_workspace(linears, self.max_tokens, self.dev.num_sms, o.activations)
         c = self.config
-        ws_entries = max([b * c.num_heads * n for b, (n, _) in self.decode_splits.items()]
+        ws_entries = max([b * c.num_heads * n for b, n in self.decode_splits.items()]
                          + [o.max_num_seqs * c.num_heads * self.eager_splits])
         plan = plan_activations(c, self.max_tokens, o.max_num_seqs, ws_entries, ws, counters)
         base = drv.mem_alloc(plan["_total"])
@@ -327,12 +327,14 @@ class CudaExecutor:
         self.drv.memcpy_htod_async(self.meta, slot.staging, layout.used_bytes(bool(rows) and full, entries), stream)
         self._feed_pending(seqs, layout.fields["token_ids"][0], self.acts.tokens)
         max_ctx = max(s.start_pos + len(s.token_ids) for s in seqs)
-        splits = 1
-        if max_ctx > o.split_size:
-            splits = max(1, min(self.eager_splits, -(-max_ctx // o.split_size),
-                                self.acts.ws_entries // (T * self.config.num_heads)))
-        g = self._geometry(layout.ptrs(self.meta), T, len(rows), ld_bt, num_items, splits,
-                           items=None, logits_rows=True)
+        capacity = self.acts.ws_entries // (T * self.config.num_heads)     # splits the partials have room for
+        if T == len(seqs):                  # decodes only: a decode graph's geometry (spread splits)
+            splits, split_size = min(decode_splits(c, num_items, max_ctx, self.dev.num_sms), capacity), 0
+        else:
+            splits = 1 if max_ctx <= o.split_size else min(self.eager_splits, -(-max_ctx // o.split_size), capacity)
+            split_size = o.split_size
+        g = self._geometry(layout.ptrs(self.meta), T, len(rows), ld_bt, num_items, max(1, splits),
+                           items=None, logits_rows=True, split_size=split_size)
         launch_step(self.dev, c, self.weights, self.acts, self.kv, g, "full" if full else "greedy", stream, o.fused)
 
     def _feed_pending(self, seqs: Sequence[SeqStep], token_ids_offset: int, sampled: int) -> None:
@@ -390,13 +392,13 @@ class CudaExecutor:
     # ------------------------------------------------------------ graphs
 
     def _geometry(self, ptrs: dict, T: int, R: int, ld_bt: int, num_items: int, splits: int,
-                  items: Optional[int], logits_rows: bool) -> StepGeometry:
+                  items: Optional[int], logits_rows: bool, split_size: int) -> StepGeometry:
         return StepGeometry(
             num_tokens=T, num_rows=R, token_ids=ptrs["token_ids"], positions=ptrs["positions"],
             slot_mapping=ptrs["slot_mapping"], block_tables=ptrs["block_tables"], ld_bt=ld_bt,
             items=ptrs["items"] if items is None else items, num_items=num_items,
             logits_rows=ptrs["logits_rows"] if logits_rows else 0, num_splits=splits,
-            split_size=self.options.split_size if splits > 1 else LARGE_SPLIT,
+            split_size=split_size if splits > 1 else LARGE_SPLIT,
             dparams=ptrs["dparams"], fparams=ptrs["fparams"], iparams=ptrs["iparams"], rng=ptrs["rng"],
             pen_row_ptr=ptrs["pen_row_ptr"], pen_entries=ptrs["pen_entries"])
 
@@ -407,10 +409,8 @@ class CudaExecutor:
             return graph
         o, drv, stream = self.options, self.drv, self.dev.compute_stream
         layout = self._decode_layout(bucket)
-        splits, split_size = self.decode_splits[bucket]
-        g = self._geometry(layout.ptrs(self.meta), bucket, bucket, self.max_blocks, bucket, splits,
-                           items=self.static_items, logits_rows=False)
-        g = g._replace(split_size=split_size if splits > 1 else LARGE_SPLIT)
+        g = self._geometry(layout.ptrs(self.meta), bucket, bucket, self.max_blocks, bucket, self.decode_splits[bucket],
+                           items=self.static_items, logits_rows=False, split_size=0)
         # one eager run first: every row a padding row (scratch block), so nothing real is touched,
         # and every kernel has run once before capture
         pad = np.zeros(layout.nbytes, dtype=np.uint8)

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import sampling as ref_sampling
 from ..reference import dequantize_int4
-from .kernels import FUSED_EPILOGUES, MAX_TOP_LOGPROBS, MM_KERNELS, MM_STAGED
+from .kernels import FUSED_EPILOGUES, MAX_TOP_LOGPROBS, MM_KERNELS, MM_PROBES, MM_VARIANTS
 from .layout import TcShape, dequantize_tc, glu_row_order, pack_tc, rope_row_order, round_up
 
 
@@ -241,8 +241,9 @@ def _attention(cache_dtype):
             kc = d.view(k_cache, cache_dtype, (int(slots.max()) + 1) * per_slot).reshape(-1, num_kv_heads, head_dim)
             vc = d.view(v_cache, cache_dtype, (int(slots.max()) + 1) * per_slot).reshape(-1, num_kv_heads, head_dim)
             qs = _f32(d, q, t0 + nq, ldq)[t0:t0 + nq, :num_heads * head_dim].reshape(nq, num_heads, head_dim)
+            per_split = split_size or -(-(-(-len(keys) // num_splits)) // 32) * 32     # 0: spread in tiles of 32
             for z in range(num_splits):
-                in_split = (keys >= lo + z * split_size) & (keys < lo + (z + 1) * split_size)
+                in_split = (keys >= lo + z * per_split) & (keys < lo + (z + 1) * per_split)
                 for h in range(num_heads):
                     kh = h // group
                     k = kc[slots, kh].astype(np.float32)
@@ -394,6 +395,9 @@ EMULATORS = {
     "sample_tokens": _sample,
     "compute_logprobs": _logprobs,
 }
-for _plain, (_twin, _) in MM_STAGED.items():       # a staged twin computes what its kernel does
-    EMULATORS.update({_twin: EMULATORS[_plain],
-                      **{f"{_twin}_{e}": EMULATORS[f"{_plain}_{e}"] for e in FUSED_EPILOGUES}})
+for _twins in MM_VARIANTS.values():                 # a variant's twin computes what its kernel does
+    for _plain, _twin in _twins.items():
+        EMULATORS.update({_twin: EMULATORS[_plain],
+                          **{f"{_twin}_{e}": EMULATORS[f"{_plain}_{e}"] for e in FUSED_EPILOGUES}})
+for _probe in (p for probes in MM_PROBES.values() for p in probes):
+    EMULATORS[_probe] = lambda d, grid, **args: None   # it reads the weights and writes nothing

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from .device import attention_smem_bytes, sample_smem_bytes
-from .kernels import DENSE_MT, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, MM_STAGED, SIMT_MT
+from .kernels import DENSE_MT, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, MM_VARIANTS, SIMT_MT
 from .layout import round_up
 from .weights import ALIGN, DeviceWeights, Linear
 
@@ -41,11 +41,10 @@ MM_BLOCKS_PER_SM = 2
 # fewer (the x4..x16 tiles: one or two 8-token passes): an eager step pays ~10-20 us of host time
 # per launch, and a short prompt's prefill would launch two more kernels a layer.
 NORM_DENOMS_ABOVE = 16
-# An experiment, off until a GPU has measured it: decode products of up to 4 tokens by the staged
-# twin of their kernel (kernels.py MM_STAGED: every unit's activations loaded before the loop),
-# K split so no block takes more units than the twin stages. Like MM_BLOCKS_PER_SM: set it
-# before building an executor (`bench engine --backend cuda --mm-staged`).
-MM_STAGE_ACTIVATIONS = False
+# An experiment, off ("") until a GPU has measured it: products by a variant's twin kernels
+# (kernels.py MM_VARIANTS). Like MM_BLOCKS_PER_SM: set it before building an executor
+# (`bench engine --backend cuda --mm-variant n`).
+MM_VARIANT = ""
 
 
 class KVCache(NamedTuple):
@@ -159,14 +158,13 @@ def queries_per_item(c: ModelConfig) -> int:
     return 16 // heads_per_block(c)
 
 
-def decode_splits(c: ModelConfig, batch: int, max_model_len: int, num_sms: int) -> tuple:
-    """(splits, keys per split) for a decode graph of `batch` sequences: enough attention blocks
-    for two per SM, so one long context is spread over the GPU. The grid is fixed at capture;
-    splits past a sequence's context exit at once."""
-    per_split = batch * c.num_kv_heads * (c.num_heads // c.num_kv_heads // heads_per_block(c))
-    wanted = max(1, min(-(-2 * num_sms // per_split), -(-max_model_len // 32)))
-    split_size = round_up(-(-max_model_len // wanted), 32)
-    return -(-max_model_len // split_size), split_size
+def decode_splits(c: ModelConfig, num_items: int, max_keys: int, num_sms: int) -> int:
+    """Attention splits for decode items (one query each) of up to `max_keys` keys: enough blocks for
+    two per SM, so one long context is spread over the GPU, and no more than one per 32 keys. They
+    run with split_size 0 (attention.cu): each item spreads its own keys over the splits, so a decode
+    graph (its grid fixed at capture, for max_model_len) spreads a short context as well as a long."""
+    per_split = num_items * c.num_kv_heads * (c.num_heads // c.num_kv_heads // heads_per_block(c))
+    return max(1, min(-(-2 * num_sms // per_split), -(-max_keys // 32)))
 
 
 # ------------------------------------------------------------------ launches
@@ -183,19 +181,17 @@ def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
     """Tensor-core kernel, grid and K split for an INT4 product of M tokens: enough blocks for
     MM_BLOCKS_PER_SM per SM, splitting K when the rows alone are too few (decode of a small matrix).
     (Hot path: every eager product; remembered per shape and knob setting.)"""
-    return _matmul_plan(lin.N, lin.Kp, M, num_sms, mode, MM_BLOCKS_PER_SM, MM_STAGE_ACTIVATIONS)
+    return _matmul_plan(lin.N, lin.Kp, M, num_sms, mode, MM_BLOCKS_PER_SM, MM_VARIANT)
 
 
 @functools.lru_cache(maxsize=4096)
-def _matmul_plan(N: int, Kp: int, M: int, num_sms: int, mode: str, blocks_per_sm: int, staged: bool) -> MatmulPlan:
+def _matmul_plan(N: int, Kp: int, M: int, num_sms: int, mode: str, blocks_per_sm: int, variant: str) -> MatmulPlan:
     tokens, kernel = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
     Np, num_units = round_up(N, MM_ROWS), Kp // 128
     row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)
     blocks, target = row_blocks * tiles, blocks_per_sm * num_sms
     ksplit = 1 if blocks >= target else min(num_units, -(-target // blocks))
-    if staged and kernel in MM_STAGED:
-        kernel, most = MM_STAGED[kernel]
-        ksplit = max(ksplit, -(-num_units // most))
+    kernel = MM_VARIANTS[variant].get(kernel, kernel) if variant else kernel
     ups = -(-num_units // ksplit)
     ksplit = -(-num_units // ups)
     if ksplit == 1:

@@ -258,11 +258,13 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // load is issued. NORM: x's rows are RMS-normalized on the fly (f.norm_w), each block computing
 // its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair), or,
 // for many tokens, reading them from f.denoms (rmsnorm.cu's rms_denoms, launched just before).
-// STAGED > 0 (the "s" kernels, an experiment: forward.py MM_STAGE_ACTIVATIONS): the activations
-// of every unit of the block's K range (at most STAGED units; the host splits K so) are loaded
-// at once and staged in shared memory before the loop, which then has no activation load and no
-// barrier per unit: the streaming kernel waits for one activation round trip per unit.
-template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false, int STAGED = 0>
+// Experiments (kernels.py MM_VARIANTS, `bench engine --backend cuda --mm-variant`): L2_SLICE false
+// (the "n" kernels) drops the prefetch of the block's whole slice into L2; PROBE (the "p" kernels,
+// never in a model step) streams the weights as the product does and nothing else (no activation,
+// no barrier, no multiply), so its time is the ceiling of this grid and load pipeline. At batch 1
+// the products moved 1.2-1.3 TB/s of a 4.2 TB/s copy roofline (H200, 2026-11-27); these say why.
+template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false, bool L2_SLICE = true,
+          bool PROBE = false>
 __device__ __forceinline__ void int4_mm_tc(
     const float* __restrict__ x, int ldx, int M,                 // x: [M, ldx], zero beyond K
     const uint4* __restrict__ qw, const u32* __restrict__ sz,    // "tc" layout
@@ -275,7 +277,7 @@ __device__ __forceinline__ void int4_mm_tc(
     constexpr int NACC = SPLIT ? 2 : 4;                          // results per tile and lane
     constexpr bool DOUBLE = NT <= 8;                             // 2 x 16 KB at most: static shared memory
     constexpr int PER_THREAD = (TOKENS * 64 + 255) / 256;
-    __shared__ uint2 frag[STAGED ? STAGED : (DOUBLE ? 2 : 1)][8][NT][32];   // [buffer or unit][k16 step][n8 tile][lane]
+    __shared__ uint2 frag[DOUBLE ? 2 : 1][8][NT][32];            // [buffer][k16 step][n8 tile][lane]
     __shared__ int is_last;
     __shared__ float denom[NORM ? TOKENS : 1];                   // the fused RMSNorm's per-token sqrt(mean + eps)
     __shared__ u64 best[EPI == EPI_ARGMAX ? TOKENS : 1];         // EPI_ARGMAX: the block's best key per token
@@ -314,7 +316,7 @@ __device__ __forceinline__ void int4_mm_tc(
             }
         }
     }
-    if ((lane & 7) == 0) {                                       // the rest of the slice into L2 meanwhile
+    if (L2_SLICE && (lane & 7) == 0) {                           // the rest of the slice into L2 meanwhile
         for (int u = u_begin + PREFETCH; u < u_end; ++u) {
             asm volatile("prefetch.global.L2 [%0];" :: "l"(qtile + (size_t)(2 * u) * 32));
             asm volatile("prefetch.global.L2 [%0];" :: "l"(qtile + (size_t)(2 * u + 1) * 32));
@@ -322,6 +324,33 @@ __device__ __forceinline__ void int4_mm_tc(
     }
     if (EPI == EPI_ARGMAX && tid < TOKENS) best[tid] = 0ull;
     pdl_wait();
+    if (PROBE) {                                                 // the weight stream alone
+        u32 seen = 0u;
+        for (int u0 = u_begin; u0 < u_end; u0 += PREFETCH) {
+#pragma unroll
+            for (int p = 0; p < PREFETCH; ++p) {
+                const int u = u0 + p;
+                if (u >= u_end) break;
+                seen ^= wbuf[p][0].x ^ wbuf[p][0].y ^ wbuf[p][0].z ^ wbuf[p][0].w ^ wbuf[p][1].x ^ wbuf[p][1].y
+                        ^ wbuf[p][1].z ^ wbuf[p][1].w ^ szbuf[p][0][0] ^ szbuf[p][0][1];
+                const int un = u + PREFETCH;
+                if (un < u_end) {
+                    wbuf[p][0] = __ldg(qtile + (size_t)(2 * un) * 32);
+                    wbuf[p][1] = __ldg(qtile + (size_t)(2 * un + 1) * 32);
+#pragma unroll
+                    for (int gg = 0; gg < 4; ++gg) {
+                        if (gg < groups_per_unit) {
+                            szbuf[p][gg][0] = __ldg(stile + (un * groups_per_unit + gg) * 16 + g);
+                            szbuf[p][gg][1] = __ldg(stile + (un * groups_per_unit + gg) * 16 + g + 8);
+                        }
+                    }
+                }
+            }
+        }
+        pdl_launch_dependents();
+        if (seen == 0x9e3779b9u) y[0] = 1.0f;                    // never, as far as the compiler knows
+        return;
+    }
     bool signalled = false;                                      // pdl_launch_dependents issued
     if (NORM && f.denoms) {                                      // rms_denoms ran first (many tokens)
         if (tid < TOKENS) denom[tid] = f.denoms[min(tok0 + tid, M - 1)];
@@ -364,17 +393,7 @@ __device__ __forceinline__ void int4_mm_tc(
 
     float2 xr[PER_THREAD];
     int cur = 0;                                                 // the buffer being multiplied
-    if (STAGED) {                                                // every unit's loads in flight together
-        if (u_end - u_begin > STAGED) __trap();                  // the host's K split keeps to STAGED
-        float2 xs[STAGED ? STAGED : 1][PER_THREAD];
-#pragma unroll
-        for (int i = 0; i < STAGED; ++i)
-            if (u_begin + i < u_end)
-                load_unit_x<TOKENS, PER_THREAD>(xs[i], x, ldx, M, tok0, u_begin + i, dn, f.norm_w, f.norm_dim);
-#pragma unroll
-        for (int i = 0; i < STAGED; ++i)
-            if (u_begin + i < u_end) store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xs[i], frag[i]);
-    } else if (u_begin < u_end) {
+    if (u_begin < u_end) {
         load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u_begin, dn, f.norm_w, f.norm_dim);
         store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[0]);
     }
@@ -389,8 +408,7 @@ __device__ __forceinline__ void int4_mm_tc(
                 pdl_launch_dependents();
                 signalled = true;
             }
-            if (STAGED) {
-            } else if (DOUBLE) {
+            if (DOUBLE) {
                 if (u + 1 < u_end) load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u + 1, dn, f.norm_w, f.norm_dim);
             } else if (u != u_begin) {
                 load_unit_x<TOKENS, PER_THREAD>(xr, x, ldx, M, tok0, u, dn, f.norm_w, f.norm_dim);
@@ -419,7 +437,7 @@ __device__ __forceinline__ void int4_mm_tc(
                 dequant_word_zero(words[s], zf, a);
 #pragma unroll
                 for (int j = 0; j < NT; ++j) {
-                    const uint2 b = frag[STAGED ? u - u_begin : cur][s][j][lane];
+                    const uint2 b = frag[cur][s][j][lane];
                     mma_16816(part[j], a, b.x, b.y);
                 }
                 if (((s + 1) & (steps_per_group - 1)) == 0) {    // the group ends: scale its products
@@ -451,7 +469,6 @@ __device__ __forceinline__ void int4_mm_tc(
                     }
                 }
             }
-            if (STAGED) continue;                                // nothing changes hands
             if (DOUBLE) {
                 if (u + 1 < u_end) store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[cur ^ 1]);
                 cur ^= 1;
@@ -521,9 +538,15 @@ __device__ __forceinline__ void int4_mm_tc(
 
 // exact (hi/lo activations): 4, 8, 16 tokens for decode, 64 for prefill
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4(MM_ARGS) { int4_mm_tc<1, true, 4>(MM_PASS); }
-// the staged experiment (forward.py MM_STAGE_ACTIVATIONS): x4 with 16 units of activations staged up front
-extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4s(MM_ARGS) {
-    int4_mm_tc<1, true, 4, EPI_STORE, false, 16>(MM_PASS);
+// the experiments (kernels.py MM_VARIANTS): x4 without the L2 slice prefetch; the weight stream alone, with and without
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4n(MM_ARGS) {
+    int4_mm_tc<1, true, 4, EPI_STORE, false, false>(MM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4p(MM_ARGS) {
+    int4_mm_tc<1, true, 4, EPI_STORE, false, true, true>(MM_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4pn(MM_ARGS) {
+    int4_mm_tc<1, true, 4, EPI_STORE, false, false, true>(MM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x8(MM_ARGS) { int4_mm_tc<2, true, 4>(MM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x16(MM_ARGS) { int4_mm_tc<4, true, 2>(MM_PASS); }
@@ -543,26 +566,26 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
     const float* __restrict__ denoms
 #define MMF_STRUCT FusedArgs{norm_w, norm_dim, eps, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, \
     k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, tokens, denoms}
-#define MM_FUSED(NAME, NT, SPLIT, PREFETCH, STAGED) \
+#define MM_FUSED(NAME, NT, SPLIT, PREFETCH, L2_SLICE) \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, true, STAGED>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, true, L2_SLICE>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f16(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, true, STAGED>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, true, L2_SLICE>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_silu(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, true, STAGED>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, true, L2_SLICE>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_gelu(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, true, STAGED>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, true, L2_SLICE>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_argmax(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, true, STAGED>(MM_PASS, MMF_STRUCT); }
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, true, L2_SLICE>(MM_PASS, MMF_STRUCT); }
 
-MM_FUSED(int4_mm_tc_x4, 1, true, 4, 0)
-MM_FUSED(int4_mm_tc_x4s, 1, true, 4, 16)
-MM_FUSED(int4_mm_tc_x8, 2, true, 4, 0)
-MM_FUSED(int4_mm_tc_x16, 4, true, 2, 0)
-MM_FUSED(int4_mm_tc_x64, 16, true, 1, 0)
-MM_FUSED(int4_mm_tc_h8, 1, false, 4, 0)
-MM_FUSED(int4_mm_tc_h16, 2, false, 4, 0)
-MM_FUSED(int4_mm_tc_h64, 8, false, 2, 0)
+MM_FUSED(int4_mm_tc_x4, 1, true, 4, true)
+MM_FUSED(int4_mm_tc_x4n, 1, true, 4, false)
+MM_FUSED(int4_mm_tc_x8, 2, true, 4, true)
+MM_FUSED(int4_mm_tc_x16, 4, true, 2, true)
+MM_FUSED(int4_mm_tc_x64, 16, true, 1, true)
+MM_FUSED(int4_mm_tc_h8, 1, false, 4, true)
+MM_FUSED(int4_mm_tc_h16, 2, false, 4, true)
+MM_FUSED(int4_mm_tc_h64, 8, false, 2, true)
 
 // ------------------------------------------------------------------ layout conversion at load time
 

@@ -32,14 +32,16 @@ _ATTENTION_FUSED = _ATTENTION + " counters:p"
 
 SIGNATURES = {
     "int4_mm_tc_x4": _MATMUL_INT4,
-    "int4_mm_tc_x4s": _MATMUL_INT4,
+    "int4_mm_tc_x4n": _MATMUL_INT4,
+    "int4_mm_tc_x4p": _MATMUL_INT4,
+    "int4_mm_tc_x4pn": _MATMUL_INT4,
     "int4_mm_tc_x8": _MATMUL_INT4,
     "int4_mm_tc_x16": _MATMUL_INT4,
     "int4_mm_tc_x64": _MATMUL_INT4,
     "int4_mm_tc_h8": _MATMUL_INT4,
     "int4_mm_tc_h16": _MATMUL_INT4,
     "int4_mm_tc_h64": _MATMUL_INT4,
-    **{f"{k}_{e}": _MATMUL_FUSED for k in ("int4_mm_tc_x4", "int4_mm_tc_x4s", "int4_mm_tc_x8", "int4_mm_tc_x16",
+    **{f"{k}_{e}": _MATMUL_FUSED for k in ("int4_mm_tc_x4", "int4_mm_tc_x4n", "int4_mm_tc_x8", "int4_mm_tc_x16",
                                            "int4_mm_tc_x64", "int4_mm_tc_h8", "int4_mm_tc_h16", "int4_mm_tc_h64")
        for e in FUSED_EPILOGUES},
     "int4_mm_simt": ("x:p ldx:i M:i qweight:p scales:p zeros:p words_per_row:i group_size:i "
@@ -78,9 +80,11 @@ MM_ROWS = 128                           # int4_mm_tc_*: weight rows per block
 # int4_mm_tc kernels by activation mode: (tokens per block, kernel), smallest first
 MM_KERNELS = {"exact": ((4, "int4_mm_tc_x4"), (8, "int4_mm_tc_x8"), (16, "int4_mm_tc_x16"), (64, "int4_mm_tc_x64")),
               "fp16": ((8, "int4_mm_tc_h8"), (16, "int4_mm_tc_h16"), (64, "int4_mm_tc_h64"))}
-# the staged experiment (int4_matmul.cu STAGED, forward.py MM_STAGE_ACTIVATIONS): kernel -> (its
-# staged twin, the most 128-wide K units a block of the twin takes)
-MM_STAGED = {"int4_mm_tc_x4": ("int4_mm_tc_x4s", 16)}
+# the products' experiments (int4_matmul.cu L2_SLICE and PROBE): variant -> {kernel: its twin}, the
+# twin computing what its kernel does (forward.py MM_VARIANT); and kernel -> its weight-stream probes
+# (the same grid and loads, nothing computed: `bench engine --backend cuda --mm-probe`)
+MM_VARIANTS = {"n": {"int4_mm_tc_x4": "int4_mm_tc_x4n"}}        # n: no L2 prefetch of the block's slice
+MM_PROBES = {"int4_mm_tc_x4": ("int4_mm_tc_x4p", "int4_mm_tc_x4pn")}
 SIMT_MT = DENSE_MT = 8                  # tokens per block of the SIMT / dense kernels
 ATT_PAIRS, ATT_TILE = 16, 32            # attention: (query, head) pairs per block, keys per tile
 SAMPLE_CAP = 2048                       # sample_tokens: candidates sorted in shared memory

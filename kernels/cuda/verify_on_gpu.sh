@@ -27,8 +27,9 @@
 #   serve          `serve --backend cuda` (the embedded default model) driven by `bench load` at
 #                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
-#   sweep          bench-fused's decode (8B shape) by the staged decode products (profiled, an experiment),
-#                  then with the INT4 products' K split to 1 and 4 blocks per SM
+#   sweep          8B shape: each batch-1 product beside its weight-stream probes (the same grid and
+#                  loads, nothing computed), with the K split at 2 and 4 blocks per SM; then the decode by
+#                  variant n's products (no L2 prefetch of a block's slice, an experiment), profiled
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
 #   Logs and JSON go to $WORK/logs as they are written: $OUT holds two files (the device tool
@@ -307,13 +308,13 @@ bench_engine() {
 
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
-phase_sweep() {   # 8B shape: the staged decode products (profiled), then the K split at 1 and 4 blocks per SM
-  "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16 --steps 20 --mm-staged --profile \
-    --json "$LOGS/sweep-staged.json" || return $?
-  for n in 1 4; do
-    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16,64 --steps 20 --mm-blocks-per-sm $n \
-      --json "$LOGS/sweep-$n.json" || return $?
+phase_sweep() {   # 8B shape: the products beside their weight-stream probes, then variant n's decode (profiled)
+  for n in 2 4; do
+    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --mm-blocks-per-sm $n --mm-probe \
+      --json "$LOGS/sweep-probe-$n.json" || return $?
   done
+  "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16 --steps 20 --mm-variant n --profile \
+    --json "$LOGS/sweep-n.json" || return $?
 }
 
 phase_bench_unfused() { bench_engine --unfused --json "$LOGS/bench-unfused.json"; }
@@ -421,7 +422,8 @@ key_figures() {      # from $LOGS: what a reader needs first, in at most about 1
     [ -f "$LOGS/$name.log" ] || continue
     echo "-- $name"
     awk '/^== / {print substr($0, 1, 110); next} /roofline \(|^ +batch|^ +[0-9]+ |prefill:|per eager launch|Error|error/ {print; next}
-         /profile, decode step/ {print; top = 4; next} top > 0 {print; top--}' "$LOGS/$name.log" | cut -c1-170 | tail -44
+         /profile, decode step/ {print; top = 4; next} /weight-stream probes/ {print; top = 5; next}
+         top > 0 {print; top--}' "$LOGS/$name.log" | cut -c1-220 | tail -50
   done
   [ -f "$LOGS/sanitize.log" ] && { echo "-- sanitize"; grep -E "ERROR SUMMARY|Invalid|passed|failed" "$LOGS/sanitize.log" | tail -6; }
   echo "-- phases"; cat "$LOGS/phases.txt" 2>/dev/null
