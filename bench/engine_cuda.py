@@ -45,7 +45,7 @@ from ..core.sampling_params import SamplingParams
 from ..kernels.cuda import forward
 from ..kernels.cuda.driver import CudaDriver, CudaUnavailable, capture_graph
 from ..kernels.cuda.executor import CudaExecutor, CudaOptions
-from ..kernels.cuda.kernels import MM_PROBES, MM_VARIANTS, SIGNATURES
+from ..kernels.cuda.kernels import MM_PROBES, MM_PRODUCTS, MM_VARIANTS, SIGNATURES
 from ..kernels.cuda.weights import linear_bytes
 from .shapes import all_shapes, random_engine
 
@@ -171,6 +171,53 @@ def time_decode(executor, batch: int, context: int, num_steps: int) -> dict:
             "graph": handle.graph}
 
 
+# driver calls a decode step's launch makes, by the part of the host time they are counted in
+HOST_PARTS = {"graph_launch": "graph launch", "memcpy_htod_async": "copies", "memcpy_dtoh_async": "copies",
+              "memcpy_dtod_async": "copies", "event_record": "events", "stream_wait_event": "events"}
+
+
+def host_breakdown(executor, batch: int, context: int, num_steps: int) -> dict:
+    """The engine thread's CPU microseconds per decode step's `launch`, by part: each driver call
+    of HOST_PARTS wrapped to count its thread time, the rest (metadata fill, Python) by difference.
+    The wrappers add a little per call; this runs apart from the timed steps. -> {part: us}"""
+    drv, vocab = executor.drv, executor.config.vocab_size
+    per_seq = blocks_per_seq(context, num_steps)
+    spent = dict.fromkeys(set(HOST_PARTS.values()), 0)
+    originals = {name: getattr(drv, name) for name in HOST_PARTS}
+    own = {name for name in HOST_PARTS if name in vars(drv)}         # instance attributes, put back as they were
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            c0 = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[HOST_PARTS[name]] += time.thread_time_ns() - c0
+        return call
+    total = 0
+    try:
+        for i in range(WARMUP_STEPS + num_steps):
+            seqs = decode_steps(batch, context, i, vocab, per_seq)
+            if i == WARMUP_STEPS:
+                for name, fn in originals.items():
+                    setattr(drv, name, counted(name, fn))
+            c0 = time.thread_time_ns()
+            handle = executor.launch(seqs)
+            if i >= WARMUP_STEPS:
+                total += time.thread_time_ns() - c0
+            executor.collect(handle)
+    finally:
+        for name, fn in originals.items():
+            if name in own:
+                setattr(drv, name, fn)
+            elif name in vars(drv):
+                delattr(drv, name)
+    parts = {k: v / num_steps / 1e3 for k, v in sorted(spent.items())}
+    parts["the rest (metadata fill, Python)"] = total / num_steps / 1e3 - sum(parts.values())
+    parts["total"] = total / num_steps / 1e3
+    return parts
+
+
 def time_prefill(executor, prompt_len: int, total_tokens: int, reps: int = 3) -> float:
     greedy = SamplingParams(temperature=0.0)
     n = max(1, total_tokens // prompt_len)
@@ -285,18 +332,17 @@ def probe_products(executor, context: int) -> list:
     probe near the copy roofline puts the product's shortfall in its arithmetic and barriers, a
     probe as slow as the product in the grid and load pipeline. -> [dict]"""
     sizes, seen, out = _weight_sizes(executor), set(), []
-    plain = SIGNATURES["int4_mm_tc_x4"].split()
-    kernels = {k: k for k in MM_PROBES} | {twin: k for twins in MM_VARIANTS.values() for k, twin in twins.items()}
     for name, grid, block, smem, args in step_launches(executor, 1, context):
-        base = next((kernels[k] for k in kernels if name == k or name.startswith(k + "_")), None)
+        family = MM_PRODUCTS[name].family if name in MM_PRODUCTS else None
         proj = sizes.get(("name", args.get("qw")), "")
-        if base is None or (grid, proj) in seen:
+        if family not in MM_PROBES or (grid, proj) in seen:
             continue
         seen.add((grid, proj))
         nbytes = sizes.get(args["qw"], 0)
         times = {name: time_alone(executor, name, grid, block, smem, args)}
-        probe_args = {k: v for k, v in args.items() if f"{k}:p" in plain or f"{k}:i" in plain}
-        for probe in MM_PROBES[base]:
+        for probe in MM_PROBES[family]:
+            plain = SIGNATURES[probe].split()
+            probe_args = {k: v for k, v in args.items() if f"{k}:p" in plain or f"{k}:i" in plain}
             times[probe] = time_alone(executor, probe, grid, block, smem, probe_args)
         out.append({"projection": proj, "grid": list(grid), "weight_bytes": nbytes, "us": times})
     return out
@@ -404,6 +450,10 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
                                                row["decode_step_ms"])
             rows[0]["launch_host_us"] = host = launch_host_us(ex, 1, args.context)
             print("   host time per eager launch: " + ", ".join(f"{k} {v:.1f} us" for k, v in host.items()))
+            for row in (rows[0], rows[-1]) if len(rows) > 1 else rows:
+                row["host_parts_us"] = parts = host_breakdown(ex, row["batch"], args.context, args.steps)
+                print(f"   host CPU us per decode step's launch at batch {row['batch']}, by part: "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
         if getattr(args, "mm_probe", False):
             rows[0]["probes"] = probes = probe_products(ex, args.context)
             print_probes(probes)

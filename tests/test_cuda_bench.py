@@ -32,16 +32,16 @@ def test_bench_rows_and_profile(tmp_path, monkeypatch, capsys):
         assert r["graph"] is True
     text = capsys.readouterr().out
     assert "profile, decode step at batch 1, each kernel alone" in text and "at batch 3," in text
-    assert "int4_mm_tc_x4_rope_f32 (qkv_proj)" in text
+    assert "int4_mm_tc_x4g64_rope_f32 (qkv_proj)" in text
     profile = {p["kernel"]: p for p in rows[0]["profile"]}                 # layers repeat: one row per kind
-    assert profile["int4_mm_tc_x4_rope_f32"]["launches_per_step"] == TINY["num_layers"]
+    assert profile["int4_mm_tc_x4g64_rope_f32"]["launches_per_step"] == TINY["num_layers"]
     assert all(p["us_per_launch"] > 0 for p in rows[0]["profile"])
     assert "host time per eager launch: cuda-python" in text and rows[0]["launch_host_us"]["cuda-python"] > 0
     assert "fused kernels" in text and all(r["fused"] for r in rows)
     args.unfused, args.no_pdl, args.json = True, True, None
     assert engine_cuda.run(args, driver=FakeDriver(total_memory=1 << 30), image_fn=lambda arch: b"fake") == 0
     text = capsys.readouterr().out
-    assert "int4_mm_tc_x4 (qkv_proj)" in text and "rope_kv_append_f32" in text and "unfused kernels" in text
+    assert "int4_mm_tc_x4g64 (qkv_proj)" in text and "rope_kv_append_f32" in text and "unfused kernels" in text
 
 
 def test_bench_rejects_bad_numbers():
@@ -55,7 +55,8 @@ def test_bench_rejects_bad_numbers():
 
 def test_bench_sweeps_the_product_plan_and_restores_it(monkeypatch, capsys):
     """--mm-variant and --mm-blocks-per-sm change forward.py's plan for that run only; --mm-probe
-    times each batch-1 product beside its weight-stream probes."""
+    times each batch-1 product beside its weight-stream probes; --profile's host breakdown counts
+    the driver's calls and gives them back."""
     from tokenwire.kernels.cuda import forward
     monkeypatch.setitem(shapes.SHAPES_CUDA, "tiny", TINY)
     parser = argparse.ArgumentParser()
@@ -63,12 +64,16 @@ def test_bench_sweeps_the_product_plan_and_restores_it(monkeypatch, capsys):
     args = parser.parse_args(["--shape", "tiny", "--batch", "1", "--steps", "2", "--context", "40", "--prompt-len",
                               "32", "--prefill-tokens", "32", "--max-model-len", "256", "--mm-variant", "n",
                               "--mm-blocks-per-sm", "3", "--profile", "--mm-probe"])
-    assert engine_cuda.run(args, driver=FakeDriver(total_memory=1 << 30), image_fn=lambda arch: b"fake") == 0
+    drv = FakeDriver(total_memory=1 << 30)
+    assert engine_cuda.run(args, driver=drv, image_fn=lambda arch: b"fake") == 0
     text = capsys.readouterr().out
     assert "K split to 3 blocks per SM, product variant n" in text
-    assert "int4_mm_tc_x4n_rope_f32 (qkv_proj)" in text and "int4_mm_tc_x4n (down_proj)" in text
+    assert "int4_mm_tc_x4g64n_rope_f32 (qkv_proj)" in text and "int4_mm_tc_x4g64n (down_proj)" in text
     probes = [line for line in text.splitlines() if "int4_mm_tc_x4pn" in line]
-    assert any("down_proj" in line and "int4_mm_tc_x4n " in line and "int4_mm_tc_x4p " in line for line in probes)
+    assert any("down_proj" in line and "int4_mm_tc_x4g64n " in line and "int4_mm_tc_x4p " in line for line in probes)
     assert (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT) == (2, "")
+    parts = next(line for line in text.splitlines() if "by part:" in line)
+    assert "graph launch" in parts and "copies" in parts and "the rest (metadata fill, Python)" in parts
+    assert not set(engine_cuda.HOST_PARTS) & set(vars(drv))
     with pytest.raises(SystemExit, match="--mm-blocks-per-sm"):
         engine_cuda.run(parser.parse_args(["--mm-blocks-per-sm", "0"]), driver=FakeDriver())

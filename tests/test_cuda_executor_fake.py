@@ -359,9 +359,9 @@ def test_fused_decode_is_five_kernels_per_layer():
     assert ex.options.fused and ex.dev.pdl                  # both on by default (the fake is sm_90)
     assert all(l.qkv.rows == "rope" and l.gate_up.rows == "glu" for l in ex.weights.layers)
     kernels = one_decode_step_kernels(ex, drv)
-    layer = ["int4_mm_tc_x4_rope_f32", "attention_paged_fused_f32", "int4_mm_tc_x4", "int4_mm_tc_x4_silu",
-             "int4_mm_tc_x4"]
-    assert kernels == ["embed_f16"] + layer * 3 + ["int4_mm_tc_x4_argmax"]
+    layer = ["int4_mm_tc_x4g32_rope_f32", "attention_paged_fused_f32", "int4_mm_tc_x4g32", "int4_mm_tc_x4g32_silu",
+             "int4_mm_tc_x4g32"]
+    assert kernels == ["embed_f16"] + layer * 3 + ["int4_mm_tc_x4g32_argmax"]
 
 
 def test_unfused_reference_is_ten_kernels_per_layer():
@@ -370,9 +370,9 @@ def test_unfused_reference_is_ten_kernels_per_layer():
     ex = make(c, tiny_engine(c), driver=drv, fused=False, pdl=False, max_model_len=64)
     assert all(l.qkv.rows == "plain" and l.gate_up.rows == "plain" for l in ex.weights.layers)
     kernels = one_decode_step_kernels(ex, drv)
-    layer = ["rmsnorm", "int4_mm_tc_x4", "rope_kv_append_f32", "attention_paged_f32", "attention_combine",
-             "int4_mm_tc_x4", "rmsnorm", "int4_mm_tc_x4", "glu_silu", "int4_mm_tc_x4"]
-    assert kernels == ["embed_f16"] + layer * 3 + ["rmsnorm", "int4_mm_tc_x4", "argmax_rows"]
+    layer = ["rmsnorm", "int4_mm_tc_x4g32", "rope_kv_append_f32", "attention_paged_f32", "attention_combine",
+             "int4_mm_tc_x4g32", "rmsnorm", "int4_mm_tc_x4g32", "glu_silu", "int4_mm_tc_x4g32"]
+    assert kernels == ["embed_f16"] + layer * 3 + ["rmsnorm", "int4_mm_tc_x4g32", "argmax_rows"]
 
 
 @pytest.mark.parametrize("overrides,options", [
@@ -401,7 +401,7 @@ def test_shapes_without_a_fused_order_take_the_unfused_kernels():
     prompt = [5, 9, 13, 2, 77]
     assert run_greedy(ex, prompt, 6) == greedy_generate(ReferenceModel(c, t, block_size=16, num_blocks=64), prompt, 6)
     kernels = set(drv.launches)
-    assert {"rope_kv_append_f32", "glu_silu", "attention_paged_fused_f32", "int4_mm_tc_x4_argmax"} <= kernels
+    assert {"rope_kv_append_f32", "glu_silu", "attention_paged_fused_f32", "int4_mm_tc_x4g32_argmax"} <= kernels
     assert not any(k.endswith(("_rope_f32", "_silu")) and k.startswith("int4") for k in kernels)
 
 
@@ -414,7 +414,7 @@ def test_sampling_steps_keep_the_full_sampler():
     before = len(drv.launches)
     ex.step([SeqStep(0, [6], 3, [0], True, params, 7, [3, 4, 5], [6])])
     kernels = drv.launches[before:]
-    assert kernels[-5:] == ["rmsnorm", "int4_mm_tc_x4", "apply_penalties", "sample_tokens", "compute_logprobs"]
+    assert kernels[-5:] == ["rmsnorm", "int4_mm_tc_x4g32", "apply_penalties", "sample_tokens", "compute_logprobs"]
 
 
 @pytest.mark.parametrize("step_timing", [True, False])

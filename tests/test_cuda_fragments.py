@@ -179,7 +179,8 @@ def test_k_split_plans_cover_every_unit_and_fit_the_workspace():
         for M in (1, 4, 5, 16, 17, 64, 65, 300):
             plan = matmul_plan(lin, M, 132, "exact")
             rows, tiles, ksplit = plan.grid
-            tokens = int(plan.kernel.split("_x")[-1])
+            tokens = plan.tokens
+            assert plan.kernel == (f"int4_mm_tc_x{tokens}g64" if tokens <= 16 else "int4_mm_tc_x64")  # by group size
             assert rows * 128 >= lin.N and tiles * tokens >= M
             units = lin.Kp // 128
             assert ksplit * plan.units_per_split >= units > (ksplit - 1) * plan.units_per_split

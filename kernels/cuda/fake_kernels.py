@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import sampling as ref_sampling
 from ..reference import dequantize_int4
-from .kernels import FUSED_EPILOGUES, MAX_TOP_LOGPROBS, MM_KERNELS, MM_PROBES, MM_VARIANTS
+from .kernels import MAX_TOP_LOGPROBS, MM_PROBES, MM_PRODUCTS
 from .layout import TcShape, dequantize_tc, glu_row_order, pack_tc, rope_row_order, round_up
 
 
@@ -60,15 +60,14 @@ def _int4_tc_product(d, grid, xs, M, qw, sz, num_units, group_size, units_per_sp
 def _int4_tc_fused(d, grid, x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate,
                    ws, counters, norm_w, norm_dim, eps, positions, slot_mapping, cos_sin, max_positions, q_out, ldq,
                    k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, out_tokens,
-                   denoms, tokens, fp16, epilogue):
-    """int4_matmul.cu's fused kernels: RMSNorm prologue (its denominators from `denoms` when
-    given: rms_denoms ran first), then the epilogue on the device-order rows."""
+                   tokens, fp16, epilogue, normed):
+    """int4_matmul.cu's fused kernels: RMSNorm prologue (none when `normed`, the "_xn" kernels:
+    rmsnorm ran first), then the epilogue on the device-order rows."""
     assert not accumulate, "the fused products never accumulate"
     Kp = num_units * 128
     src = _f32(d, x, M, ldx)[:, :norm_dim]
     xs = np.zeros((M, Kp), dtype=np.float32)
-    denom = d.view(denoms, np.float32, M)[:, None] if denoms else _rms_denoms_of(src, eps)
-    xs[:, :norm_dim] = src / denom * d.view(norm_w, np.float32, norm_dim)
+    xs[:, :norm_dim] = src if normed else src / _rms_denoms_of(src, eps) * d.view(norm_w, np.float32, norm_dim)
     out = _int4_tc_product(d, grid, xs, M, qw, sz, num_units, group_size, units_per_split, bias, N, ws, counters,
                            tokens, fp16, ldx)
     if epilogue == "argmax":
@@ -146,10 +145,6 @@ def _embed(kind):
 
 def _rms_denoms_of(src, eps):
     return np.sqrt(np.mean(src * src, axis=-1, keepdims=True) + np.float32(eps))
-
-
-def _rms_denoms(d, grid, x, ldx, D, eps, out):
-    d.view(out, np.float32, grid[0])[:] = _rms_denoms_of(_f32(d, x, grid[0], ldx)[:, :D], eps)[:, 0]
 
 
 def _rmsnorm(d, grid, x, ldx, rows, w, out, ldo, D, eps, accumulate):
@@ -362,12 +357,13 @@ def _logprobs(d, grid, logits, ldl, vocab_size, iparams, tokens, token_logprob, 
 
 
 EMULATORS = {
-    **{name: (lambda tokens, fp16: lambda d, g, **k: _int4_tc(d, g, **k, tokens=tokens, fp16=fp16))(t, mode == "fp16")
-       for mode, kernels in MM_KERNELS.items() for t, name in kernels},
-    **{f"{name}_{epi}": (lambda tokens, fp16, epi: lambda d, g, **k: _int4_tc_fused(
-        d, g, **{n: v for n, v in k.items() if n != "tokens"}, out_tokens=k["tokens"], tokens=tokens, fp16=fp16,
-        epilogue=epi))(t, mode == "fp16", epi)
-       for mode, kernels in MM_KERNELS.items() for t, name in kernels for epi in FUSED_EPILOGUES},
+    **{name: (lambda p: lambda d, g, **k: _int4_tc(d, g, **k, tokens=p.tokens, fp16=p.fp16))(p)
+       for name, p in MM_PRODUCTS.items() if not p.epilogue},
+    **{name: (lambda p, normed: lambda d, g, **k: _int4_tc_fused(
+        d, g, **{n: v for n, v in k.items() if n != "tokens"}, out_tokens=k["tokens"], tokens=p.tokens, fp16=p.fp16,
+        epilogue=p.epilogue, normed=normed))(p, name.endswith("_xn"))
+       for name, p in MM_PRODUCTS.items() if p.epilogue},
+    **{probe: (lambda d, grid, **args: None) for probes in MM_PROBES.values() for probe in probes},  # reads, writes nothing
     "int4_mm_simt": _int4_mm_simt,
     "int4_repack_tc": _int4_repack_tc,
     "dense_mm_f32": _dense(np.float32),
@@ -378,7 +374,6 @@ EMULATORS = {
     "embed_i8": _embed("i8"),
     "embed_i4": _embed("i4"),
     "rmsnorm": _rmsnorm,
-    "rms_denoms": _rms_denoms,
     "head_rmsnorm": _head_rmsnorm,
     "logit_softcap": _logit_softcap,
     "glu_silu": _glu(False),
@@ -395,9 +390,3 @@ EMULATORS = {
     "sample_tokens": _sample,
     "compute_logprobs": _logprobs,
 }
-for _twins in MM_VARIANTS.values():                 # a variant's twin computes what its kernel does
-    for _plain, _twin in _twins.items():
-        EMULATORS.update({_twin: EMULATORS[_plain],
-                          **{f"{_twin}_{e}": EMULATORS[f"{_plain}_{e}"] for e in FUSED_EPILOGUES}})
-for _probe in (p for probes in MM_PROBES.values() for p in probes):
-    EMULATORS[_probe] = lambda d, grid, **args: None   # it reads the weights and writes nothing

@@ -26,7 +26,8 @@ import numpy as np
 
 from ...core.config import ModelConfig
 from .device import attention_smem_bytes, sample_smem_bytes
-from .kernels import DENSE_MT, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, MM_VARIANTS, SIMT_MT
+from .kernels import (DENSE_MT, FUSED_NORM_TOKENS, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, MM_VARIANTS, SIMT_MT,
+                      fused_kernel, mm_kernel)
 from .layout import round_up
 from .weights import ALIGN, DeviceWeights, Linear
 
@@ -35,12 +36,6 @@ LARGE_SPLIT = 1 << 30              # split_size when a step runs attention unspl
 # row blocks); read at executor build (workspace) and at every launch, so set it before building.
 # `bench engine --backend cuda --mm-blocks-per-sm N` sweeps it.
 MM_BLOCKS_PER_SM = 2
-# A fused product of more tokens than this reads its RMSNorm denominators from one rms_denoms
-# launch instead of each block summing every token of its tile itself: at 64 tokens that prologue
-# made the fused gate_up 2.3x the time of its weights (H200, 2026-11-27). Not for 16 tokens or
-# fewer (the x4..x16 tiles: one or two 8-token passes): an eager step pays ~10-20 us of host time
-# per launch, and a short prompt's prefill would launch two more kernels a layer.
-NORM_DENOMS_ABOVE = 16
 # An experiment, off ("") until a GPU has measured it: products by a variant's twin kernels
 # (kernels.py MM_VARIANTS). Like MM_BLOCKS_PER_SM: set it before building an executor
 # (`bench engine --backend cuda --mm-variant n`).
@@ -85,7 +80,6 @@ class Activations(NamedTuple):
     am_keys: int = 0                # u64 [R] the argmax epilogue's best keys, zero between launches
     am_counters: int = 0            # int32 [R] its arrival counters per token tile, zero between launches
     att_counters: int = 0           # int32 [T * Hq] the fused attention's split counters, zero between launches
-    denoms: int = 0                 # fp32 [max(T, R)] rms_denoms' output for a fused product of many tokens
 
 
 class StepGeometry(NamedTuple):
@@ -125,8 +119,7 @@ def plan_activations(c: ModelConfig, max_tokens: int, max_rows: int, ws_entries:
             ("ws_acc", max(ws_entries, 1), c.head_dim, 4),
             ("mm_ws", max(mm_ws_floats, 1), 1, 4), ("mm_counters", max(mm_counters, 1), 1, 4),
             ("am_keys", max_rows, 1, 8), ("am_counters", max_rows, 1, 4),
-            ("att_counters", max(max_tokens, max_rows) * c.num_heads, 1, 4),
-            ("denoms", max(max_tokens, max_rows), 1, 4)]
+            ("att_counters", max(max_tokens, max_rows) * c.num_heads, 1, 4)]
     plan, offset = {}, 0
     for name, n, width, itemsize in rows:
         plan[name] = (offset, width)
@@ -145,7 +138,7 @@ def make_activations(plan: dict, base: int, max_tokens: int, max_rows: int, ws_e
                        p["attn"], ld["attn"], p["gu"], ld["gu"], p["act"], ld["act"], p["hn"], ld["hn"],
                        p["logits"], p["plogits"], ld["logits"], p["tokens"], p["token_logprob"],
                        p["top_ids"], p["top_logprobs"], p["ws_ml"], p["ws_acc"], p["mm_ws"], p["mm_counters"],
-                       mm_mode, p["am_keys"], p["am_counters"], p["att_counters"], p["denoms"])
+                       mm_mode, p["am_keys"], p["am_counters"], p["att_counters"])
 
 
 def heads_per_block(c: ModelConfig) -> int:
@@ -171,6 +164,7 @@ def decode_splits(c: ModelConfig, num_items: int, max_keys: int, num_sms: int) -
 
 class MatmulPlan(NamedTuple):
     kernel: str
+    tokens: int                     # tokens per tile of the kernel
     grid: tuple                     # (row blocks, token tiles, K splits)
     units_per_split: int            # 128-wide K units per block
     ws_floats: int                  # K-split partials it needs (0: no split)
@@ -181,12 +175,14 @@ def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
     """Tensor-core kernel, grid and K split for an INT4 product of M tokens: enough blocks for
     MM_BLOCKS_PER_SM per SM, splitting K when the rows alone are too few (decode of a small matrix).
     (Hot path: every eager product; remembered per shape and knob setting.)"""
-    return _matmul_plan(lin.N, lin.Kp, M, num_sms, mode, MM_BLOCKS_PER_SM, MM_VARIANT)
+    return _matmul_plan(lin.N, lin.Kp, lin.group_size, M, num_sms, mode, MM_BLOCKS_PER_SM, MM_VARIANT)
 
 
 @functools.lru_cache(maxsize=4096)
-def _matmul_plan(N: int, Kp: int, M: int, num_sms: int, mode: str, blocks_per_sm: int, variant: str) -> MatmulPlan:
-    tokens, kernel = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
+def _matmul_plan(N: int, Kp: int, group_size: int, M: int, num_sms: int, mode: str, blocks_per_sm: int,
+                 variant: str) -> MatmulPlan:
+    tokens, family = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
+    kernel = mm_kernel(family, group_size)
     Np, num_units = round_up(N, MM_ROWS), Kp // 128
     row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)
     blocks, target = row_blocks * tiles, blocks_per_sm * num_sms
@@ -195,8 +191,9 @@ def _matmul_plan(N: int, Kp: int, M: int, num_sms: int, mode: str, blocks_per_sm
     ups = -(-num_units // ksplit)
     ksplit = -(-num_units // ups)
     if ksplit == 1:
-        return MatmulPlan(kernel, (row_blocks, tiles, 1), ups, 0, 0)
-    return MatmulPlan(kernel, (row_blocks, tiles, ksplit), ups, ksplit * tiles * tokens * Np, row_blocks * tiles)
+        return MatmulPlan(kernel, tokens, (row_blocks, tiles, 1), ups, 0, 0)
+    return MatmulPlan(kernel, tokens, (row_blocks, tiles, ksplit), ups, ksplit * tiles * tokens * Np,
+                      row_blocks * tiles)
 
 
 def matmul_workspace(linears, max_tokens: int, num_sms: int, mode: str) -> tuple:
@@ -231,26 +228,26 @@ def launch_matmul(dev, lin: Linear, x: int, ldx: int, M: int, y: int, ldy: int, 
 
 # the fused products' extra parameters (kernels.py _MATMUL_FUSED), all unused
 _FUSED_NONE = dict(positions=0, slot_mapping=0, cos_sin=0, max_positions=0, q_out=0, ldq=0, k_cache=0, v_cache=0,
-                   num_heads=0, num_kv_heads=0, head_dim=0, argmax_keys=0, argmax_counters=0, tokens=0, denoms=0)
+                   num_heads=0, num_kv_heads=0, head_dim=0, argmax_keys=0, argmax_counters=0, tokens=0)
 
 
 def launch_matmul_fused(dev, c: ModelConfig, lin: Linear, epilogue: str, x: int, ldx: int, M: int, y: int, ldy: int,
                         norm_w: int, acts: Activations, stream, **extra) -> None:
     """y = epilogue(rmsnorm(x) * norm_w @ W^T (+ bias)) with one tensor-core kernel (int4_matmul.cu
-    "fused kernels"); `epilogue` is rope_f32 | rope_f16 | silu | gelu | argmax, `extra` its arguments."""
+    "fused kernels"); `epilogue` is rope_f32 | rope_f16 | silu | gelu | argmax, `extra` its arguments.
+    Above kernels.FUSED_NORM_TOKENS tokens a tile's blocks would each normalise all its activations
+    again per unit: rmsnorm runs first, into acts.xn, and the kernel ("_xn") takes x normalised."""
     assert lin.kind == "int4_tc" and ldx >= lin.Kp, f"{lin.name}: no fused kernel for {lin.kind} / width {ldx}"
     plan = matmul_plan(lin, M, dev.num_sms, acts.mm_mode)
-    denoms = 0
-    if M > NORM_DENOMS_ABOVE:
-        dev.launch("rms_denoms", (M,), 256, stream, x=x, ldx=ldx, D=c.hidden_size, eps=c.rms_norm_eps,
-                   out=acts.denoms)
-        denoms = acts.denoms
+    if plan.tokens > FUSED_NORM_TOKENS:
+        launch_rmsnorm(dev, c, x, ldx, norm_w, acts.xn, acts.ld_xn, 0, M, stream)
+        x, ldx, norm_w = acts.xn, acts.ld_xn, 0
     args = dict(_FUSED_NONE, x=x, ldx=ldx, M=M, qw=lin.w, sz=lin.aux, num_units=lin.Kp // 128,
                 group_size=lin.group_size, units_per_split=plan.units_per_split, bias=lin.bias, y=y, ldy=ldy, N=lin.N,
                 accumulate=0, ws=acts.mm_ws, counters=acts.mm_counters, norm_w=norm_w, norm_dim=c.hidden_size,
-                eps=c.rms_norm_eps, denoms=denoms)
+                eps=c.rms_norm_eps)
     args.update(extra)
-    dev.launch(f"{plan.kernel}_{epilogue}", plan.grid, 256, stream, **args)
+    dev.launch(fused_kernel(plan.kernel, plan.tokens, epilogue), plan.grid, 256, stream, **args)
 
 
 def launch_embed(dev, c: ModelConfig, w: DeviceWeights, acts: Activations, g: StepGeometry, stream) -> None:

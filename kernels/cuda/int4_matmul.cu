@@ -163,7 +163,6 @@ struct FusedArgs {
     float* q_out; int ldq; void* k_cache; void* v_cache;
     int num_heads; int num_kv_heads; int head_dim;
     u64* argmax_keys; int* argmax_counters; int* tokens;        // EPI_ARGMAX
-    const float* denoms;                                        // prologue: rms_denoms' [M], or null: the block sums
 };
 
 __device__ __forceinline__ void store_cache_value(float* p, float v) { *p = v; }
@@ -256,15 +255,19 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // PDL: the block's first PREFETCH units of weights load (and the rest of its slice is prefetched
 // into L2) before the dependency wait, and dependents are signalled as soon as the last weight
 // load is issued. NORM: x's rows are RMS-normalized on the fly (f.norm_w), each block computing
-// its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair), or,
-// for many tokens, reading them from f.denoms (rmsnorm.cu's rms_denoms, launched just before).
+// its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair); the
+// tiles of up to 16 tokens only (the 64-token tiles' fused kernels take x normalised: "_xn").
 // Experiments (kernels.py MM_VARIANTS, `bench engine --backend cuda --mm-variant`): L2_SLICE false
-// (the "n" kernels) drops the prefetch of the block's whole slice into L2; PROBE (the "p" kernels,
+// (the "n" kernel) drops the prefetch of the block's whole slice into L2; PROBE (the "p" kernels,
 // never in a model step) streams the weights as the product does and nothing else (no activation,
 // no barrier, no multiply), so its time is the ceiling of this grid and load pipeline. At batch 1
 // the products moved 1.2-1.3 TB/s of a 4.2 TB/s copy roofline (H200, 2026-11-27); these say why.
+// SPG: the steps (k16) per group, 2, 4 or 8 (group size 32, 64, 128), or 0: read from group_size.
+// With it known, a unit's group starts, ends and scale selection are fixed at compile time: the
+// generic x4 loop was ~470 instructions a unit (cuobjdump, sm_90), half of them that bookkeeping,
+// and a batch-1 product of ~8 warps a scheduler is issue bound (kernels.py MM_BY_GROUP).
 template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false, bool L2_SLICE = true,
-          bool PROBE = false>
+          bool PROBE = false, int SPG = 0>
 __device__ __forceinline__ void int4_mm_tc(
     const float* __restrict__ x, int ldx, int M,                 // x: [M, ldx], zero beyond K
     const uint4* __restrict__ qw, const u32* __restrict__ sz,    // "tc" layout
@@ -286,7 +289,8 @@ __device__ __forceinline__ void int4_mm_tc(
     const int tile = blockIdx.x * 8 + warp;
     const int tok0 = blockIdx.y * TOKENS;
     const int num_groups = num_units * 128 / group_size;
-    const int groups_per_unit = 128 / group_size, steps_per_group = group_size / 16;
+    const int steps_per_group = SPG ? SPG : group_size / 16, groups_per_unit = 8 / steps_per_group;
+    if (SPG && group_size != SPG * 16) __trap();                 // the host picks the kernel by group size
     const int u_begin = blockIdx.z * units_per_split, u_end = min(num_units, u_begin + units_per_split);
     const uint4* qtile = qw + (size_t)tile * num_units * 2 * 32 + lane;
     const u32* stile = sz + (size_t)tile * num_groups * 16;
@@ -352,10 +356,7 @@ __device__ __forceinline__ void int4_mm_tc(
         return;
     }
     bool signalled = false;                                      // pdl_launch_dependents issued
-    if (NORM && f.denoms) {                                      // rms_denoms ran first (many tokens)
-        if (tid < TOKENS) denom[tid] = f.denoms[min(tok0 + tid, M - 1)];
-        __syncthreads();
-    } else if (NORM) {
+    if (NORM) {
         // rmsnorm.cu's sum for each token of the tile, in its order (thread tid's partial over
         // d = tid, tid + 256, ..., then block_sum's tree: each warp's warp_sum, the 8 warp sums
         // through shared memory, a warp_sum of those), 8 tokens at a time so that their loads are
@@ -536,11 +537,21 @@ __device__ __forceinline__ void int4_mm_tc(
     int* __restrict__ counters
 #define MM_PASS x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate, ws, counters
 
-// exact (hi/lo activations): 4, 8, 16 tokens for decode, 64 for prefill
-extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4(MM_ARGS) { int4_mm_tc<1, true, 4>(MM_PASS); }
-// the experiments (kernels.py MM_VARIANTS): x4 without the L2 slice prefetch; the weight stream alone, with and without
-extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4n(MM_ARGS) {
-    int4_mm_tc<1, true, 4, EPI_STORE, false, false>(MM_PASS);
+// exact (hi/lo activations): 4, 8, 16 tokens for decode (one kernel per group size), 64 for prefill
+#define MM_BY_GROUP(NAME, NT, SPLIT, PREFETCH, L2_SLICE) \
+    extern "C" __global__ void __launch_bounds__(256) NAME##g32(MM_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, L2_SLICE, false, 2>(MM_PASS); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##g64(MM_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, L2_SLICE, false, 4>(MM_PASS); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##g128(MM_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, L2_SLICE, false, 8>(MM_PASS); }
+MM_BY_GROUP(int4_mm_tc_x4, 1, true, 4, true)
+MM_BY_GROUP(int4_mm_tc_x8, 2, true, 4, true)
+MM_BY_GROUP(int4_mm_tc_x16, 4, true, 2, true)
+// the experiments (kernels.py MM_VARIANTS): x4 (group 64) without the L2 slice prefetch; the
+// weight stream alone, with and without
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4g64n(MM_ARGS) {
+    int4_mm_tc<1, true, 4, EPI_STORE, false, false, false, 4>(MM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4p(MM_ARGS) {
     int4_mm_tc<1, true, 4, EPI_STORE, false, true, true>(MM_PASS);
@@ -548,8 +559,6 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4p(MM_ARGS) {
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4pn(MM_ARGS) {
     int4_mm_tc<1, true, 4, EPI_STORE, false, false, true>(MM_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x8(MM_ARGS) { int4_mm_tc<2, true, 4>(MM_PASS); }
-extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x16(MM_ARGS) { int4_mm_tc<4, true, 2>(MM_PASS); }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x64(MM_ARGS) { int4_mm_tc<16, true, 1>(MM_PASS); }
 // fp16 activations (one column per token): 8, 16 tokens for decode, 64 for prefill
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h8(MM_ARGS) { int4_mm_tc<1, false, 4>(MM_PASS); }
@@ -562,30 +571,43 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
 #define MMF_ARGS MM_ARGS, const float* __restrict__ norm_w, int norm_dim, float eps, \
     const int* __restrict__ positions, const int* __restrict__ slot_mapping, const float2* __restrict__ cos_sin, \
     int max_positions, float* __restrict__ q_out, int ldq, void* k_cache, void* v_cache, int num_heads, \
-    int num_kv_heads, int head_dim, u64* argmax_keys, int* argmax_counters, int* tokens, \
-    const float* __restrict__ denoms
+    int num_kv_heads, int head_dim, u64* argmax_keys, int* argmax_counters, int* tokens
 #define MMF_STRUCT FusedArgs{norm_w, norm_dim, eps, positions, slot_mapping, cos_sin, max_positions, q_out, ldq, \
-    k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, tokens, denoms}
-#define MM_FUSED(NAME, NT, SPLIT, PREFETCH, L2_SLICE) \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, true, L2_SLICE>(MM_PASS, MMF_STRUCT); } \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f16(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, true, L2_SLICE>(MM_PASS, MMF_STRUCT); } \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_silu(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, true, L2_SLICE>(MM_PASS, MMF_STRUCT); } \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_gelu(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, true, L2_SLICE>(MM_PASS, MMF_STRUCT); } \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_argmax(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, true, L2_SLICE>(MM_PASS, MMF_STRUCT); }
+    k_cache, v_cache, num_heads, num_kv_heads, head_dim, argmax_keys, argmax_counters, tokens}
+// NORM false (the "_xn" kernels): x arrives normalised (rmsnorm ran first, forward.py
+// NORM_APART_ABOVE), the epilogue is the same: a 64-token tile normalising its activations in
+// every block, once per unit it loads, made the fused gate_up 2.2x its unfused product at batch 64
+// (H200, 2026-11-27).
+// ARGMAX_BLOCKS: the argmax kernel's minimum blocks per SM for ptxas: 2 (at most 128 registers,
+// what ptxas picks by itself for the decode tiles), 1 where that would spill (x16 at group 32, which
+// wants 178; the 64-token tiles).
+#define MM_FUSED_AS(NAME, SUFFIX, NT, SPLIT, PREFETCH, NORM, L2_SLICE, SPG, ARGMAX_BLOCKS) \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32##SUFFIX(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f16##SUFFIX(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_silu##SUFFIX(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
+    extern "C" __global__ void __launch_bounds__(256) NAME##_gelu##SUFFIX(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
+    extern "C" __global__ void __launch_bounds__(256, ARGMAX_BLOCKS) NAME##_argmax##SUFFIX(MMF_ARGS) \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); }
+#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, true, 0, 2)
 
-MM_FUSED(int4_mm_tc_x4, 1, true, 4, true)
-MM_FUSED(int4_mm_tc_x4n, 1, true, 4, false)
-MM_FUSED(int4_mm_tc_x8, 2, true, 4, true)
-MM_FUSED(int4_mm_tc_x16, 4, true, 2, true)
-MM_FUSED(int4_mm_tc_x64, 16, true, 1, true)
-MM_FUSED(int4_mm_tc_h8, 1, false, 4, true)
-MM_FUSED(int4_mm_tc_h16, 2, false, 4, true)
-MM_FUSED(int4_mm_tc_h64, 8, false, 2, true)
+MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, true, 2, 2)
+MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, true, 4, 2)
+MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 4, true, true, 8, 2)
+MM_FUSED_AS(int4_mm_tc_x4g64n, , 1, true, 4, true, false, 4, 2)
+MM_FUSED_AS(int4_mm_tc_x8g32, , 2, true, 4, true, true, 2, 2)
+MM_FUSED_AS(int4_mm_tc_x8g64, , 2, true, 4, true, true, 4, 2)
+MM_FUSED_AS(int4_mm_tc_x8g128, , 2, true, 4, true, true, 8, 2)
+MM_FUSED_AS(int4_mm_tc_x16g32, , 4, true, 2, true, true, 2, 1)
+MM_FUSED_AS(int4_mm_tc_x16g64, , 4, true, 2, true, true, 4, 2)
+MM_FUSED_AS(int4_mm_tc_x16g128, , 4, true, 2, true, true, 8, 2)
+MM_FUSED_AS(int4_mm_tc_x64, _xn, 16, true, 1, false, true, 0, 1)
+MM_FUSED(int4_mm_tc_h8, 1, false, 4)
+MM_FUSED(int4_mm_tc_h16, 2, false, 4)
+MM_FUSED_AS(int4_mm_tc_h64, _xn, 8, false, 2, false, true, 0, 1)
 
 // ------------------------------------------------------------------ layout conversion at load time
 

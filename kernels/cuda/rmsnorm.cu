@@ -29,18 +29,6 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm(
         for (int d = threadIdx.x; d < D; d += blockDim.x) dst[d] = row[d] / denom * w[d];
 }
 
-// The denominators alone, for the fused products of many tokens (forward.py NORM_DENOMS_ABOVE):
-// out[r] = rms_denom(x[r]), which those products read instead of each block summing every token
-// of its tile itself. grid (R), block 256.
-extern "C" __global__ void __launch_bounds__(256) rms_denoms(const float* __restrict__ x, int ldx, int D, float eps,
-                                                             float* __restrict__ out) {
-    __shared__ float scratch[32];
-    pdl_wait();
-    const float denom = rms_denom(x + (size_t)blockIdx.x * ldx, D, eps, scratch);
-    pdl_launch_dependents();
-    if (threadIdx.x == 0) out[blockIdx.x] = denom;
-}
-
 // Per-head RMSNorm of the new tokens' query and key heads in place (Qwen3, Gemma 3: before
 // RoPE), each head over its hd values with its own weights.
 //   qkv: [T, ldqkv] fp32, rows Q heads | K heads | V heads; q_norm, k_norm: [hd] fp32

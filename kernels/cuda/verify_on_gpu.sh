@@ -28,8 +28,8 @@
 #                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
 #   sweep          8B shape: each batch-1 product beside its weight-stream probes (the same grid and
-#                  loads, nothing computed), with the K split at 2 and 4 blocks per SM; then the decode by
-#                  variant n's products (no L2 prefetch of a block's slice, an experiment), profiled
+#                  loads, nothing computed), with the K split at 2 and 4 blocks per SM, and PDL off; then
+#                  the decode by variant n's products (no L2 prefetch of a block's slice), profiled
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
 #   Logs and JSON go to $WORK/logs as they are written: $OUT holds two files (the device tool
@@ -50,7 +50,7 @@ PY="${PYTHON:-python3}"
 CARRY_LIMIT=$((64 * 1024 * 1024))      # bytes the device tool carries per call
 TOTAL_BUDGET=480                       # seconds for every phase together; the call's timeout_s is 540
 # name:seconds, in the order `all` runs them; the budgets sum to TOTAL_BUDGET at most
-PHASES="env:25 kernels:60 golden:50 serve:60 bench-fused:100 sweep:75 bench-unfused:55 sanitize:30"
+PHASES="env:25 kernels:60 golden:50 serve:60 bench-fused:100 sweep:100 bench-unfused:55 sanitize:30"
 SERVE_PORT=8123
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
@@ -309,9 +309,11 @@ bench_engine() {
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
 phase_sweep() {   # 8B shape: the products beside their weight-stream probes, then variant n's decode (profiled)
-  for n in 2 4; do
-    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --mm-blocks-per-sm $n --mm-probe \
-      --json "$LOGS/sweep-probe-$n.json" || return $?
+  local how
+  for how in "2" "4" "2 --no-pdl"; do
+    # shellcheck disable=SC2086
+    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --mm-blocks-per-sm $how --mm-probe \
+      --json "$LOGS/sweep-probe-${how// /}.json" || return $?
   done
   "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16 --steps 20 --mm-variant n --profile \
     --json "$LOGS/sweep-n.json" || return $?
@@ -421,7 +423,7 @@ key_figures() {      # from $LOGS: what a reader needs first, in at most about 1
   for name in bench-fused sweep bench-unfused; do
     [ -f "$LOGS/$name.log" ] || continue
     echo "-- $name"
-    awk '/^== / {print substr($0, 1, 110); next} /roofline \(|^ +batch|^ +[0-9]+ |prefill:|per eager launch|Error|error/ {print; next}
+    awk '/^== / {print substr($0, 1, 110); next} /roofline \(|^ +batch|^ +[0-9]+ |prefill:|per eager launch|by part:|Error|error/ {print; next}
          /profile, decode step/ {print; top = 4; next} /weight-stream probes/ {print; top = 5; next}
          top > 0 {print; top--}' "$LOGS/$name.log" | cut -c1-220 | tail -50
   done
