@@ -62,7 +62,7 @@ def normed_input(gpu, c, rng, M):
 
 CASES = [  # M, D, G: every tile size, and K splits (one row block, long K)
     (1, 256, 64), (3, 512, 128), (4, 128, 32), (8, 1024, 64), (13, 384, 128), (16, 2048, 128), (40, 256, 64),
-    (64, 512, 128),
+    (64, 512, 128), (6, 256, 32), (7, 384, 128), (10, 512, 32), (12, 256, 64),   # every decode tile and group
 ]
 
 
