@@ -22,7 +22,7 @@ from .h2load import run_h2load
 from .loadgen import Target, parse_url, run_level
 from .peers.grpc_proto import SERVICE_PATH, request_body
 from .peers.report import server_stages_table, ttft_table
-from .plot import plot_levels
+from .plot import plot_levels, plot_path
 from .proc import listening_pid, pin_to_core
 from .stats import fmt_us, table
 
@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--h2load", action="store_true",
                         help="after each level, run h2load (nghttp2) with the same requests and compare requests/s")
     parser.add_argument("--json", default=None, help="write the results as JSON to this file")
-    parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput against concurrency")
+    parser.add_argument("--plot", default=None, type=plot_path,
+                        help="write a plot of latency and throughput against concurrency (PNG, SVG, PDF: by suffix)")
 
 
 def run(args) -> int:

@@ -1,8 +1,26 @@
 """PNG plots of load results: latency and throughput against concurrency, one line per server,
 and each level's inter-token histogram (where the rows carry one: `bench load`)."""
 
+import argparse
 import math
+import os
 from typing import Sequence
+
+# what matplotlib's Agg canvas writes, by the file's suffix
+FORMATS = ("png", "svg", "pdf", "jpg", "jpeg", "webp", "eps", "ps", "tif", "tiff")
+
+
+def plot_path(text: str) -> str:
+    """argparse type of --plot: a path whose suffix names a format matplotlib writes and whose
+    folder exists, refused before a benchmark runs rather than after it."""
+    suffix = os.path.splitext(text)[1].lstrip(".").lower()
+    if suffix not in FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the file's suffix names its format, one of "
+                                         f"{', '.join('.' + f for f in FORMATS)}")
+    folder = os.path.dirname(text) or "."
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"{text!r}: no folder {folder!r}")
+    return text
 
 
 def plot_levels(rows: Sequence[dict], path: str, title: str) -> None:

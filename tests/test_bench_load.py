@@ -450,3 +450,12 @@ def test_the_inter_token_tail_is_reported_against_issue_31s_targets_and_drawn(tm
              "ttft_us_p50": 1.0, "ttft_us_p99": 2.0, "itl_us_p50": 1000.0, "itl_us_p99": 1100.0, "itl_us_hist": hist}
     plot_levels([level], str(tmp_path / "load.png"), "t")
     assert (tmp_path / "load.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name,why", [("r.txt", "suffix names its format"), ("nowhere/r.png", "no folder")])
+def test_a_plot_path_matplotlib_cannot_write_is_refused_before_the_run(tmp_path, name, why):
+    """--plot r.txt ran the whole benchmark, then died in savefig with a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "tokenwire", "bench", "load", "--url", "http://127.0.0.1:9/x",
+                           "--plot", str(tmp_path / name)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--plot" in proc.stderr and why in proc.stderr
+    assert "Traceback" not in proc.stderr

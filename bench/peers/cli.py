@@ -13,7 +13,7 @@ import orjson
 from .. import fast_client
 from ..load import make_target, run_event_loop
 from ..pingpong import measure_floor
-from ..plot import plot_levels
+from ..plot import plot_levels, plot_path
 from ..proc import num_cores, pin_to_core
 from . import report
 from .runner import HOST, free_port, measure_server, peer_specs
@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "paired ratios per round (default 1)")
     parser.add_argument("--trace", default=None, help="tokenwire's per-request stage timelines as Chrome trace JSON")
     parser.add_argument("--json", default=None, help="write one row per server and concurrency to this JSON file")
-    parser.add_argument("--plot", default=None, help="write a PNG of latency and throughput against concurrency")
+    parser.add_argument("--plot", default=None, type=plot_path,
+                        help="write a plot of latency and throughput against concurrency (PNG, SVG, PDF: by suffix)")
 
 
 def run(args) -> int:
