@@ -29,7 +29,8 @@
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
 #   sweep          8B shape: each batch-1 product beside its weight-stream probes (the same grid and
 #                  loads, nothing computed), with the K split at 2 and 4 blocks per SM, and PDL off; then
-#                  the decode by variant n's products (no L2 prefetch of a block's slice), profiled
+#                  the decode by variant n's products (no L2 prefetch of a block's slice), profiled; and
+#                  fp16 activations (one MMA per k step, not the exact hi/lo pair): prefill, batch 1 and 64
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
 #   Logs and JSON go to $WORK/logs as they are written: $OUT holds two files (the device tool
@@ -317,6 +318,8 @@ phase_sweep() {   # 8B shape: the products beside their weight-stream probes, th
   done
   "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16 --steps 20 --mm-variant n --profile \
     --json "$LOGS/sweep-n.json" || return $?
+  "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,64 --steps 20 --int4-activations fp16 \
+    --json "$LOGS/sweep-fp16.json" || return $?
 }
 
 phase_bench_unfused() { bench_engine --unfused --json "$LOGS/bench-unfused.json"; }
