@@ -114,6 +114,21 @@ __device__ __forceinline__ void load_unit_x(float2 (&xr)[PER_THREAD], const floa
     }
 }
 
+// One unit's weights for this lane (two 16-byte words: its 16 rows x 128 k of the warp's tile)
+// and the scale/zero words of the unit's groups for its rows g and g + 8, in the "tc" layout.
+__device__ __forceinline__ void load_unit_w(uint4 (&w)[2], u32 (&szw)[4][2], const uint4* __restrict__ qtile,
+                                            const u32* __restrict__ stile, int u, int groups_per_unit, int g) {
+    w[0] = __ldg(qtile + (size_t)(2 * u) * 32);
+    w[1] = __ldg(qtile + (size_t)(2 * u + 1) * 32);
+#pragma unroll
+    for (int gg = 0; gg < 4; ++gg) {
+        if (gg < groups_per_unit) {
+            szw[gg][0] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g);
+            szw[gg][1] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g + 8);
+        }
+    }
+}
+
 template <int NT, bool SPLIT, int TOKENS, int PER_THREAD>
 __device__ __forceinline__ void store_unit_x(const float2 (&xr)[PER_THREAD], uint2 (*frag)[NT][32]) {
 #pragma unroll
@@ -306,20 +321,8 @@ __device__ __forceinline__ void int4_mm_tc(
     uint4 wbuf[PREFETCH][2];
     u32 szbuf[PREFETCH][4][2];                                   // [unit][group in unit][row g, row g + 8]
 #pragma unroll
-    for (int p = 0; p < PREFETCH; ++p) {
-        const int u = u_begin + p;
-        if (u < u_end) {
-            wbuf[p][0] = __ldg(qtile + (size_t)(2 * u) * 32);
-            wbuf[p][1] = __ldg(qtile + (size_t)(2 * u + 1) * 32);
-#pragma unroll
-            for (int gg = 0; gg < 4; ++gg) {
-                if (gg < groups_per_unit) {
-                    szbuf[p][gg][0] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g);
-                    szbuf[p][gg][1] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g + 8);
-                }
-            }
-        }
-    }
+    for (int p = 0; p < PREFETCH; ++p)
+        if (u_begin + p < u_end) load_unit_w(wbuf[p], szbuf[p], qtile, stile, u_begin + p, groups_per_unit, g);
     if (L2_SLICE && (lane & 7) == 0) {                           // the rest of the slice into L2 meanwhile
         for (int u = u_begin + PREFETCH; u < u_end; ++u) {
             asm volatile("prefetch.global.L2 [%0];" :: "l"(qtile + (size_t)(2 * u) * 32));
@@ -337,18 +340,7 @@ __device__ __forceinline__ void int4_mm_tc(
                 if (u >= u_end) break;
                 seen ^= wbuf[p][0].x ^ wbuf[p][0].y ^ wbuf[p][0].z ^ wbuf[p][0].w ^ wbuf[p][1].x ^ wbuf[p][1].y
                         ^ wbuf[p][1].z ^ wbuf[p][1].w ^ szbuf[p][0][0] ^ szbuf[p][0][1];
-                const int un = u + PREFETCH;
-                if (un < u_end) {
-                    wbuf[p][0] = __ldg(qtile + (size_t)(2 * un) * 32);
-                    wbuf[p][1] = __ldg(qtile + (size_t)(2 * un + 1) * 32);
-#pragma unroll
-                    for (int gg = 0; gg < 4; ++gg) {
-                        if (gg < groups_per_unit) {
-                            szbuf[p][gg][0] = __ldg(stile + (un * groups_per_unit + gg) * 16 + g);
-                            szbuf[p][gg][1] = __ldg(stile + (un * groups_per_unit + gg) * 16 + g + 8);
-                        }
-                    }
-                }
+                if (u + PREFETCH < u_end) load_unit_w(wbuf[p], szbuf[p], qtile, stile, u + PREFETCH, groups_per_unit, g);
             }
         }
         pdl_launch_dependents();
@@ -458,18 +450,7 @@ __device__ __forceinline__ void int4_mm_tc(
                 }
             }
             // refill this prefetch slot with the unit PREFETCH ahead
-            const int un = u + PREFETCH;
-            if (un < u_end) {
-                wbuf[p][0] = __ldg(qtile + (size_t)(2 * un) * 32);
-                wbuf[p][1] = __ldg(qtile + (size_t)(2 * un + 1) * 32);
-#pragma unroll
-                for (int gg = 0; gg < 4; ++gg) {
-                    if (gg < groups_per_unit) {
-                        szbuf[p][gg][0] = __ldg(stile + (un * groups_per_unit + gg) * 16 + g);
-                        szbuf[p][gg][1] = __ldg(stile + (un * groups_per_unit + gg) * 16 + g + 8);
-                    }
-                }
-            }
+            if (u + PREFETCH < u_end) load_unit_w(wbuf[p], szbuf[p], qtile, stile, u + PREFETCH, groups_per_unit, g);
             if (DOUBLE) {
                 if (u + 1 < u_end) store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[cur ^ 1]);
                 cur ^= 1;
@@ -580,7 +561,7 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
 // (H200, 2026-11-27).
 // ARGMAX_BLOCKS: the argmax kernel's minimum blocks per SM for ptxas: 2 (at most 128 registers,
 // what ptxas picks by itself for the decode tiles), 1 where that would spill (x16 at group 32, which
-// wants 178; the 64-token tiles).
+// wants 178; the fp16 tiles; the 64-token tiles).
 #define MM_FUSED_AS(NAME, SUFFIX, NT, SPLIT, PREFETCH, NORM, L2_SLICE, SPG, ARGMAX_BLOCKS) \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32##SUFFIX(MMF_ARGS) \
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
@@ -592,7 +573,7 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256, ARGMAX_BLOCKS) NAME##_argmax##SUFFIX(MMF_ARGS) \
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); }
-#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, true, 0, 2)
+#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, true, 0, 1)
 
 MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, true, 2, 2)
 MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, true, 4, 2)
