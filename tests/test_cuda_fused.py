@@ -7,7 +7,7 @@ the fused epilogue's row order (kernels/cuda/layout.py) for the fused kernel.
 - silu / gelu:         rmsnorm -> gate_up -> glu_*        (the activation)
 - argmax:              rmsnorm -> lm_head -> argmax_rows  (logits and greedy ids)
 Shapes cross every tensor-core tile (M = 1 .. 64), K splits (few rows, long K) and the exact and
-fp16 activation modes, and variant n's twins of the decode kernels (forward.MM_VARIANT);
+fp16 activation modes, and the experiments' twins of the decode kernels (forward.MM_VARIANT);
 each fused launch runs twice, since its counters must re-arm themselves.
 The RMSNorm prologue keeps rmsnorm.cu's order of operations, so results agree to rounding.
 The fused attention (combine folded into the last split) is tested in test_cuda_kernels.py.
@@ -72,7 +72,7 @@ def tensor_cores(gpu):
         pytest.skip("the fused kernels are tensor-core kernels (sm_80+)")
 
 
-@pytest.mark.parametrize("mode", ["exact", "fp16", "variant-n"])
+@pytest.mark.parametrize("mode", ["exact", "fp16", "variant-n", "variant-a"])
 @pytest.mark.parametrize("cache", ["f32", "f16"])
 @pytest.mark.parametrize("M,D,G", CASES)
 @pytest.mark.parametrize("hd,bias", [(64, False), (128, True), (16, False)])
@@ -114,7 +114,7 @@ def test_fused_qkv_rope_matches_rmsnorm_qkv_rope(gpu, M, D, G, cache, mode, prod
         assert_close(got, want, rtol=1e-5, fp16_steps=1 if got.dtype == np.float16 else 0)
 
 
-@pytest.mark.parametrize("mode", ["exact", "fp16", "variant-n"])
+@pytest.mark.parametrize("mode", ["exact", "fp16", "variant-n", "variant-a"])
 @pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("M,D,G", CASES)
 @pytest.mark.parametrize("I", [8, 200, 1024])
@@ -141,7 +141,7 @@ def test_fused_gate_up_matches_rmsnorm_gate_up_glu(gpu, M, D, G, act, mode, prod
     assert_close(outs["fused"], outs["plain"], rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["exact", "fp16", "variant-n"])
+@pytest.mark.parametrize("mode", ["exact", "fp16", "variant-n", "variant-a"])
 @pytest.mark.parametrize("M,D,G", CASES)
 @pytest.mark.parametrize("V", [97, 1000, 32000])
 def test_fused_lm_head_argmax_matches_rmsnorm_lm_head_argmax(gpu, M, D, G, mode, product_mode, V):

@@ -163,8 +163,8 @@ def matmul_acts(gpu, lin, M, mode):
 
 @pytest.fixture
 def product_mode(monkeypatch):
-    """'exact' | 'fp16' | 'variant-n' -> the activation mode launch_matmul takes; 'variant-n' is
-    exact by variant n's twins of the decode kernels (forward.MM_VARIANT, an experiment)."""
+    """'exact' | 'fp16' | 'variant-X' -> the activation mode launch_matmul takes; 'variant-X' is
+    exact by experiment X's twins of the decode kernels (forward.MM_VARIANT, kernels.MM_VARIANTS)."""
     def resolve(mode: str) -> str:
         if mode.startswith("variant-"):
             monkeypatch.setattr(forward, "MM_VARIANT", mode.removeprefix("variant-"))
@@ -173,7 +173,7 @@ def product_mode(monkeypatch):
     return resolve
 
 
-@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt", "variant-n"])
+@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt", "variant-n", "variant-a"])
 @pytest.mark.parametrize("M,N,K,G", MATMUL_CASES)
 def test_int4_matmul(gpu, matmul, M, N, K, G, product_mode):
     mode = product_mode(matmul)

@@ -129,6 +129,43 @@ __device__ __forceinline__ void load_unit_w(uint4 (&w)[2], u32 (&szw)[4][2], con
     }
 }
 
+// cp.async (sm_80+): 16 bytes global -> shared without a register, `wait_group<N>`: until at most N of
+// this thread's committed groups are in flight, their bytes then visible to it
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"((u32)__cvta_generic_to_shared(smem)), "l"(gmem));
+#else
+    __trap();   // the host never selects the tensor-core kernels below sm_80
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" :: "n"(N));
+#endif
+}
+
+// load_unit_w's ASYNC twin: the lane's two weight words go to its own slot of shared memory (only it
+// reads them back: no barrier), the scale/zero words to registers; the caller commits the group.
+__device__ __forceinline__ void load_unit_w_async(uint4 (&slot)[2][32], u32 (&szw)[4][2], const uint4* __restrict__ qtile,
+                                                  const u32* __restrict__ stile, int u, int groups_per_unit, int g,
+                                                  int lane) {
+    cp_async16(&slot[0][lane], qtile + (size_t)(2 * u) * 32);
+    cp_async16(&slot[1][lane], qtile + (size_t)(2 * u + 1) * 32);
+#pragma unroll
+    for (int gg = 0; gg < 4; ++gg) {
+        if (gg < groups_per_unit) {
+            szw[gg][0] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g);
+            szw[gg][1] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g + 8);
+        }
+    }
+}
+
 template <int NT, bool SPLIT, int TOKENS, int PER_THREAD>
 __device__ __forceinline__ void store_unit_x(const float2 (&xr)[PER_THREAD], uint2 (*frag)[NT][32]) {
 #pragma unroll
@@ -273,7 +310,9 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair); the
 // tiles of up to 16 tokens only (the 64-token tiles' fused kernels take x normalised: "_xn").
 // Experiments (kernels.py MM_VARIANTS, `bench engine --backend cuda --mm-variant`): L2_SLICE false
-// (the "n" kernel) drops the prefetch of the block's whole slice into L2; PROBE (the "p" kernels,
+// (the "n" kernel) drops the prefetch of the block's whole slice into L2; ASYNC (the "a" kernel) keeps
+// the PREFETCH units in flight in shared memory (cp.async, each lane its own bytes: no barrier)
+// instead of registers, so more can fly per SM (64 registers: 4 blocks); PROBE (the "p" kernels,
 // never in a model step) streams the weights as the product does and nothing else (no activation,
 // no barrier, no multiply), so its time is the ceiling of this grid and load pipeline. At batch 1
 // the products moved 1.2-1.3 TB/s of a 4.2 TB/s copy roofline (H200, 2026-11-27); these say why.
@@ -282,7 +321,7 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // generic x4 loop was ~470 instructions a unit (cuobjdump, sm_90), half of them that bookkeeping,
 // and a batch-1 product of ~8 warps a scheduler is issue bound (kernels.py MM_BY_GROUP).
 template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false, bool L2_SLICE = true,
-          bool PROBE = false, int SPG = 0>
+          bool PROBE = false, int SPG = 0, bool ASYNC = false>
 __device__ __forceinline__ void int4_mm_tc(
     const float* __restrict__ x, int ldx, int M,                 // x: [M, ldx], zero beyond K
     const uint4* __restrict__ qw, const u32* __restrict__ sz,    // "tc" layout
@@ -318,11 +357,18 @@ __device__ __forceinline__ void int4_mm_tc(
         part[j][0] = part[j][1] = part[j][2] = part[j][3] = 0.0f;
     }
     // weights (never written by an earlier kernel) may load before the dependency wait
-    uint4 wbuf[PREFETCH][2];
+    static_assert(!(ASYNC && PROBE), "the probes stream through registers");
+    uint4 wbuf[ASYNC ? 1 : PREFETCH][2];
+    __shared__ __align__(16) uint4 wring[ASYNC ? PREFETCH : 1][8][2][32];   // ASYNC: [unit slot][warp][word][lane]
     u32 szbuf[PREFETCH][4][2];                                   // [unit][group in unit][row g, row g + 8]
 #pragma unroll
-    for (int p = 0; p < PREFETCH; ++p)
-        if (u_begin + p < u_end) load_unit_w(wbuf[p], szbuf[p], qtile, stile, u_begin + p, groups_per_unit, g);
+    for (int p = 0; p < PREFETCH; ++p) {
+        if (u_begin + p < u_end) {
+            if (ASYNC) load_unit_w_async(wring[p][warp], szbuf[p], qtile, stile, u_begin + p, groups_per_unit, g, lane);
+            else load_unit_w(wbuf[p], szbuf[p], qtile, stile, u_begin + p, groups_per_unit, g);
+        }
+        if (ASYNC) cp_async_commit();                            // one group per unit slot, empty or not
+    }
     if (L2_SLICE && (lane & 7) == 0) {                           // the rest of the slice into L2 meanwhile
         for (int u = u_begin + PREFETCH; u < u_end; ++u) {
             asm volatile("prefetch.global.L2 [%0];" :: "l"(qtile + (size_t)(2 * u) * 32));
@@ -408,8 +454,13 @@ __device__ __forceinline__ void int4_mm_tc(
                 store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[0]);
                 __syncthreads();
             }
-            const u32 words[8] = {wbuf[p][0].x, wbuf[p][0].y, wbuf[p][0].z, wbuf[p][0].w,
-                                  wbuf[p][1].x, wbuf[p][1].y, wbuf[p][1].z, wbuf[p][1].w};
+            uint4 w0 = wbuf[ASYNC ? 0 : p][0], w1 = wbuf[ASYNC ? 0 : p][1];
+            if (ASYNC) {                                         // this unit's group: PREFETCH - 1 later ones may fly
+                cp_async_wait<PREFETCH - 1>();
+                w0 = wring[p][warp][0][lane];
+                w1 = wring[p][warp][1][lane];
+            }
+            const u32 words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
             ZeroFold zf = {0u, 0u};
             float s_g = 0.0f, s_g8 = 0.0f;
             int gg = 0;                                          // group within the unit
@@ -449,8 +500,12 @@ __device__ __forceinline__ void int4_mm_tc(
                     }
                 }
             }
-            // refill this prefetch slot with the unit PREFETCH ahead
-            if (u + PREFETCH < u_end) load_unit_w(wbuf[p], szbuf[p], qtile, stile, u + PREFETCH, groups_per_unit, g);
+            // refill this prefetch slot with the unit PREFETCH ahead (ASYNC: its words were read above)
+            if (u + PREFETCH < u_end) {
+                if (ASYNC) load_unit_w_async(wring[p][warp], szbuf[p], qtile, stile, u + PREFETCH, groups_per_unit, g, lane);
+                else load_unit_w(wbuf[p], szbuf[p], qtile, stile, u + PREFETCH, groups_per_unit, g);
+            }
+            if (ASYNC) cp_async_commit();
             if (DOUBLE) {
                 if (u + 1 < u_end) store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[cur ^ 1]);
                 cur ^= 1;
@@ -534,6 +589,11 @@ MM_BY_GROUP(int4_mm_tc_x16, 4, true, 2, true)
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4g64n(MM_ARGS) {
     int4_mm_tc<1, true, 4, EPI_STORE, false, false, false, 4>(MM_PASS);
 }
+// and x4 (group 64) with 5 units of weights in flight per warp through shared memory (cp.async: 40 KB a
+// block) instead of 4 in registers
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4g64a(MM_ARGS) {
+    int4_mm_tc<1, true, 5, EPI_STORE, false, true, false, 4, true>(MM_PASS);
+}
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4p(MM_ARGS) {
     int4_mm_tc<1, true, 4, EPI_STORE, false, true, true>(MM_PASS);
 }
@@ -562,33 +622,34 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
 // ARGMAX_BLOCKS: the argmax kernel's minimum blocks per SM for ptxas: 2 (at most 128 registers,
 // what ptxas picks by itself for the decode tiles), 1 where that would spill (x16 at group 32, which
 // wants 178; the fp16 tiles; the 64-token tiles).
-#define MM_FUSED_AS(NAME, SUFFIX, NT, SPLIT, PREFETCH, NORM, L2_SLICE, SPG, ARGMAX_BLOCKS) \
+#define MM_FUSED_AS(NAME, SUFFIX, NT, SPLIT, PREFETCH, NORM, L2_SLICE, SPG, ARGMAX_BLOCKS, ASYNC) \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f16##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_silu##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_gelu##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256, ARGMAX_BLOCKS) NAME##_argmax##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, NORM, L2_SLICE, false, SPG>(MM_PASS, MMF_STRUCT); }
-#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, true, 0, 1)
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); }
+#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, true, 0, 1, false)
 
-MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, true, 2, 2)
-MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, true, 4, 2)
-MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 4, true, true, 8, 2)
-MM_FUSED_AS(int4_mm_tc_x4g64n, , 1, true, 4, true, false, 4, 2)
-MM_FUSED_AS(int4_mm_tc_x8g32, , 2, true, 4, true, true, 2, 2)
-MM_FUSED_AS(int4_mm_tc_x8g64, , 2, true, 4, true, true, 4, 2)
-MM_FUSED_AS(int4_mm_tc_x8g128, , 2, true, 4, true, true, 8, 2)
-MM_FUSED_AS(int4_mm_tc_x16g32, , 4, true, 2, true, true, 2, 1)
-MM_FUSED_AS(int4_mm_tc_x16g64, , 4, true, 2, true, true, 4, 2)
-MM_FUSED_AS(int4_mm_tc_x16g128, , 4, true, 2, true, true, 8, 2)
-MM_FUSED_AS(int4_mm_tc_x64, _xn, 16, true, 1, false, true, 0, 1)
+MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, true, 2, 2, false)
+MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, true, 4, 2, false)
+MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 4, true, true, 8, 2, false)
+MM_FUSED_AS(int4_mm_tc_x4g64n, , 1, true, 4, true, false, 4, 2, false)
+MM_FUSED_AS(int4_mm_tc_x4g64a, , 1, true, 5, true, true, 4, 2, true)
+MM_FUSED_AS(int4_mm_tc_x8g32, , 2, true, 4, true, true, 2, 2, false)
+MM_FUSED_AS(int4_mm_tc_x8g64, , 2, true, 4, true, true, 4, 2, false)
+MM_FUSED_AS(int4_mm_tc_x8g128, , 2, true, 4, true, true, 8, 2, false)
+MM_FUSED_AS(int4_mm_tc_x16g32, , 4, true, 2, true, true, 2, 1, false)
+MM_FUSED_AS(int4_mm_tc_x16g64, , 4, true, 2, true, true, 4, 2, false)
+MM_FUSED_AS(int4_mm_tc_x16g128, , 4, true, 2, true, true, 8, 2, false)
+MM_FUSED_AS(int4_mm_tc_x64, _xn, 16, true, 1, false, true, 0, 1, false)
 MM_FUSED(int4_mm_tc_h8, 1, false, 4)
 MM_FUSED(int4_mm_tc_h16, 2, false, 4)
-MM_FUSED_AS(int4_mm_tc_h64, _xn, 8, false, 2, false, true, 0, 1)
+MM_FUSED_AS(int4_mm_tc_h64, _xn, 8, false, 2, false, true, 0, 1, false)
 
 // ------------------------------------------------------------------ layout conversion at load time
 

@@ -29,7 +29,8 @@
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
 #   sweep          8B shape: each batch-1 product beside its weight-stream probes (the same grid and
 #                  loads, nothing computed), with the K split at 2 and 4 blocks per SM, and PDL off; then
-#                  the decode by variant n's products (no L2 prefetch of a block's slice), profiled; and
+#                  the batch-1 decode by variant n's products (no L2 prefetch of a block's slice) and variant
+#                  a's (5 units in flight through shared memory, cp.async), profiled; and
 #                  fp16 activations (one MMA per k step, not the exact hi/lo pair): prefill, batch 1 and 64
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
@@ -51,7 +52,7 @@ PY="${PYTHON:-python3}"
 CARRY_LIMIT=$((64 * 1024 * 1024))      # bytes the device tool carries per call
 TOTAL_BUDGET=480                       # seconds for every phase together; the call's timeout_s is 540
 # name:seconds, in the order `all` runs them; the budgets sum to TOTAL_BUDGET at most
-PHASES="env:25 kernels:60 golden:50 serve:60 bench-fused:100 sweep:100 bench-unfused:55 sanitize:30"
+PHASES="env:25 kernels:60 golden:50 serve:60 bench-fused:100 sweep:120 bench-unfused:45 sanitize:20"
 SERVE_PORT=8123
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
@@ -309,15 +310,18 @@ bench_engine() {
 
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
-phase_sweep() {   # 8B shape: the products beside their weight-stream probes, then variant n's decode (profiled)
+phase_sweep() {   # 8B shape: the products beside their weight-stream probes, the variants' decode, fp16
   local how
   for how in "2" "4" "2 --no-pdl"; do
     # shellcheck disable=SC2086
     "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --mm-blocks-per-sm $how --mm-probe \
       --json "$LOGS/sweep-probe-${how// /}.json" || return $?
   done
-  "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,16 --steps 20 --mm-variant n --profile \
-    --json "$LOGS/sweep-n.json" || return $?
+  local variant
+  for variant in n a; do
+    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --mm-variant $variant --profile \
+      --json "$LOGS/sweep-$variant.json" || return $?
+  done
   "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,64 --steps 20 --int4-activations fp16 \
     --json "$LOGS/sweep-fp16.json" || return $?
 }
