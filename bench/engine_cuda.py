@@ -80,6 +80,9 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the unfused reference kernels (10 per layer) instead of the fused decoder (5 per layer)")
     g.add_argument("--mm-blocks-per-sm", type=int, default=forward.MM_BLOCKS_PER_SM,
                    help="INT4 products split K until they have this many blocks per SM (default: %(default)s)")
+    g.add_argument("--mm-one-wave", action="store_true",
+                   help="split K to the most blocks one wave of --mm-blocks-per-sm holds, not the fewest that fill "
+                        "it (an experiment: forward.py MM_ONE_WAVE)")
     g.add_argument("--mm-variant", default="", choices=("",) + tuple(MM_VARIANTS),
                    help="INT4 products by a variant's twin kernels (an experiment: kernels.py MM_VARIANTS; "
                         "n: no L2 prefetch of a block's weight slice)")
@@ -393,7 +396,9 @@ def build_executor(shape: str, args, driver=None, image_fn=None):
     batches = parse_batches(args.batch)
     per_seq = blocks_per_seq(args.context, args.steps)
     num_blocks = max(max(batches) * per_seq, -(-args.max_model_len // BLOCK_SIZE), args.prefill_tokens // BLOCK_SIZE + 64)
-    options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=max(batches),
+    # the timed prefill is sequences of --prompt-len: as many as it takes sequences, whatever the batches
+    seqs = max(max(batches), max(1, args.prefill_tokens // min(args.prompt_len, args.prefill_tokens)))
+    options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=seqs,
                           max_num_batched_tokens=args.prefill_tokens, max_model_len=args.max_model_len,
                           kv_dtype=args.kv_dtype, pdl=False if args.no_pdl else None, fused=not args.unfused,
                           matmul=args.matmul, activations=args.int4_activations, timing_events=True,
@@ -413,7 +418,7 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
               f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
               f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.int4_activations} "
               f"activations), pdl {dev.pdl}, {'fused' if ex.options.fused else 'unfused'} kernels, "
-              f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM"
+              f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM{' (one wave)' if forward.MM_ONE_WAVE else ''}"
               f"{f', product variant {forward.MM_VARIANT}' if forward.MM_VARIANT else ''}")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
@@ -480,16 +485,17 @@ def run(args, driver=None, image_fn=None) -> int:
         raise SystemExit(f"tokenwire bench engine --backend cuda: {exc}") from None
     free, _ = drv.mem_get_info()
     roofline = copy_bandwidth(drv, min(2 << 30, free // 8))
-    rows, kept = [], (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT)
+    rows, kept = [], (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT, forward.MM_ONE_WAVE)
     # the products' plan knobs are module constants read at executor build and every launch: set
     # for this run, restored after it
     forward.MM_BLOCKS_PER_SM = getattr(args, "mm_blocks_per_sm", None) or kept[0]
     forward.MM_VARIANT = getattr(args, "mm_variant", "") or ""
+    forward.MM_ONE_WAVE = bool(getattr(args, "mm_one_wave", False))
     try:
         for shape in args.shape or ["llama-3.2-1b", "llama-3.1-8b"]:
             rows += run_shape(shape, args, drv, roofline, driver=drv, image_fn=image_fn)
     finally:
-        forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT = kept
+        forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT, forward.MM_ONE_WAVE = kept
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
         print(f"\nwrote {len(rows)} rows to {args.json}", file=sys.stderr)

@@ -56,22 +56,23 @@ def test_bench_rejects_bad_numbers():
 def test_bench_sweeps_the_product_plan_and_restores_it(monkeypatch, capsys):
     """--mm-variant and --mm-blocks-per-sm change forward.py's plan for that run only; --mm-probe
     times each batch-1 product beside its weight-stream probes; --profile's host breakdown counts
-    the driver's calls and gives them back."""
+    the driver's calls and gives them back. At batch 1 the timed prefill's two sequences still fit
+    (the sweep's --batch 1 runs stopped there on an H100, 2026-11-28)."""
     from tokenwire.kernels.cuda import forward
     monkeypatch.setitem(shapes.SHAPES_CUDA, "tiny", TINY)
     parser = argparse.ArgumentParser()
     engine_cuda.add_arguments(parser)
     args = parser.parse_args(["--shape", "tiny", "--batch", "1", "--steps", "2", "--context", "40", "--prompt-len",
-                              "32", "--prefill-tokens", "32", "--max-model-len", "256", "--mm-variant", "n",
-                              "--mm-blocks-per-sm", "3", "--profile", "--mm-probe"])
+                              "32", "--prefill-tokens", "64", "--max-model-len", "256", "--mm-variant", "n",
+                              "--mm-blocks-per-sm", "3", "--profile", "--mm-probe", "--mm-one-wave"])
     drv = FakeDriver(total_memory=1 << 30)
     assert engine_cuda.run(args, driver=drv, image_fn=lambda arch: b"fake") == 0
     text = capsys.readouterr().out
-    assert "K split to 3 blocks per SM, product variant n" in text
+    assert "K split to 3 blocks per SM (one wave), product variant n" in text
     assert "int4_mm_tc_x4g64n_rope_f32 (qkv_proj)" in text and "int4_mm_tc_x4g64n (down_proj)" in text
     probes = [line for line in text.splitlines() if "int4_mm_tc_x4pn" in line]
     assert any("down_proj" in line and "int4_mm_tc_x4g64n " in line and "int4_mm_tc_x4p " in line for line in probes)
-    assert (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT) == (2, "")
+    assert (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT, forward.MM_ONE_WAVE) == (2, "", False)
     parts = next(line for line in text.splitlines() if "by part:" in line)
     assert "graph launch" in parts and "copies" in parts and "the rest (metadata fill, Python)" in parts
     assert not set(engine_cuda.HOST_PARTS) & set(vars(drv))

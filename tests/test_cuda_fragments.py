@@ -204,3 +204,13 @@ def test_decode_attention_splits_fill_the_gpu_at_batch_one_only():
     assert 8 * splits >= 0.9 * 264 and splits <= 2048 // 32
     assert decode_splits(c, 1, 40, 132) == 2             # no more than one split per 32 keys
     assert decode_splits(c, 128, 2048, 132) == 1
+
+
+def test_one_wave_splits_k_to_the_most_blocks_a_wave_holds():
+    """forward.MM_ONE_WAVE rounds the K split down (one wave of blocks_per_sm a SM) where the default
+    rounds up (at least that many a SM): 8B shapes at batch 1 on 132 SMs, 3 blocks a SM (396)."""
+    from tokenwire.kernels.cuda.forward import _matmul_plan
+    for (N, K), up, down in [((28672, 4096), 448, 224), ((4096, 14336), 416, 384), ((6144, 4096), 384, 384)]:
+        plans = [_matmul_plan(N, K, 64, 1, 132, "exact", 3, "", one_wave) for one_wave in (False, True)]
+        assert [p.grid[0] * p.grid[2] for p in plans] == [up, down]
+        assert plans[1].grid[2] * plans[1].units_per_split >= K // 128

@@ -36,6 +36,10 @@ LARGE_SPLIT = 1 << 30              # split_size when a step runs attention unspl
 # row blocks); read at executor build (workspace) and at every launch, so set it before building.
 # `bench engine --backend cuda --mm-blocks-per-sm N` sweeps it.
 MM_BLOCKS_PER_SM = 2
+# An experiment: split K to the most blocks that fit one wave of MM_BLOCKS_PER_SM a SM (rounding
+# down), not the fewest that fill it (rounding up: the H100's gate_up at batch 1 ran 448 blocks
+# where 3 a SM hold 396, a second wave 13% full). `bench engine --backend cuda --mm-one-wave`.
+MM_ONE_WAVE = False
 # An experiment, off ("") until a GPU has measured it: products by a variant's twin kernels
 # (kernels.py MM_VARIANTS). Like MM_BLOCKS_PER_SM: set it before building an executor
 # (`bench engine --backend cuda --mm-variant n`).
@@ -175,18 +179,19 @@ def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
     """Tensor-core kernel, grid and K split for an INT4 product of M tokens: enough blocks for
     MM_BLOCKS_PER_SM per SM, splitting K when the rows alone are too few (decode of a small matrix).
     (Hot path: every eager product; remembered per shape and knob setting.)"""
-    return _matmul_plan(lin.N, lin.Kp, lin.group_size, M, num_sms, mode, MM_BLOCKS_PER_SM, MM_VARIANT)
+    return _matmul_plan(lin.N, lin.Kp, lin.group_size, M, num_sms, mode, MM_BLOCKS_PER_SM, MM_VARIANT,
+                        MM_ONE_WAVE)
 
 
 @functools.lru_cache(maxsize=4096)
 def _matmul_plan(N: int, Kp: int, group_size: int, M: int, num_sms: int, mode: str, blocks_per_sm: int,
-                 variant: str) -> MatmulPlan:
+                 variant: str, one_wave: bool = False) -> MatmulPlan:
     tokens, family = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
     kernel = mm_kernel(family, group_size)
     Np, num_units = round_up(N, MM_ROWS), Kp // 128
     row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)
     blocks, target = row_blocks * tiles, blocks_per_sm * num_sms
-    ksplit = 1 if blocks >= target else min(num_units, -(-target // blocks))
+    ksplit = 1 if blocks >= target else min(num_units, target // blocks if one_wave else -(-target // blocks))
     kernel = MM_VARIANTS[variant].get(kernel, kernel) if variant else kernel
     ups = -(-num_units // ksplit)
     ksplit = -(-num_units // ups)

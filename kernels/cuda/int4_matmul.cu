@@ -400,7 +400,10 @@ __device__ __forceinline__ void int4_mm_tc(
         // through shared memory, a warp_sum of those), 8 tokens at a time so that their loads are
         // in flight together: one token after another, every load waited for, cost a decode block
         // ~8 us a token and the 64-token tile's products 10x their unfused time (H200, 2026-11-27).
-        constexpr int NB = 8;                                    // tokens per pass = warps per block
+        // A pass is as many tokens as the tile has, 8 at most: the x4 tile's passes summed 8 rows, 4
+        // of them clamped copies (the fused decode products ran 0.94-1.14 TB/s against the plain
+        // ones' 1.74 at batch 1, H100, 2026-11-28).
+        constexpr int NB = TOKENS < 8 ? TOKENS : 8;              // tokens per pass (<= warps per block)
         __shared__ float scratch[NB][8];                         // [token of the pass][warp]
         for (int tb = 0; tb < TOKENS && tok0 + tb < M; tb += NB) {
             float ss[NB];
@@ -423,8 +426,10 @@ __device__ __forceinline__ void int4_mm_tc(
                 for (int j = 0; j < NB; ++j) scratch[j][warp] = ss[j];
             }
             __syncthreads();
-            const float total = warp_sum(lane < 8 ? scratch[warp][lane] : 0.0f);
-            if (lane == 0 && tb + warp < TOKENS) denom[tb + warp] = sqrtf(total / (float)f.norm_dim + f.eps);
+            if (warp < NB) {                                     // warp j finishes token j of the pass
+                const float total = warp_sum(lane < 8 ? scratch[warp][lane] : 0.0f);
+                if (lane == 0) denom[tb + warp] = sqrtf(total / (float)f.norm_dim + f.eps);
+            }
         }
         __syncthreads();
     }

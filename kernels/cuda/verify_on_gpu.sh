@@ -28,7 +28,7 @@
 #                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
 #   sweep          8B shape: each batch-1 product beside its weight-stream probes (the same grid and
-#                  loads, nothing computed), with the K split at 2 and 4 blocks per SM, and PDL off; then
+#                  loads, nothing computed), with the K split at 2 blocks per SM, at one wave of 3, and PDL off;
 #                  the batch-1 decode by variant n's products (no L2 prefetch of a block's slice) and variant
 #                  a's (5 units in flight through shared memory, cp.async), profiled; and
 #                  fp16 activations (one MMA per k step, not the exact hi/lo pair): prefill, batch 1 and 64
@@ -312,7 +312,7 @@ phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
 phase_sweep() {   # 8B shape: the products beside their weight-stream probes, the variants' decode, fp16
   local how
-  for how in "2" "4" "2 --no-pdl"; do
+  for how in "2" "3 --mm-one-wave" "2 --no-pdl"; do
     # shellcheck disable=SC2086
     "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --mm-blocks-per-sm $how --mm-probe \
       --json "$LOGS/sweep-probe-${how// /}.json" || return $?
