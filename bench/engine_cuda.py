@@ -80,12 +80,12 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the unfused reference kernels (10 per layer) instead of the fused decoder (5 per layer)")
     g.add_argument("--mm-blocks-per-sm", type=int, default=forward.MM_BLOCKS_PER_SM,
                    help="INT4 products split K until they have this many blocks per SM (default: %(default)s)")
-    g.add_argument("--mm-one-wave", action="store_true",
+    g.add_argument("--mm-one-wave", action=argparse.BooleanOptionalAction, default=forward.MM_ONE_WAVE,
                    help="split K to the most blocks one wave of --mm-blocks-per-sm holds, not the fewest that fill "
-                        "it (an experiment: forward.py MM_ONE_WAVE)")
+                        "it (forward.py MM_ONE_WAVE; default: %(default)s)")
     g.add_argument("--mm-variant", default="", choices=("",) + tuple(MM_VARIANTS),
                    help="INT4 products by a variant's twin kernels (an experiment: kernels.py MM_VARIANTS; "
-                        "n: no L2 prefetch of a block's weight slice)")
+                        "a: 5 units of weights in flight per warp through shared memory)")
     g.add_argument("--mm-probe", action="store_true",
                    help="at batch 1, each decode product beside its weight-stream probes (the same grid and "
                         "weight loads, nothing computed: the ceiling of the product's load pipeline)")
@@ -352,8 +352,7 @@ def probe_products(executor, context: int) -> list:
 
 
 def print_probes(rows: list) -> None:
-    print("   products at batch 1 beside their weight-stream probes (each alone; p: loads only, pn: loads only, "
-          "no L2 slice prefetch)")
+    print("   products at batch 1 beside their weight-stream probes (each alone; p: the loads only)")
     for r in rows:
         cells = "  ".join(f"{k} {us:7.2f} us {r['weight_bytes'] / (us / 1e6) / 1e12:5.2f} TB/s"
                           for k, us in r["us"].items())
@@ -490,7 +489,7 @@ def run(args, driver=None, image_fn=None) -> int:
     # for this run, restored after it
     forward.MM_BLOCKS_PER_SM = getattr(args, "mm_blocks_per_sm", None) or kept[0]
     forward.MM_VARIANT = getattr(args, "mm_variant", "") or ""
-    forward.MM_ONE_WAVE = bool(getattr(args, "mm_one_wave", False))
+    forward.MM_ONE_WAVE = bool(getattr(args, "mm_one_wave", kept[2]))
     try:
         for shape in args.shape or ["llama-3.2-1b", "llama-3.1-8b"]:
             rows += run_shape(shape, args, drv, roofline, driver=drv, image_fn=image_fn)

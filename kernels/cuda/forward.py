@@ -35,14 +35,16 @@ LARGE_SPLIT = 1 << 30              # split_size when a step runs attention unspl
 # INT4 products split K until they have this many blocks per SM (decode of a matrix with few
 # row blocks); read at executor build (workspace) and at every launch, so set it before building.
 # `bench engine --backend cuda --mm-blocks-per-sm N` sweeps it.
-MM_BLOCKS_PER_SM = 2
-# An experiment: split K to the most blocks that fit one wave of MM_BLOCKS_PER_SM a SM (rounding
-# down), not the fewest that fill it (rounding up: the H100's gate_up at batch 1 ran 448 blocks
-# where 3 a SM hold 396, a second wave 13% full). `bench engine --backend cuda --mm-one-wave`.
-MM_ONE_WAVE = False
+MM_BLOCKS_PER_SM = 3
+# Split K to the most blocks one wave of MM_BLOCKS_PER_SM a SM holds (rounding down), not the
+# fewest that fill it (rounding up): at 2 a SM rounded up, the 8B gate_up at batch 1 ran 448 blocks
+# where 3 a SM (the x4 kernels' 80 registers) hold 396, a second wave 13% full. One wave of 3 took
+# the 8B layer's products from 88.3 to 82.0 us (gate_up 48.5 -> 42.7; qkv 13.2 -> 15.9, the one
+# that lost), each timed alone (H200, 2026-11-28). `bench engine --backend cuda --no-mm-one-wave`.
+MM_ONE_WAVE = True
 # An experiment, off ("") until a GPU has measured it: products by a variant's twin kernels
 # (kernels.py MM_VARIANTS). Like MM_BLOCKS_PER_SM: set it before building an executor
-# (`bench engine --backend cuda --mm-variant n`).
+# (`bench engine --backend cuda --mm-variant a`).
 MM_VARIANT = ""
 
 

@@ -304,24 +304,25 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // With more than one K split, each block writes fp32 partials to ws and the last block of a
 // (row block, token tile) to arrive adds them in split order (deterministic), applies the
 // epilogue and re-arms the counter, so graphs replay it as is.
-// PDL: the block's first PREFETCH units of weights load (and the rest of its slice is prefetched
-// into L2) before the dependency wait, and dependents are signalled as soon as the last weight
+// PDL: the block's first PREFETCH units of weights load before the dependency wait, and
+// dependents are signalled as soon as the last weight
 // load is issued. NORM: x's rows are RMS-normalized on the fly (f.norm_w), each block computing
 // its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair); the
 // tiles of up to 16 tokens only (the 64-token tiles' fused kernels take x normalised: "_xn").
-// Experiments (kernels.py MM_VARIANTS, `bench engine --backend cuda --mm-variant`): L2_SLICE false
-// (the "n" kernel) drops the prefetch of the block's whole slice into L2; ASYNC (the "a" kernel) keeps
-// the PREFETCH units in flight in shared memory (cp.async, each lane its own bytes: no barrier)
-// instead of registers, so more can fly per SM (64 registers: 4 blocks); PROBE (the "p" kernels,
-// never in a model step) streams the weights as the product does and nothing else (no activation,
-// no barrier, no multiply), so its time is the ceiling of this grid and load pipeline. At batch 1
-// the products moved 1.2-1.3 TB/s of a 4.2 TB/s copy roofline (H200, 2026-11-27); these say why.
+// Experiments (kernels.py MM_VARIANTS, `bench engine --backend cuda --mm-variant`): ASYNC (the "a"
+// kernel) keeps the PREFETCH units in flight in shared memory (cp.async, each lane its own bytes: no
+// barrier) instead of registers, so more can fly per SM (64 registers: 4 blocks); PROBE (the "p"
+// kernel, never in a model step) streams the weights as the product does and nothing else (no
+// activation, no barrier, no multiply), so its time is the ceiling of this grid and load pipeline:
+// 3.1-4.7 TB/s where the products moved 1.3-2.1 (H200, 2026-11-28), so the products' own loop,
+// not their loads, holds them. A prefetch.global.L2 of each block's whole slice went: the probes
+// streamed 15-50% faster without it, the products 0-16% (lm_head most).
 // SPG: the steps (k16) per group, 2, 4 or 8 (group size 32, 64, 128), or 0: read from group_size.
 // With it known, a unit's group starts, ends and scale selection are fixed at compile time: the
 // generic x4 loop was ~470 instructions a unit (cuobjdump, sm_90), half of them that bookkeeping,
 // and a batch-1 product of ~8 warps a scheduler is issue bound (kernels.py MM_BY_GROUP).
-template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false, bool L2_SLICE = true,
-          bool PROBE = false, int SPG = 0, bool ASYNC = false>
+template <int NT, bool SPLIT, int PREFETCH, int EPI = EPI_STORE, bool NORM = false, bool PROBE = false, int SPG = 0,
+          bool ASYNC = false>
 __device__ __forceinline__ void int4_mm_tc(
     const float* __restrict__ x, int ldx, int M,                 // x: [M, ldx], zero beyond K
     const uint4* __restrict__ qw, const u32* __restrict__ sz,    // "tc" layout
@@ -368,12 +369,6 @@ __device__ __forceinline__ void int4_mm_tc(
             else load_unit_w(wbuf[p], szbuf[p], qtile, stile, u_begin + p, groups_per_unit, g);
         }
         if (ASYNC) cp_async_commit();                            // one group per unit slot, empty or not
-    }
-    if (L2_SLICE && (lane & 7) == 0) {                           // the rest of the slice into L2 meanwhile
-        for (int u = u_begin + PREFETCH; u < u_end; ++u) {
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(qtile + (size_t)(2 * u) * 32));
-            asm volatile("prefetch.global.L2 [%0];" :: "l"(qtile + (size_t)(2 * u + 1) * 32));
-        }
     }
     if (EPI == EPI_ARGMAX && tid < TOKENS) best[tid] = 0ull;
     pdl_wait();
@@ -579,31 +574,24 @@ __device__ __forceinline__ void int4_mm_tc(
 #define MM_PASS x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate, ws, counters
 
 // exact (hi/lo activations): 4, 8, 16 tokens for decode (one kernel per group size), 64 for prefill
-#define MM_BY_GROUP(NAME, NT, SPLIT, PREFETCH, L2_SLICE) \
+#define MM_BY_GROUP(NAME, NT, SPLIT, PREFETCH) \
     extern "C" __global__ void __launch_bounds__(256) NAME##g32(MM_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, L2_SLICE, false, 2>(MM_PASS); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 2>(MM_PASS); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##g64(MM_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, L2_SLICE, false, 4>(MM_PASS); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 4>(MM_PASS); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##g128(MM_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, L2_SLICE, false, 8>(MM_PASS); }
-MM_BY_GROUP(int4_mm_tc_x4, 1, true, 4, true)
-MM_BY_GROUP(int4_mm_tc_x8, 2, true, 4, true)
-MM_BY_GROUP(int4_mm_tc_x16, 4, true, 2, true)
-// the experiments (kernels.py MM_VARIANTS): x4 (group 64) without the L2 slice prefetch; the
-// weight stream alone, with and without
-extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4g64n(MM_ARGS) {
-    int4_mm_tc<1, true, 4, EPI_STORE, false, false, false, 4>(MM_PASS);
-}
-// and x4 (group 64) with 5 units of weights in flight per warp through shared memory (cp.async: 40 KB a
-// block) instead of 4 in registers
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 8>(MM_PASS); }
+MM_BY_GROUP(int4_mm_tc_x4, 1, true, 4)
+MM_BY_GROUP(int4_mm_tc_x8, 2, true, 4)
+MM_BY_GROUP(int4_mm_tc_x16, 4, true, 2)
+// the experiments (kernels.py MM_VARIANTS, MM_PROBES): x4 (group 64) with 5 units of weights in
+// flight per warp through shared memory (cp.async: 40 KB a block) instead of 4 in registers; the
+// weight stream alone
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4g64a(MM_ARGS) {
-    int4_mm_tc<1, true, 5, EPI_STORE, false, true, false, 4, true>(MM_PASS);
+    int4_mm_tc<1, true, 5, EPI_STORE, false, false, 4, true>(MM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4p(MM_ARGS) {
-    int4_mm_tc<1, true, 4, EPI_STORE, false, true, true>(MM_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4pn(MM_ARGS) {
-    int4_mm_tc<1, true, 4, EPI_STORE, false, false, true>(MM_PASS);
+    int4_mm_tc<1, true, 4, EPI_STORE, false, true>(MM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x64(MM_ARGS) { int4_mm_tc<16, true, 1>(MM_PASS); }
 // fp16 activations (one column per token): 8, 16 tokens for decode, 64 for prefill
@@ -627,34 +615,33 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
 // ARGMAX_BLOCKS: the argmax kernel's minimum blocks per SM for ptxas: 2 (at most 128 registers,
 // what ptxas picks by itself for the decode tiles), 1 where that would spill (x16 at group 32, which
 // wants 178; the fp16 tiles; the 64-token tiles).
-#define MM_FUSED_AS(NAME, SUFFIX, NT, SPLIT, PREFETCH, NORM, L2_SLICE, SPG, ARGMAX_BLOCKS, ASYNC) \
+#define MM_FUSED_AS(NAME, SUFFIX, NT, SPLIT, PREFETCH, NORM, SPG, ARGMAX_BLOCKS, ASYNC) \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f16##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_silu##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##_gelu##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256, ARGMAX_BLOCKS) NAME##_argmax##SUFFIX(MMF_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, NORM, L2_SLICE, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); }
-#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, true, 0, 1, false)
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); }
+#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, 0, 1, false)
 
-MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, true, 2, 2, false)
-MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, true, 4, 2, false)
-MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 4, true, true, 8, 2, false)
-MM_FUSED_AS(int4_mm_tc_x4g64n, , 1, true, 4, true, false, 4, 2, false)
-MM_FUSED_AS(int4_mm_tc_x4g64a, , 1, true, 5, true, true, 4, 2, true)
-MM_FUSED_AS(int4_mm_tc_x8g32, , 2, true, 4, true, true, 2, 2, false)
-MM_FUSED_AS(int4_mm_tc_x8g64, , 2, true, 4, true, true, 4, 2, false)
-MM_FUSED_AS(int4_mm_tc_x8g128, , 2, true, 4, true, true, 8, 2, false)
-MM_FUSED_AS(int4_mm_tc_x16g32, , 4, true, 2, true, true, 2, 1, false)
-MM_FUSED_AS(int4_mm_tc_x16g64, , 4, true, 2, true, true, 4, 2, false)
-MM_FUSED_AS(int4_mm_tc_x16g128, , 4, true, 2, true, true, 8, 2, false)
-MM_FUSED_AS(int4_mm_tc_x64, _xn, 16, true, 1, false, true, 0, 1, false)
+MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, 2, 2, false)
+MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, 4, 2, false)
+MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 4, true, 8, 2, false)
+MM_FUSED_AS(int4_mm_tc_x4g64a, , 1, true, 5, true, 4, 2, true)
+MM_FUSED_AS(int4_mm_tc_x8g32, , 2, true, 4, true, 2, 2, false)
+MM_FUSED_AS(int4_mm_tc_x8g64, , 2, true, 4, true, 4, 2, false)
+MM_FUSED_AS(int4_mm_tc_x8g128, , 2, true, 4, true, 8, 2, false)
+MM_FUSED_AS(int4_mm_tc_x16g32, , 4, true, 2, true, 2, 1, false)
+MM_FUSED_AS(int4_mm_tc_x16g64, , 4, true, 2, true, 4, 2, false)
+MM_FUSED_AS(int4_mm_tc_x16g128, , 4, true, 2, true, 8, 2, false)
+MM_FUSED_AS(int4_mm_tc_x64, _xn, 16, true, 1, false, 0, 1, false)
 MM_FUSED(int4_mm_tc_h8, 1, false, 4)
 MM_FUSED(int4_mm_tc_h16, 2, false, 4)
-MM_FUSED_AS(int4_mm_tc_h64, _xn, 8, false, 2, false, true, 0, 1, false)
+MM_FUSED_AS(int4_mm_tc_h64, _xn, 8, false, 2, false, 0, 1, false)
 
 // ------------------------------------------------------------------ layout conversion at load time
 

@@ -44,12 +44,11 @@ MM_BY_GROUP = ("int4_mm_tc_x4", "int4_mm_tc_x8", "int4_mm_tc_x16")
 # a fused product's tile of up to this many tokens normalises its activations itself; a larger
 # tile's fused kernel ("_xn") takes them normalised (forward.py runs rmsnorm first)
 FUSED_NORM_TOKENS = 16
-# the products' experiments (int4_matmul.cu L2_SLICE, ASYNC and PROBE): variant -> {kernel: its twin}, the
+# the products' experiments (int4_matmul.cu ASYNC and PROBE): variant -> {kernel: its twin}, the
 # twin computing what its kernel does (forward.py MM_VARIANT); and family -> its weight-stream
 # probes (the same grid and loads, nothing computed: `bench engine --backend cuda --mm-probe`)
-MM_VARIANTS = {"n": {"int4_mm_tc_x4g64": "int4_mm_tc_x4g64n"},   # n: no L2 prefetch of the block's slice
-               "a": {"int4_mm_tc_x4g64": "int4_mm_tc_x4g64a"}}   # a: 5 units in flight through shared memory
-MM_PROBES = {"int4_mm_tc_x4": ("int4_mm_tc_x4p", "int4_mm_tc_x4pn")}
+MM_VARIANTS = {"a": {"int4_mm_tc_x4g64": "int4_mm_tc_x4g64a"}}   # a: 5 units in flight through shared memory
+MM_PROBES = {"int4_mm_tc_x4": ("int4_mm_tc_x4p",)}
 
 
 def mm_kernel(family: str, group_size: int) -> str:

@@ -27,11 +27,11 @@
 #   serve          `serve --backend cuda` (the embedded default model) driven by `bench load` at
 #                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
-#   sweep          8B shape: each batch-1 product beside its weight-stream probes (the same grid and
-#                  loads, nothing computed), with the K split at 2 blocks per SM, at one wave of 3, and PDL off;
-#                  the batch-1 decode by variant n's products (no L2 prefetch of a block's slice) and variant
-#                  a's (5 units in flight through shared memory, cp.async), profiled; and
-#                  fp16 activations (one MMA per k step, not the exact hi/lo pair): prefill, batch 1 and 64
+#   sweep          8B shape at batch 1, profiled: the plan (K split to one wave of 3 blocks a SM) with each
+#                  product beside its weight-stream probe (the same grid and loads, nothing computed); the
+#                  plan before (at least 2 a SM); variant a (5 units in flight through shared memory,
+#                  cp.async) at one wave of 4; then fp16 activations (one MMA per k step, not the exact
+#                  hi/lo pair): prefill, batch 1 and 64
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
 #   Logs and JSON go to $WORK/logs as they are written: $OUT holds two files (the device tool
@@ -310,17 +310,13 @@ bench_engine() {
 
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
-phase_sweep() {   # 8B shape: the products beside their weight-stream probes, the variants' decode, fp16
-  local how
-  for how in "2" "3 --mm-one-wave" "2 --no-pdl"; do
+phase_sweep() {   # 8B shape at batch 1, profiled: the products beside their probes, the plan before, variant a
+  local name how
+  for how in "plan --mm-probe" "before --mm-blocks-per-sm 2 --no-mm-one-wave" "a --mm-variant a --mm-blocks-per-sm 4"; do
+    name=${how%% *}
     # shellcheck disable=SC2086
-    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --mm-blocks-per-sm $how --mm-probe \
-      --json "$LOGS/sweep-probe-${how// /}.json" || return $?
-  done
-  local variant
-  for variant in n a; do
-    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --mm-variant $variant --profile \
-      --json "$LOGS/sweep-$variant.json" || return $?
+    "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --profile ${how#* } \
+      --json "$LOGS/sweep-$name.json" || return $?
   done
   "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1,64 --steps 20 --int4-activations fp16 \
     --json "$LOGS/sweep-fp16.json" || return $?
