@@ -615,33 +615,37 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
 // ARGMAX_BLOCKS: the argmax kernel's minimum blocks per SM for ptxas: 2 (at most 128 registers,
 // what ptxas picks by itself for the decode tiles), 1 where that would spill (x16 at group 32, which
 // wants 178; the fp16 tiles; the 64-token tiles).
-#define MM_FUSED_AS(NAME, SUFFIX, NT, SPLIT, PREFETCH, NORM, SPG, ARGMAX_BLOCKS, ASYNC) \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f32##SUFFIX(MMF_ARGS) \
+// LB: the other four kernels' launch bounds, LB_PLAIN (ptxas picks the registers: 128 at most for
+// these) or LB_ONE (a minimum of 1 block a SM: the fp16 tiles, which spilled at 128).
+#define LB_PLAIN 256
+#define LB_ONE 256, 1
+#define MM_FUSED_AS(NAME, SUFFIX, NT, SPLIT, PREFETCH, NORM, SPG, ARGMAX_BLOCKS, ASYNC, LB) \
+    extern "C" __global__ void __launch_bounds__(LB) NAME##_rope_f32##SUFFIX(MMF_ARGS) \
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F32, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_rope_f16##SUFFIX(MMF_ARGS) \
+    extern "C" __global__ void __launch_bounds__(LB) NAME##_rope_f16##SUFFIX(MMF_ARGS) \
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ROPE_F16, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_silu##SUFFIX(MMF_ARGS) \
+    extern "C" __global__ void __launch_bounds__(LB) NAME##_silu##SUFFIX(MMF_ARGS) \
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_SILU, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
-    extern "C" __global__ void __launch_bounds__(256) NAME##_gelu##SUFFIX(MMF_ARGS) \
+    extern "C" __global__ void __launch_bounds__(LB) NAME##_gelu##SUFFIX(MMF_ARGS) \
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_GELU, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); } \
     extern "C" __global__ void __launch_bounds__(256, ARGMAX_BLOCKS) NAME##_argmax##SUFFIX(MMF_ARGS) \
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); }
-#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, 0, 1, false)
+#define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, 0, 1, false, LB_ONE)
 
-MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, 2, 2, false)
-MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, 4, 2, false)
-MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 4, true, 8, 2, false)
-MM_FUSED_AS(int4_mm_tc_x4g64a, , 1, true, 5, true, 4, 2, true)
-MM_FUSED_AS(int4_mm_tc_x8g32, , 2, true, 4, true, 2, 2, false)
-MM_FUSED_AS(int4_mm_tc_x8g64, , 2, true, 4, true, 4, 2, false)
-MM_FUSED_AS(int4_mm_tc_x8g128, , 2, true, 4, true, 8, 2, false)
-MM_FUSED_AS(int4_mm_tc_x16g32, , 4, true, 2, true, 2, 1, false)
-MM_FUSED_AS(int4_mm_tc_x16g64, , 4, true, 2, true, 4, 2, false)
-MM_FUSED_AS(int4_mm_tc_x16g128, , 4, true, 2, true, 8, 2, false)
-MM_FUSED_AS(int4_mm_tc_x64, _xn, 16, true, 1, false, 0, 1, false)
+MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, 2, 2, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, 4, 2, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 4, true, 8, 2, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x4g64a, , 1, true, 5, true, 4, 2, true, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x8g32, , 2, true, 4, true, 2, 2, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x8g64, , 2, true, 4, true, 4, 2, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x8g128, , 2, true, 4, true, 8, 2, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x16g32, , 4, true, 2, true, 2, 1, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x16g64, , 4, true, 2, true, 4, 2, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x16g128, , 4, true, 2, true, 8, 2, false, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x64, _xn, 16, true, 1, false, 0, 1, false, LB_PLAIN)
 MM_FUSED(int4_mm_tc_h8, 1, false, 4)
 MM_FUSED(int4_mm_tc_h16, 2, false, 4)
-MM_FUSED_AS(int4_mm_tc_h64, _xn, 8, false, 2, false, 0, 1, false)
+MM_FUSED_AS(int4_mm_tc_h64, _xn, 8, false, 2, false, 0, 1, false, LB_PLAIN)
 
 // ------------------------------------------------------------------ layout conversion at load time
 
