@@ -79,7 +79,8 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--unfused", action="store_true",
                    help="the unfused reference kernels (10 per layer) instead of the fused decoder (5 per layer)")
     g.add_argument("--mm-blocks-per-sm", type=int, default=forward.MM_BLOCKS_PER_SM,
-                   help="INT4 products split K until they have this many blocks per SM (default: %(default)s)")
+                   help="INT4 products split K to fill this many blocks per SM, every kernel family alike "
+                        "(default: each family's own, kernels.py MM_BLOCKS_PER_SM)")
     g.add_argument("--mm-one-wave", action=argparse.BooleanOptionalAction, default=forward.MM_ONE_WAVE,
                    help="split K to the most blocks one wave of --mm-blocks-per-sm holds, not the fewest that fill "
                         "it (forward.py MM_ONE_WAVE; default: %(default)s)")
@@ -417,7 +418,8 @@ def run_shape(shape: str, args, drv, roofline: float, driver=None, image_fn=None
               f"heads {c.num_heads}/{c.num_kv_heads} x {c.head_dim}, vocab {c.vocab_size}; INT4 g{args.group_size}, "
               f"embedding/lm_head {args.embedding}, KV {args.kv_dtype}, matmul {ex.matmul} ({args.int4_activations} "
               f"activations), pdl {dev.pdl}, {'fused' if ex.options.fused else 'unfused'} kernels, "
-              f"K split to {forward.MM_BLOCKS_PER_SM} blocks per SM{' (one wave)' if forward.MM_ONE_WAVE else ''}"
+              f"K split to {forward.MM_BLOCKS_PER_SM or 'the family'} blocks per SM"
+              f"{' (one wave)' if forward.MM_ONE_WAVE else ''}"
               f"{f', product variant {forward.MM_VARIANT}' if forward.MM_VARIANT else ''}")
         print(f"   {dev.name}, {dev.arch}, {dev.num_sms} SMs; weights read per decode step {weights / 1e9:.3f} GB; "
               f"roofline (device-to-device copy, read+write) {roofline / 1e12:.2f} TB/s "
@@ -476,7 +478,8 @@ def parse_batches(text: str) -> list:
 def run(args, driver=None, image_fn=None) -> int:
     """Entry point (also the hook bench/engine.py calls for --backend cuda)."""
     for name in ("context", "steps", "prompt_len", "prefill_tokens", "max_model_len", "mm_blocks_per_sm"):
-        if getattr(args, name, 1) < 1:
+        value = getattr(args, name, 1)
+        if value is not None and value < 1:
             raise SystemExit(f"tokenwire bench engine: --{name.replace('_', '-')} must be >= 1")
     try:
         drv = driver if driver is not None else CudaDriver(0)

@@ -63,16 +63,16 @@ def test_bench_sweeps_the_product_plan_and_restores_it(monkeypatch, capsys):
     parser = argparse.ArgumentParser()
     engine_cuda.add_arguments(parser)
     args = parser.parse_args(["--shape", "tiny", "--batch", "1", "--steps", "2", "--context", "40", "--prompt-len",
-                              "32", "--prefill-tokens", "64", "--max-model-len", "256", "--mm-variant", "a",
+                              "32", "--prefill-tokens", "64", "--max-model-len", "256", "--mm-variant", "r",
                               "--mm-blocks-per-sm", "2", "--profile", "--mm-probe", "--no-mm-one-wave"])
     drv = FakeDriver(total_memory=1 << 30)
     assert engine_cuda.run(args, driver=drv, image_fn=lambda arch: b"fake") == 0
     text = capsys.readouterr().out
-    assert "K split to 2 blocks per SM, product variant a" in text
-    assert "int4_mm_tc_x4g64a_rope_f32 (qkv_proj)" in text and "int4_mm_tc_x4g64a (down_proj)" in text
+    assert "K split to 2 blocks per SM, product variant r" in text
+    assert "int4_mm_tc_x4g64r_rope_f32 (qkv_proj)" in text and "int4_mm_tc_x4g64r (down_proj)" in text
     probes = [line for line in text.splitlines() if "int4_mm_tc_x4p " in line]
-    assert any("down_proj" in line and "int4_mm_tc_x4g64a " in line for line in probes)
-    assert (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT, forward.MM_ONE_WAVE) == (3, "", True)
+    assert any("down_proj" in line and "int4_mm_tc_x4g64r " in line for line in probes)
+    assert (forward.MM_BLOCKS_PER_SM, forward.MM_VARIANT, forward.MM_ONE_WAVE) == (None, "", True)
     parts = next(line for line in text.splitlines() if "by part:" in line)
     assert "graph launch" in parts and "copies" in parts and "the rest (metadata fill, Python)" in parts
     assert not set(engine_cuda.HOST_PARTS) & set(vars(drv))

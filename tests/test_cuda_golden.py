@@ -74,7 +74,7 @@ def cuda(config, tensors, **options):
 
 @pytest.mark.parametrize("options", [{}, dict(use_graphs=False), dict(pdl=False), dict(matmul="simt"),
                                      dict(split_size=32), dict(fused=False), dict(fused=False, pdl=False),
-                                     dict(variant="a")])
+                                     dict(variant="r")])
 def test_stories260k_greedy_matches_the_cpu_backend(stories, options, monkeypatch):
     config, tensors, want = stories
     if options.get("variant"):         # the products by an experiment's twin kernels (forward.MM_VARIANT)

@@ -173,7 +173,7 @@ def product_mode(monkeypatch):
     return resolve
 
 
-@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt", "variant-a"])
+@pytest.mark.parametrize("matmul", ["exact", "fp16", "simt", "variant-r"])
 @pytest.mark.parametrize("M,N,K,G", MATMUL_CASES)
 def test_int4_matmul(gpu, matmul, M, N, K, G, product_mode):
     mode = product_mode(matmul)

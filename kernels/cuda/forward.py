@@ -20,7 +20,7 @@ Shapes follow kernels/model.py: h [T, D] residual stream, qkv [T, Hq*hd + 2 Hkv*
 """
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -28,19 +28,21 @@ from ...core.config import ModelConfig
 from .device import attention_smem_bytes, sample_smem_bytes
 from .kernels import (DENSE_MT, FUSED_NORM_TOKENS, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, MM_VARIANTS, SIMT_MT,
                       fused_kernel, mm_kernel)
+from .kernels import MM_BLOCKS_PER_SM as RESIDENT
 from .layout import round_up
 from .weights import ALIGN, DeviceWeights, Linear
 
 LARGE_SPLIT = 1 << 30              # split_size when a step runs attention unsplit
-# INT4 products split K until they have this many blocks per SM (decode of a matrix with few
-# row blocks); read at executor build (workspace) and at every launch, so set it before building.
-# `bench engine --backend cuda --mm-blocks-per-sm N` sweeps it.
-MM_BLOCKS_PER_SM = 3
-# Split K to the most blocks one wave of MM_BLOCKS_PER_SM a SM holds (rounding down), not the
-# fewest that fill it (rounding up): at 2 a SM rounded up, the 8B gate_up at batch 1 ran 448 blocks
-# where 3 a SM (the x4 kernels' 80 registers) hold 396, a second wave 13% full. One wave of 3 took
-# the 8B layer's products from 88.3 to 82.0 us (gate_up 48.5 -> 42.7; qkv 13.2 -> 15.9, the one
-# that lost), each timed alone (H200, 2026-11-28). `bench engine --backend cuda --no-mm-one-wave`.
+# INT4 products split K to fill this many blocks per SM (decode of a matrix with few row blocks):
+# None, each family's own (kernels.MM_BLOCKS_PER_SM: what its registers and shared memory let an
+# SM hold), or one number for all; read at executor build (workspace) and at every launch, so set
+# it before building. `bench engine --backend cuda --mm-blocks-per-sm N` sweeps it.
+MM_BLOCKS_PER_SM: Optional[int] = None
+# Split K to the most blocks one wave of them holds (rounding down), not the fewest that fill it
+# (rounding up): at 2 a SM rounded up, the 8B gate_up at batch 1 ran 448 blocks where 3 a SM hold
+# 396, a second wave 13% full. One wave of 3 took the 8B layer's products from 88.3 to 82.0 us
+# (gate_up 48.5 -> 42.7; qkv 13.2 -> 15.9, the one that lost), each timed alone (H200,
+# 2026-11-28). `bench engine --backend cuda --no-mm-one-wave`.
 MM_ONE_WAVE = True
 # An experiment, off ("") until a GPU has measured it: products by a variant's twin kernels
 # (kernels.py MM_VARIANTS). Like MM_BLOCKS_PER_SM: set it before building an executor
@@ -179,16 +181,17 @@ class MatmulPlan(NamedTuple):
 
 def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
     """Tensor-core kernel, grid and K split for an INT4 product of M tokens: enough blocks for
-    MM_BLOCKS_PER_SM per SM, splitting K when the rows alone are too few (decode of a small matrix).
+    MM_BLOCKS_PER_SM a SM, splitting K when the rows alone are too few (decode of a small matrix).
     (Hot path: every eager product; remembered per shape and knob setting.)"""
     return _matmul_plan(lin.N, lin.Kp, lin.group_size, M, num_sms, mode, MM_BLOCKS_PER_SM, MM_VARIANT,
                         MM_ONE_WAVE)
 
 
 @functools.lru_cache(maxsize=4096)
-def _matmul_plan(N: int, Kp: int, group_size: int, M: int, num_sms: int, mode: str, blocks_per_sm: int,
+def _matmul_plan(N: int, Kp: int, group_size: int, M: int, num_sms: int, mode: str, blocks_per_sm: Optional[int],
                  variant: str, one_wave: bool = False) -> MatmulPlan:
     tokens, family = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
+    blocks_per_sm = blocks_per_sm or RESIDENT.get(family, RESIDENT[""])
     kernel = mm_kernel(family, group_size)
     Np, num_units = round_up(N, MM_ROWS), Kp // 128
     row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)

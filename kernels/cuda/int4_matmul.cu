@@ -309,10 +309,10 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // load is issued. NORM: x's rows are RMS-normalized on the fly (f.norm_w), each block computing
 // its tokens' norms itself (rmsnorm.cu's reduction order, so results match the unfused pair); the
 // tiles of up to 16 tokens only (the 64-token tiles' fused kernels take x normalised: "_xn").
-// Experiments (kernels.py MM_VARIANTS, `bench engine --backend cuda --mm-variant`): ASYNC (the "a"
-// kernel) keeps the PREFETCH units in flight in shared memory (cp.async, each lane its own bytes: no
-// barrier) instead of registers, so more can fly per SM (64 registers: 4 blocks); PROBE (the "p"
-// kernel, never in a model step) streams the weights as the product does and nothing else (no
+// ASYNC (the x4 kernels) keeps the PREFETCH units in flight in shared memory (cp.async, each lane
+// its own bytes: no barrier) instead of registers, so more can fly per SM (64 registers: 4 blocks).
+// Experiments (kernels.py MM_VARIANTS, `bench engine --backend cuda --mm-variant`): the "r" kernel,
+// x4 with its units in registers; PROBE (the "p" kernel, never in a model step) streams the weights as the product does and nothing else (no
 // activation, no barrier, no multiply), so its time is the ceiling of this grid and load pipeline:
 // 3.1-4.7 TB/s where the products moved 1.3-2.1 (H200, 2026-11-28), so the products' own loop,
 // not their loads, holds them. A prefetch.global.L2 of each block's whole slice went: the probes
@@ -574,21 +574,23 @@ __device__ __forceinline__ void int4_mm_tc(
 #define MM_PASS x, ldx, M, qw, sz, num_units, group_size, units_per_split, bias, y, ldy, N, accumulate, ws, counters
 
 // exact (hi/lo activations): 4, 8, 16 tokens for decode (one kernel per group size), 64 for prefill
-#define MM_BY_GROUP(NAME, NT, SPLIT, PREFETCH) \
+#define MM_BY_GROUP(NAME, NT, SPLIT, PREFETCH, ASYNC) \
     extern "C" __global__ void __launch_bounds__(256) NAME##g32(MM_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 2>(MM_PASS); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 2, ASYNC>(MM_PASS); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##g64(MM_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 4>(MM_PASS); } \
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 4, ASYNC>(MM_PASS); } \
     extern "C" __global__ void __launch_bounds__(256) NAME##g128(MM_ARGS) \
-        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 8>(MM_PASS); }
-MM_BY_GROUP(int4_mm_tc_x4, 1, true, 4)
-MM_BY_GROUP(int4_mm_tc_x8, 2, true, 4)
-MM_BY_GROUP(int4_mm_tc_x16, 4, true, 2)
-// the experiments (kernels.py MM_VARIANTS, MM_PROBES): x4 (group 64) with 5 units of weights in
-// flight per warp through shared memory (cp.async: 40 KB a block) instead of 4 in registers; the
-// weight stream alone
-extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4g64a(MM_ARGS) {
-    int4_mm_tc<1, true, 5, EPI_STORE, false, false, 4, true>(MM_PASS);
+        { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_STORE, false, false, 8, ASYNC>(MM_PASS); }
+// x4: 5 units of weights in flight per warp through shared memory (cp.async, 40 KB a block, 64
+// registers: 4 blocks a SM): the 8B step's kernels 3.29 -> 3.09 ms at batch 1 against 4 units in
+// registers (80 registers, 3 a SM), each planned for one wave (H200, 2026-11-28)
+MM_BY_GROUP(int4_mm_tc_x4, 1, true, 5, true)
+MM_BY_GROUP(int4_mm_tc_x8, 2, true, 4, false)
+MM_BY_GROUP(int4_mm_tc_x16, 4, true, 2, false)
+// the experiments (kernels.py MM_VARIANTS, MM_PROBES): x4 (group 64) with its 4 units in flight in
+// registers (what x4 was before cp.async); the weight stream alone
+extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4g64r(MM_ARGS) {
+    int4_mm_tc<1, true, 4, EPI_STORE, false, false, 4, false>(MM_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_x4p(MM_ARGS) {
     int4_mm_tc<1, true, 4, EPI_STORE, false, true>(MM_PASS);
@@ -632,10 +634,10 @@ extern "C" __global__ void __launch_bounds__(256) int4_mm_tc_h64(MM_ARGS) { int4
         { int4_mm_tc<NT, SPLIT, PREFETCH, EPI_ARGMAX, NORM, false, SPG, ASYNC>(MM_PASS, MMF_STRUCT); }
 #define MM_FUSED(NAME, NT, SPLIT, PREFETCH) MM_FUSED_AS(NAME, , NT, SPLIT, PREFETCH, true, 0, 1, false, LB_ONE)
 
-MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 4, true, 2, 2, false, LB_PLAIN)
-MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 4, true, 4, 2, false, LB_PLAIN)
-MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 4, true, 8, 2, false, LB_PLAIN)
-MM_FUSED_AS(int4_mm_tc_x4g64a, , 1, true, 5, true, 4, 2, true, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x4g32, , 1, true, 5, true, 2, 2, true, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x4g64, , 1, true, 5, true, 4, 2, true, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x4g128, , 1, true, 5, true, 8, 2, true, LB_PLAIN)
+MM_FUSED_AS(int4_mm_tc_x4g64r, , 1, true, 4, true, 4, 2, false, LB_PLAIN)
 MM_FUSED_AS(int4_mm_tc_x8g32, , 2, true, 4, true, 2, 2, false, LB_PLAIN)
 MM_FUSED_AS(int4_mm_tc_x8g64, , 2, true, 4, true, 4, 2, false, LB_PLAIN)
 MM_FUSED_AS(int4_mm_tc_x8g128, , 2, true, 4, true, 8, 2, false, LB_PLAIN)

@@ -47,8 +47,11 @@ FUSED_NORM_TOKENS = 16
 # the products' experiments (int4_matmul.cu ASYNC and PROBE): variant -> {kernel: its twin}, the
 # twin computing what its kernel does (forward.py MM_VARIANT); and family -> its weight-stream
 # probes (the same grid and loads, nothing computed: `bench engine --backend cuda --mm-probe`)
-MM_VARIANTS = {"a": {"int4_mm_tc_x4g64": "int4_mm_tc_x4g64a"}}   # a: 5 units in flight through shared memory
+MM_VARIANTS = {"r": {"int4_mm_tc_x4g64": "int4_mm_tc_x4g64r"}}   # r: x4's units in registers, not cp.async
 MM_PROBES = {"int4_mm_tc_x4": ("int4_mm_tc_x4p",)}
+# blocks a SM the products' K split plans one wave of (forward.py), by family ("": the others): the
+# x4 kernels (cp.async: 64 registers, 45 KB of shared memory) fit 4, the others 2-3
+MM_BLOCKS_PER_SM = {"int4_mm_tc_x4": 4, "": 3}
 
 
 def mm_kernel(family: str, group_size: int) -> str:

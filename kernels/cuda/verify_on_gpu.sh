@@ -27,10 +27,10 @@
 #   serve          `serve --backend cuda` (the embedded default model) driven by `bench load` at
 #                  concurrency 1 and 64: /v1/completions (SSE), then /generate binary int32 ids
 #   bench-fused    `bench engine --backend cuda`, 8B then 1B shape, batch 1,16,64, kernel profile
-#   sweep          8B shape at batch 1, profiled: the plan (K split to one wave of 3 blocks a SM) with each
-#                  product beside its weight-stream probe (the same grid and loads, nothing computed); the
-#                  plan before (at least 2 a SM); variant a (5 units in flight through shared memory,
-#                  cp.async) at one wave of 4; then fp16 activations (one MMA per k step, not the exact
+#   sweep          8B shape at batch 1, profiled: the plan (K split to one wave of each family's blocks a
+#                  SM) with each product beside its weight-stream probe (the same grid and loads, nothing
+#                  computed); the plan before (at least 2 a SM); variant r (x4's units in registers, not
+#                  cp.async) at one wave of 3; then fp16 activations (one MMA per k step, not the exact
 #                  hi/lo pair): prefill, batch 1 and 64
 #   bench-unfused  the same with --unfused
 #   sanitize       compute-sanitizer memcheck on one tiny-model greedy test, in whatever time is left
@@ -310,9 +310,9 @@ bench_engine() {
 
 phase_bench_fused() { bench_engine --profile --json "$LOGS/bench-fused.json"; }
 
-phase_sweep() {   # 8B shape at batch 1, profiled: the products beside their probes, the plan before, variant a
+phase_sweep() {   # 8B shape at batch 1, profiled: the products beside their probes, the plan before, variant r
   local name how
-  for how in "plan --mm-probe" "before --mm-blocks-per-sm 2 --no-mm-one-wave" "a --mm-variant a --mm-blocks-per-sm 4"; do
+  for how in "plan --mm-probe" "before --mm-blocks-per-sm 2 --no-mm-one-wave" "r --mm-variant r --mm-blocks-per-sm 3"; do
     name=${how%% *}
     # shellcheck disable=SC2086
     "$PY" -m tokenwire.bench.engine_cuda --shape llama-3.1-8b --batch 1 --steps 20 --profile ${how#* } \
