@@ -45,7 +45,7 @@ from ..core.sampling_params import SamplingParams
 from ..kernels.cuda import forward
 from ..kernels.cuda.driver import CudaDriver, CudaUnavailable, capture_graph
 from ..kernels.cuda.executor import CudaExecutor, CudaOptions
-from ..kernels.cuda.kernels import MM_PROBES, MM_PRODUCTS, MM_VARIANTS, SIGNATURES
+from ..kernels.cuda.kernels import MM_PROBES, MM_PRODUCTS, MM_VARIANTS, SPECS
 from ..kernels.cuda.weights import linear_bytes
 from .shapes import all_shapes, random_engine
 
@@ -86,7 +86,7 @@ def add_cuda_arguments(parser: argparse.ArgumentParser) -> None:
                         "it (forward.py MM_ONE_WAVE; default: %(default)s)")
     g.add_argument("--mm-variant", default="", choices=("",) + tuple(MM_VARIANTS),
                    help="INT4 products by a variant's twin kernels (an experiment: kernels.py MM_VARIANTS; "
-                        "a: 5 units of weights in flight per warp through shared memory)")
+                        "r: x4 with its weights in registers, not streamed through shared memory)")
     g.add_argument("--mm-probe", action="store_true",
                    help="at batch 1, each decode product beside its weight-stream probes (the same grid and "
                         "weight loads, nothing computed: the ceiling of the product's load pipeline)")
@@ -344,9 +344,8 @@ def probe_products(executor, context: int) -> list:
         seen.add((grid, proj))
         nbytes = sizes.get(args["qw"], 0)
         times = {name: time_alone(executor, name, grid, block, smem, args)}
-        for probe in MM_PROBES[family]:
-            plain = SIGNATURES[probe].split()
-            probe_args = {k: v for k, v in args.items() if f"{k}:p" in plain or f"{k}:i" in plain}
+        for probe in MM_PROBES[family]:                 # the plain product's parameters of the fused ones
+            probe_args = {k: v for k, v in args.items() if k in SPECS[probe].name_set}
             times[probe] = time_alone(executor, probe, grid, block, smem, probe_args)
         out.append({"projection": proj, "grid": list(grid), "weight_bytes": nbytes, "us": times})
     return out
@@ -396,7 +395,7 @@ def build_executor(shape: str, args, driver=None, image_fn=None):
     batches = parse_batches(args.batch)
     per_seq = blocks_per_seq(args.context, args.steps)
     num_blocks = max(max(batches) * per_seq, -(-args.max_model_len // BLOCK_SIZE), args.prefill_tokens // BLOCK_SIZE + 64)
-    # the timed prefill is sequences of --prompt-len: as many as it takes sequences, whatever the batches
+    # the timed prefill's sequences (of --prompt-len) fit too, however small the batches
     seqs = max(max(batches), max(1, args.prefill_tokens // min(args.prompt_len, args.prefill_tokens)))
     options = CudaOptions(block_size=BLOCK_SIZE, num_blocks=num_blocks, max_num_seqs=seqs,
                           max_num_batched_tokens=args.prefill_tokens, max_model_len=args.max_model_len,

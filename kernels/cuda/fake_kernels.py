@@ -236,7 +236,7 @@ def _attention(cache_dtype):
             kc = d.view(k_cache, cache_dtype, (int(slots.max()) + 1) * per_slot).reshape(-1, num_kv_heads, head_dim)
             vc = d.view(v_cache, cache_dtype, (int(slots.max()) + 1) * per_slot).reshape(-1, num_kv_heads, head_dim)
             qs = _f32(d, q, t0 + nq, ldq)[t0:t0 + nq, :num_heads * head_dim].reshape(nq, num_heads, head_dim)
-            per_split = split_size or -(-(-(-len(keys) // num_splits)) // 32) * 32     # 0: spread in tiles of 32
+            per_split = split_size or round_up(-(-len(keys) // num_splits), 32)   # 0: spread in tiles of 32
             for z in range(num_splits):
                 in_split = (keys >= lo + z * per_split) & (keys < lo + (z + 1) * per_split)
                 for h in range(num_heads):

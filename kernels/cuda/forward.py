@@ -28,7 +28,7 @@ from ...core.config import ModelConfig
 from .device import attention_smem_bytes, sample_smem_bytes
 from .kernels import (DENSE_MT, FUSED_NORM_TOKENS, MAX_TOP_LOGPROBS, MM_KERNELS, MM_ROWS, MM_VARIANTS, SIMT_MT,
                       fused_kernel, mm_kernel)
-from .kernels import MM_BLOCKS_PER_SM as RESIDENT
+from .kernels import MM_BLOCKS_PER_SM as FAMILY_BLOCKS_PER_SM
 from .layout import round_up
 from .weights import ALIGN, DeviceWeights, Linear
 
@@ -44,9 +44,8 @@ MM_BLOCKS_PER_SM: Optional[int] = None
 # (gate_up 48.5 -> 42.7; qkv 13.2 -> 15.9, the one that lost), each timed alone (H200,
 # 2026-11-28). `bench engine --backend cuda --no-mm-one-wave`.
 MM_ONE_WAVE = True
-# An experiment, off ("") until a GPU has measured it: products by a variant's twin kernels
-# (kernels.py MM_VARIANTS). Like MM_BLOCKS_PER_SM: set it before building an executor
-# (`bench engine --backend cuda --mm-variant a`).
+# Off (""), or an experiment: products by a variant's twin kernels (kernels.py MM_VARIANTS). Like
+# MM_BLOCKS_PER_SM: set it before building an executor (`bench engine --backend cuda --mm-variant r`).
 MM_VARIANT = ""
 
 
@@ -189,9 +188,9 @@ def matmul_plan(lin: Linear, M: int, num_sms: int, mode: str) -> MatmulPlan:
 
 @functools.lru_cache(maxsize=4096)
 def _matmul_plan(N: int, Kp: int, group_size: int, M: int, num_sms: int, mode: str, blocks_per_sm: Optional[int],
-                 variant: str, one_wave: bool = False) -> MatmulPlan:
+                 variant: str, one_wave: bool) -> MatmulPlan:
     tokens, family = next(((t, k) for t, k in MM_KERNELS[mode] if M <= t), MM_KERNELS[mode][-1])
-    blocks_per_sm = blocks_per_sm or RESIDENT.get(family, RESIDENT[""])
+    blocks_per_sm = blocks_per_sm or FAMILY_BLOCKS_PER_SM.get(family, FAMILY_BLOCKS_PER_SM[""])
     kernel = mm_kernel(family, group_size)
     Np, num_units = round_up(N, MM_ROWS), Kp // 128
     row_blocks, tiles = Np // MM_ROWS, -(-M // tokens)

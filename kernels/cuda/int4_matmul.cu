@@ -114,12 +114,9 @@ __device__ __forceinline__ void load_unit_x(float2 (&xr)[PER_THREAD], const floa
     }
 }
 
-// One unit's weights for this lane (two 16-byte words: its 16 rows x 128 k of the warp's tile)
-// and the scale/zero words of the unit's groups for its rows g and g + 8, in the "tc" layout.
-__device__ __forceinline__ void load_unit_w(uint4 (&w)[2], u32 (&szw)[4][2], const uint4* __restrict__ qtile,
-                                            const u32* __restrict__ stile, int u, int groups_per_unit, int g) {
-    w[0] = __ldg(qtile + (size_t)(2 * u) * 32);
-    w[1] = __ldg(qtile + (size_t)(2 * u + 1) * 32);
+// The scale/zero words of one unit's groups for this lane's rows g and g + 8, in the "tc" layout.
+__device__ __forceinline__ void load_unit_sz(u32 (&szw)[4][2], const u32* __restrict__ stile, int u,
+                                             int groups_per_unit, int g) {
 #pragma unroll
     for (int gg = 0; gg < 4; ++gg) {
         if (gg < groups_per_unit) {
@@ -127,6 +124,15 @@ __device__ __forceinline__ void load_unit_w(uint4 (&w)[2], u32 (&szw)[4][2], con
             szw[gg][1] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g + 8);
         }
     }
+}
+
+// One unit's weights for this lane (two 16-byte words: its 16 rows x 128 k of the warp's tile)
+// and its scale/zero words.
+__device__ __forceinline__ void load_unit_w(uint4 (&w)[2], u32 (&szw)[4][2], const uint4* __restrict__ qtile,
+                                            const u32* __restrict__ stile, int u, int groups_per_unit, int g) {
+    w[0] = __ldg(qtile + (size_t)(2 * u) * 32);
+    w[1] = __ldg(qtile + (size_t)(2 * u + 1) * 32);
+    load_unit_sz(szw, stile, u, groups_per_unit, g);
 }
 
 // cp.async (sm_80+): 16 bytes global -> shared without a register, `wait_group<N>`: until at most N of
@@ -157,13 +163,7 @@ __device__ __forceinline__ void load_unit_w_async(uint4 (&slot)[2][32], u32 (&sz
                                                   int lane) {
     cp_async16(&slot[0][lane], qtile + (size_t)(2 * u) * 32);
     cp_async16(&slot[1][lane], qtile + (size_t)(2 * u + 1) * 32);
-#pragma unroll
-    for (int gg = 0; gg < 4; ++gg) {
-        if (gg < groups_per_unit) {
-            szw[gg][0] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g);
-            szw[gg][1] = __ldg(stile + (u * groups_per_unit + gg) * 16 + g + 8);
-        }
-    }
+    load_unit_sz(szw, stile, u, groups_per_unit, g);
 }
 
 template <int NT, bool SPLIT, int TOKENS, int PER_THREAD>
@@ -312,8 +312,9 @@ __device__ __forceinline__ void argmax_finish(const FusedArgs& f, u64* best, int
 // ASYNC (the x4 kernels) keeps the PREFETCH units in flight in shared memory (cp.async, each lane
 // its own bytes: no barrier) instead of registers, so more can fly per SM (64 registers: 4 blocks).
 // Experiments (kernels.py MM_VARIANTS, `bench engine --backend cuda --mm-variant`): the "r" kernel,
-// x4 with its units in registers; PROBE (the "p" kernel, never in a model step) streams the weights as the product does and nothing else (no
-// activation, no barrier, no multiply), so its time is the ceiling of this grid and load pipeline:
+// x4 with its units in registers. PROBE (the "p" kernel, never in a model step) streams the weights
+// as the product does and nothing else (no activation, no barrier, no multiply), so its time is the
+// ceiling of this grid and load pipeline:
 // 3.1-4.7 TB/s where the products moved 1.3-2.1 (H200, 2026-11-28), so the products' own loop,
 // not their loads, holds them. A prefetch.global.L2 of each block's whole slice went: the probes
 // streamed 15-50% faster without it, the products 0-16% (lm_head most).
@@ -454,11 +455,14 @@ __device__ __forceinline__ void int4_mm_tc(
                 store_unit_x<NT, SPLIT, TOKENS, PER_THREAD>(xr, frag[0]);
                 __syncthreads();
             }
-            uint4 w0 = wbuf[ASYNC ? 0 : p][0], w1 = wbuf[ASYNC ? 0 : p][1];
+            uint4 w0, w1;
             if (ASYNC) {                                         // this unit's group: PREFETCH - 1 later ones may fly
                 cp_async_wait<PREFETCH - 1>();
                 w0 = wring[p][warp][0][lane];
                 w1 = wring[p][warp][1][lane];
+            } else {
+                w0 = wbuf[p][0];
+                w1 = wbuf[p][1];
             }
             const u32 words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
             ZeroFold zf = {0u, 0u};
