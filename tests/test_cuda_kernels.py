@@ -366,7 +366,7 @@ def test_paged_attention(gpu, cache, Hq, Hkv, hd, bs, window, split, chunk, cap,
                 items=gpu.upload(np.array(items, np.int32)), out=out, ldo=Hq * hd, ws_ml=ws_ml, ws_acc=ws_acc,
                 max_splits=splits, num_heads=Hq, num_kv_heads=Hkv, head_dim=hd, block_size=bs, heads_per_block=hpb,
                 sliding_window=window or 0, scale=float(np.float32(hd ** -0.5)), softcap=cap or 0.0,
-                split_size=max(split, 0) or (0 if split else 1 << 30))
+                split_size=split if split > 0 else 0 if split < 0 else 1 << 30)
     grid = (len(items), Hkv * (Hq // Hkv // hpb), splits)
     counters = gpu.zeros(4 * grid[0] * grid[1])
     for _ in range(2 if fused else 1):
