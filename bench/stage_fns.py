@@ -122,7 +122,7 @@ def intake_stage(s: Setup) -> Stage:
         core._inbox.clear()
         core._live_ids.clear()
         app.exchanges.clear()
-        state.update(conn=_Connection(session), chunks=iter(chunks), left=INTAKE_BATCH)
+        state.update(conn=SocketlessConnection(session), chunks=iter(chunks), left=INTAKE_BATCH)
 
     def take_one():
         if not state["left"]:
@@ -331,7 +331,7 @@ def dispatch_stages(s: Setup) -> list:
     return out
 
 
-class _Connection:
+class SocketlessConnection:
     """The part of a ServerProtocol the step writer uses, without a socket."""
     transport = None
 
@@ -353,7 +353,7 @@ def _dispatcher_step(kind: str, num_streams: int) -> tuple:
     for c in range(num_conns):
         n = num_streams // num_conns + (c < num_streams % num_conns)
         session, stream_ids = _open_h2_session(n)
-        conn = _Connection(session)
+        conn = SocketlessConnection(session)
         for sid in stream_ids:
             rid = len(d.exchanges) + 1
             enc = encoders.CompletionSse(f"cmpl-{rid}", 1700000000, "model", False, lambda i: " the") \

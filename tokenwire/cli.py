@@ -26,6 +26,8 @@ BENCHES = {
     "scheduler": ("tokenwire.bench.scheduler", "scheduler overhead per step with a zero-cost engine"),
     "overlap": ("tokenwire.bench.overlap", "overlapped engine steps against synchronous ones on the mock's step time"),
     "stages": ("tokenwire.bench.stages", "per-stage microbenchmarks of the request pipeline"),
+    "hostcpu": ("tokenwire.bench.hostcpu", "the server's host CPU (or instructions) per token over whole requests, "
+                                           "in one process"),
     "load": ("tokenwire.bench.load", "HTTP/2 load generator against a running server"),
     "timeline": ("tokenwire.bench.timeline", "an engine's steps one by one under load, and what the slowest held"),
     "peers": ("tokenwire.bench.peers.cli", "tokenwire against peer servers on the same mock engine"),
