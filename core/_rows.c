@@ -5,7 +5,8 @@
  * (a microsecond a row each, on this project's 2-core development VM). The Python loops stay
  * the reference and the whole behaviour; each now calls into here at the top of its loop body:
  *
- *   schedule_decodes(running, i, scheduled, seqs, block_size, decoding) -> the row it stopped at
+ *   schedule_decodes(running, i, scheduled, seqs, block_size, decoding, free_block_ids, ref_counts)
+ *       -> the row it stopped at
  *   append_tokens(reqs, sampled_ids, i, now_ns, request_ids, token_ids, texts, fast_decoder)
  *       -> the row it stopped at
  *
@@ -14,10 +15,12 @@
  * Python body then takes that one row and calls again from the next. A row is left to Python
  * before anything of it is changed, so the two paths never split one row between them.
  *
- * schedule_decodes' common case: a DECODING request whose next token fits in its blocks (no
- * block to append: no prefix-cache registration, no preemption). Like the Python body it skips
- * a request whose last token is in flight, and otherwise appends the request to `scheduled`, its
- * DecodeStep (start_pos, num_pending set) to `seqs`, and counts the row in its num_pending.
+ * schedule_decodes' common case: a DECODING request whose next token fits in its blocks, or
+ * starts a new one while a block is free (the block manager's `free_block_ids` stack, popped
+ * as `BlockManager.append_block` pops it, its `ref_counts` entry set to 1; an eviction or a
+ * preemption is Python's). Like the Python body it skips a request whose last token is in
+ * flight, and otherwise appends the request to `scheduled`, its DecodeStep (start_pos,
+ * num_pending set) to `seqs`, and counts the row in its num_pending.
  *
  * append_tokens' common case, for a step whose outputs go to columns: a row with a token in
  * flight, no grammar, a token that is not a stop id, a request that does not reach its length
@@ -61,17 +64,51 @@ static PyObject *list_field(PyObject *req, int f) {
 
 /* ------------------------------------------------------------------ schedule_decodes */
 
+/* BlockManager.append_block's common case: the top of the free stack goes to `block_table`
+ * with one holder. -> 1 done, 0 nothing free (or a stack entry that is not a block id: Python
+ * says what is wrong), -1 with an exception. Nothing is changed unless it returns 1. */
+static int take_free_block(PyObject *free_ids, PyObject *ref_counts, PyObject *block_table) {
+    Py_ssize_t num_free = PyList_GET_SIZE(free_ids);
+    if (!num_free) return 0;
+    PyObject *block = PyList_GET_ITEM(free_ids, num_free - 1);
+    if (!PyLong_CheckExact(block)) return 0;
+    Py_ssize_t id = PyLong_AsSsize_t(block);
+    if (id == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (id < 0 || id >= PyList_GET_SIZE(ref_counts)) return 0;
+    PyObject *one = PyLong_FromLong(1);
+    if (one == NULL) return -1;
+    Py_INCREF(block);
+    int rc = PyList_Append(block_table, block);
+    if (rc == 0) rc = PyList_SetSlice(free_ids, num_free - 1, num_free, NULL);
+    Py_DECREF(block);
+    if (rc < 0) {
+        Py_DECREF(one);
+        return -1;
+    }
+    PyObject *old = PyList_GET_ITEM(ref_counts, id);
+    PyList_SET_ITEM(ref_counts, id, one);
+    Py_DECREF(old);
+    return 1;
+}
+
 static PyObject *schedule_decodes(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "schedule_decodes(running, i, scheduled, seqs, block_size, decoding)");
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "schedule_decodes(running, i, scheduled, seqs, block_size, decoding, "
+                                         "free_block_ids, ref_counts)");
         return NULL;
     }
     PyObject *running = args[0], *scheduled = args[2], *seqs = args[3], *decoding = args[5];
+    PyObject *free_ids = args[6], *ref_counts = args[7];
     Py_ssize_t i = PyLong_AsSsize_t(args[1]);
     long long block_size = PyLong_AsLongLong(args[4]);
     if (PyErr_Occurred()) return NULL;
-    if (!PyList_CheckExact(running) || !PyList_CheckExact(scheduled) || !PyList_CheckExact(seqs)) {
-        PyErr_SetString(PyExc_TypeError, "schedule_decodes: running, scheduled and seqs must be lists");
+    if (!PyList_CheckExact(running) || !PyList_CheckExact(scheduled) || !PyList_CheckExact(seqs)
+        || !PyList_CheckExact(free_ids) || !PyList_CheckExact(ref_counts)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "schedule_decodes: running, scheduled, seqs, free_block_ids and ref_counts must be lists");
         return NULL;
     }
     for (; i < PyList_GET_SIZE(running); i++) {
@@ -89,8 +126,11 @@ static PyObject *schedule_decodes(PyObject *module, PyObject *const *args, Py_ss
         if (pending && PyList_GET_SIZE(output_ids) + pending >= max_output)
             continue;                       /* its last token is in flight: it ends on it */
         long long start = computed + pending;   /* its pending token goes one position on */
-        if (start >= PyList_GET_SIZE(block_table) * block_size)
-            break;                          /* its next token starts a new block: Python's */
+        if (start >= PyList_GET_SIZE(block_table) * block_size) {    /* its next token starts a new block */
+            int took = take_free_block(free_ids, ref_counts, block_table);
+            if (took < 0) return NULL;
+            if (!took) break;               /* none free: an eviction or a preemption, Python's */
+        }
         if (PyList_Append(scheduled, req) < 0 || tw_set_field_ll(&step_layout, step, STEP_START_POS, start) < 0
             || tw_set_field_ll(&step_layout, step, STEP_NUM_PENDING, pending) < 0
             || tw_set_field_ll(&request_layout, req, REQ_NUM_PENDING, pending + 1) < 0

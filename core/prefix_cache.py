@@ -8,8 +8,8 @@ Rules:
 2. At admission a request takes the blocks of its longest cached prefix, never its last
    token (it is fed, to be sampled), and starts with them computed (`take`).
 3. A block is registered once every token in it is computed (`cache_computed`): the
-   scheduler calls it after a prefill chunk, when a decode steps into a new block, and when a
-   request releases its blocks other than by failing.
+   scheduler calls it after a prefill chunk and when a request releases its blocks other than
+   by failing (a decode's blocks then, in one chain: core/scheduler.py says why).
 4. Admission order (`pick`, over the waiting queue sorted once per step by the scheduler):
    among the first ADMIT_WINDOW waiting requests of the head's priority, the one with the longest cached prefix goes first (ties: the oldest).
    Each time the oldest is passed over it counts; after MAX_PASSED_OVER it goes first

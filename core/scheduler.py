@@ -33,9 +33,12 @@ scheduled, decoding requests that speculate get proposals as extra query rows of
 DecodeStep (the budget pays them), and `update()` keeps the verified prefix of each, one
 output per token, and frees the blocks past it.
 Prefix cache: a block is registered under its content hash once every token in it is
-computed: after a prefill chunk, when a decode steps into the next block, and when a
-request releases its blocks (finish, cancel, preemption: a preempted request usually finds
-its own prefix again). Never after a failed step: its device state is not trusted, and the
+computed: after a prefill chunk, and when a request releases its blocks (finish, cancel,
+preemption: a preempted request usually finds its own prefix again). A decode's blocks are
+registered then, all in one hash chain, not as each fills (SGLang's radix cache inserts a
+request's decoded tokens when it finishes, too): what reads them is a later turn of the
+conversation, which comes after the response; a block crossing is then one block append,
+which the C loop takes. Never after a failed step: its device state is not trusted, and the
 whole cache is forgotten then.
 
 Overlapped steps (core/step_driver.py): the next step may be scheduled before the last one's
@@ -218,14 +221,13 @@ class Scheduler:
         -> (budget left, preemptions, PREFILLING requests)"""
         running, bm = self.running, self.block_manager
         block_size, free_block_ids, evictable = bm.block_size, bm.free_block_ids, bm.evictable
-        prefix_cache = self.prefix_cache
         num_preempted, prefilling = 0, []
         add_scheduled, add_seq = scheduled.append, seqs.append
         fast = self.rows.schedule_decodes if self.rows is not None else None
         i = 0
         while i < len(running):             # _preempt_for pops from the end: the loop just stops sooner
-            if fast is not None:            # C takes the rows that fit their blocks; this body the others
-                i = fast(running, i, scheduled, seqs, block_size, DECODING)
+            if fast is not None:            # C takes the rows that fit or get a free block; this body the others
+                i = fast(running, i, scheduled, seqs, block_size, DECODING, free_block_ids, bm.ref_counts)
                 if i == len(running):
                     break
             req = running[i]
@@ -242,8 +244,6 @@ class Scheduler:
             if pending and len(req.output_token_ids) + pending >= req.max_output_tokens:
                 continue                    # its last token is in flight: it ends on it
             if start >= len(req.block_table) * block_size:     # its next token starts a new block
-                if prefix_cache is not None:
-                    prefix_cache.cache_computed(req, start)
                 if not free_block_ids and not evictable:
                     num_preempted += self._preempt_for(req)
                     if req.state is WAITING:

@@ -4,7 +4,8 @@
 Two engines over the same mock get the same requests, one with the C loops and one without
 (`Scheduler.rows = None`), and step in lockstep, synchronously and overlapped (the next step
 begun before the last one's ids are applied, as core/step_driver.py does): every step's rows
-and columns must be equal, whatever the rows are: stop ids, stop strings, min_tokens, lengths,
+and columns, and the KV cache's books after it (block tables, free stack, holders, cached
+hashes), must be equal, whatever the rows are: stop ids, stop strings, min_tokens, lengths,
 a small KV cache that preempts, the prefix cache, byte tokens that split UTF-8 characters, a
 cancel, a grammar-free request and one with logprobs (no columns then).
 """
@@ -60,14 +61,16 @@ def make(native: bool, num_blocks: int) -> EngineCore:
 
 
 class Counting:
-    """core/_rows, counting the rows its loops took."""
+    """core/_rows, counting the rows its loops took, and the new blocks those rows got."""
 
     def __init__(self, rows):
-        self.rows, self.num_scheduled, self.num_appended = rows, 0, 0
+        self.rows, self.num_scheduled, self.num_appended, self.num_new_blocks = rows, 0, 0, 0
 
     def schedule_decodes(self, running, i, *args):
+        before = [len(req.block_table) for req in running]
         j = self.rows.schedule_decodes(running, i, *args)
         self.num_scheduled += j - i
+        self.num_new_blocks += sum(len(req.block_table) - n for req, n in zip(running[i:j], before[i:j]))
         return j
 
     def append_tokens(self, reqs, sampled, i, *args):
@@ -76,10 +79,14 @@ class Counting:
         return j
 
 
-def plain(step) -> tuple:
-    """A StepTokens without its clock readings."""
+def plain(step, core) -> tuple:
+    """A StepTokens without its clock readings, and the KV cache's books after it: every
+    live request's block table, the free stack, the holders and the cached hashes."""
+    bm = core.block_manager
+    tables = {req.request_id: list(req.block_table) for req in core.scheduler.running}
     return (list(step.request_ids), list(step.token_ids), list(step.texts),
-            [out._replace(step_done_ns=0) for out in step.rows])
+            [out._replace(step_done_ns=0) for out in step.rows],
+            tables, list(bm.free_block_ids), list(bm.ref_counts), dict(bm.cached), list(bm.evictable))
 
 
 def synchronous(core, cancel_at: int):
@@ -88,7 +95,7 @@ def synchronous(core, cancel_at: int):
         n += 1
         if n == cancel_at:
             core.cancel(3)
-        yield plain(core.step(columns=True))
+        yield plain(core.step(columns=True), core)
 
 
 def overlapped(core, cancel_at: int):
@@ -105,9 +112,9 @@ def overlapped(core, cancel_at: int):
             launched = core.begin_step(True)
         step.rows += launched.step.rows
         launched.step.rows.clear()
-        yield plain(step)
+        yield plain(step, core)
         in_flight = launched
-    yield plain(core.finish_step(in_flight))
+    yield plain(core.finish_step(in_flight), core)
 
 
 @needs_c
@@ -121,9 +128,11 @@ def test_the_c_loops_make_the_steps_the_python_bodies_make(drive, num_blocks):
         assert g == w, f"step {k} differs"
     rows = native.scheduler.rows
     num_tokens = sum(len(s[1]) + sum(len(o.token_ids) for o in s[3]) for s in want)
-    # the C loops took most rows (the rest: ends, stops, new blocks, split characters, logprobs)
+    # the C loops took most rows (the rest: ends, stops, evictions, split characters, logprobs),
+    # decodes that stepped into a new block among them
     assert rows.num_scheduled > num_tokens // 2 and rows.num_appended > num_tokens // 4, \
         (rows.num_scheduled, rows.num_appended, num_tokens)
+    assert rows.num_new_blocks > 0
     if num_blocks == 24:
         assert native.scheduler.num_preemptions > 0
     assert native.scheduler.num_preemptions == python.scheduler.num_preemptions
