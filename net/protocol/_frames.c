@@ -199,7 +199,11 @@ static PyObject *get_field(PyObject *st, int f) {
 static int get_field_ll(PyObject *st, int f, long long *value) {
     PyObject *v = get_field(st, f);
     if (v == NULL) return -1;
-    *value = PyLong_AsLongLong(v);
+    /* not PyLong_AsLongLong: it takes a byte-array conversion for any int of two digits or
+     * more (a send window above 2**30), ~100 instructions a field; an overflow still raises */
+    int overflow;
+    *value = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow) *value = PyLong_AsLongLong(v);
     Py_DECREF(v);
     return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
 }
