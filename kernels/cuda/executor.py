@@ -293,10 +293,10 @@ class CudaExecutor:
         if views is None:
             views = slot.views[bucket] = layout.views(slot.staging)
         if slot.layout != bucket:
-            slot.layout, slot.row_keys = bucket, [None] * bucket
+            slot.layout, slot.row_keys, slot.sampler_keys = bucket, [None] * bucket, [None] * bucket
         full = fill_decode(views, seqs, bucket, self.max_blocks, o.block_size, self.kv.scratch_block,
                            slot.row_keys, self._limits)
-        entries = fill_sampling(views, seqs, o.max_penalty_tokens) if full else 0
+        entries = fill_sampling(views, seqs, o.max_penalty_tokens, slot.sampler_keys) if full else 0
         mode = "full" if full else "greedy"
         stream = self.dev.compute_stream
         fed_from = self.acts.tokens

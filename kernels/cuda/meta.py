@@ -11,7 +11,7 @@ Contract:
   per step; numpy where it pays, plain loops over sequences otherwise).
 """
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -150,24 +150,44 @@ def count_items(seqs: Sequence[SeqStep], queries_per_item: int) -> int:
     return sum(-(-len(s.token_ids) // queries_per_item) for s in seqs)
 
 
-def fill_sampling(v: dict, seqs: Sequence[SeqStep], capacity: int) -> int:
-    """Sampler parameters of the rows that sample, in order. -> number of penalty entries."""
+def fill_sampling(v: dict, seqs: Sequence[SeqStep], capacity: int, row_keys: Optional[list] = None) -> int:
+    """Sampler parameters of the rows that sample, in order. -> number of penalty entries.
+
+    `row_keys` (a decode bucket's, kept across steps as fill_decode's are, reset with them):
+    row_keys[r] = (sequence, its SamplingParams, seed) whose parameters row r holds ("pad": a
+    padding row's; None: unknown); such a row gets only its RNG counter, one assignment for all
+    rows. Four row assignments for every
+    row cost ~2 us a row, most of a batch-64 step's host time. A row with penalties is written
+    whole every step (its entries move)."""
     R = len(seqs)
     d, f, ip, rng = (v["dparams"].reshape(-1, 4), v["fparams"].reshape(-1, 4),
                      v["iparams"].reshape(-1, 4), v["rng"].reshape(-1, 2))
     row_ptr, entries = v["pen_row_ptr"], v["pen_entries"]
+    counters, ptrs = [], []
     e = 0
     for r, s in enumerate(seqs):
         p = s.sampling
+        counters.append(len(s.output_token_ids) + s.num_pending)    # a pending token counts (executor.py)
+        ptrs.append(e)
+        key = row_keys[r] if row_keys is not None else None
+        if key is not None and key[0] == s.seq_id and key[1] is p and key[2] == s.seed:
+            continue
+        penalties = p.has_penalties
         d[r] = (p.temperature, p.top_p, p.min_p, 0.0)
         f[r] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, 0.0)
-        ip[r] = (p.top_k, -1 if p.logprobs is None else p.logprobs, int(p.has_penalties), 0)
-        rng[r] = (s.seed, len(s.output_token_ids) + s.num_pending)     # a pending token counts (executor.py)
-        row_ptr[r] = e
-        if p.has_penalties:
+        ip[r] = (p.top_k, -1 if p.logprobs is None else p.logprobs, int(penalties), 0)
+        rng[r, 0] = s.seed
+        if penalties:
             e = _penalty_entries(entries, e, s, capacity)
-    d[R:] = 0.0                                   # padding rows of a bucket: greedy, no extras
-    ip[R:] = (0, -1, 0, 0)
+        if row_keys is not None:
+            row_keys[r] = None if penalties else (s.seq_id, p, s.seed)
+    rng[:R, 1] = counters
+    row_ptr[:R] = ptrs
+    if row_keys is None or any(k != "pad" for k in row_keys[R:]):
+        d[R:] = 0.0                               # padding rows of a bucket: greedy, no extras
+        ip[R:] = (0, -1, 0, 0)
+        if row_keys is not None:
+            row_keys[R:] = ["pad"] * (len(row_keys) - R)
     row_ptr[R:] = e
     return e
 

@@ -25,6 +25,7 @@ class RingSlot:
     views: dict = field(default_factory=dict)   # graph bucket -> metadata views into `staging`
     layout: object = None       # what `staging` last held: a graph bucket, or "eager"
     row_keys: list = field(default_factory=list)   # per row of that bucket: whose block table it holds
+    sampler_keys: list = field(default_factory=list)   # per row of that bucket: whose sampler parameters
     start: object = None        # timing event before the step's kernels (CudaOptions.step_timing), or None
 
 
