@@ -41,6 +41,20 @@ import sys
 import tempfile
 import time
 
+import h2.config
+import h2.connection
+import h2.settings
+import orjson
+
+from ..core.options import EngineOptions
+from ..net.api.model_info import model_info
+from ..net.app import App
+from ..net.metrics import Metrics
+from ..net.protocol.events import Limits
+from ..net.protocol.http2 import H2Session
+from ..runtime import build_engine
+from .stage_fns import SocketlessConnection
+
 PARTS = ("intake", "begin", "finish", "write")
 PROMPT = " ".join(f"word{i % 7}" for i in range(16))
 
@@ -132,20 +146,6 @@ def measure(concurrency: int, num_requests: int, max_tokens: int, call=None) -> 
     """Build a server in this process and run the workload (module docstring) through it.
     `call`: runs the timed loop (operator.call under callgrind). -> (thread CPU ns, tokens,
     steps, {part: thread CPU ns})"""
-    import h2.config
-    import h2.connection
-    import h2.settings
-    import orjson
-
-    from ..core.options import EngineOptions
-    from ..net.api.model_info import model_info
-    from ..net.app import App
-    from ..net.metrics import Metrics
-    from ..net.protocol.events import Limits
-    from ..net.protocol.http2 import H2Session
-    from ..runtime import build_engine
-    from .stage_fns import SocketlessConnection
-
     built = build_engine(EngineOptions(backend="mock", max_queued_requests=num_requests,
                                        max_num_seqs=max(concurrency, 8)))
     core = built.core
