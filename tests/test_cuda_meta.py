@@ -3,6 +3,7 @@ their keys, hold the bytes a full rewrite of every row would write, step after s
 change hands, change parameters, take penalties, and fall to padding."""
 
 import numpy as np
+import pytest
 
 from tokenwire.core.executor import DecodeStep
 from tokenwire.core.sampling_params import SamplingParams
@@ -51,3 +52,20 @@ def test_kept_sampler_rows_hold_what_a_full_rewrite_writes():
         held = [key for key in keys[:len(seqs)] if key is not None]
         assert len(held) == sum(not s.sampling.has_penalties for s in seqs)     # penalty rows: whole each step
         assert all(key == "pad" for key in keys[len(seqs):])
+
+
+def test_a_row_whose_write_raised_is_written_again():
+    """A penalty context over the capacity raises after the row's parameters were written: the
+    row's key no longer names its old request, so that request, back in the row, is written."""
+    layout = decode_layout(B, 4, CAPACITY)
+    kept, full = np.full(layout.nbytes, 0xA5, np.uint8), np.full(layout.nbytes, 0xA5, np.uint8)
+    keys = [None] * B
+    before = decode(1, TEMPERATURE, 11, 3)
+    fill_sampling(layout.views(kept), [before], CAPACITY, keys)
+    too_many = DecodeStep(2, (3,), 10, [2], True, PENALTIES, 22, list(range(CAPACITY + 1)), [], num_pending=0)
+    with pytest.raises(ValueError, match="exceeds the CUDA executor's capacity"):
+        fill_sampling(layout.views(kept), [too_many], CAPACITY, keys)
+    fill_sampling(layout.views(kept), [before], CAPACITY, keys)
+    fill_sampling(layout.views(full), [before], CAPACITY)
+    lo, hi = layout.forward_bytes, layout.used_bytes(True, 0)
+    assert kept[lo:hi].tobytes() == full[lo:hi].tobytes()

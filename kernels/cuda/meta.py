@@ -156,9 +156,8 @@ def fill_sampling(v: dict, seqs: Sequence[SeqStep], capacity: int, row_keys: Opt
     `row_keys` (a decode bucket's, kept across steps as fill_decode's are, reset with them):
     row_keys[r] = (sequence, its SamplingParams, seed) whose parameters row r holds ("pad": a
     padding row's; None: unknown); such a row gets only its RNG counter, one assignment for all
-    rows. Four row assignments for every
-    row cost ~2 us a row, most of a batch-64 step's host time. A row with penalties is written
-    whole every step (its entries move)."""
+    rows. Four row assignments for every row cost ~2 us a row, most of a batch-64 step's host
+    time. A row with penalties is written whole every step (its entries move)."""
     R = len(seqs)
     d, f, ip, rng = (v["dparams"].reshape(-1, 4), v["fparams"].reshape(-1, 4),
                      v["iparams"].reshape(-1, 4), v["rng"].reshape(-1, 2))
@@ -172,6 +171,8 @@ def fill_sampling(v: dict, seqs: Sequence[SeqStep], capacity: int, row_keys: Opt
         key = row_keys[r] if row_keys is not None else None
         if key is not None and key[0] == s.seq_id and key[1] is p and key[2] == s.seed:
             continue
+        if row_keys is not None:
+            row_keys[r] = None              # until the row is whole again (a penalty overflow raises)
         penalties = p.has_penalties
         d[r] = (p.temperature, p.top_p, p.min_p, 0.0)
         f[r] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, 0.0)
