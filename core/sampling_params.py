@@ -42,28 +42,39 @@ class SamplingParams:
     num_speculative_tokens: Optional[int] = None    # k, tokens proposed per step; None: the server's
 
     def __post_init__(self):
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-               "max_tokens", "must be an integer >= 1")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-               f"must not exceed max_tokens ({self.max_tokens})")
-        _check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
-        _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0")
-        _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
-        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", "must be in (0, 10]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64),
-               "seed", "must be an integer in [0, 2**64)")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-               "logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-        _check(self.speculative is None or self.speculative in SPECULATIVE_METHODS, "speculative",
-               f"must be one of {', '.join(SPECULATIVE_METHODS)}")
-        _check(self.num_speculative_tokens is None or (isinstance(self.num_speculative_tokens, int)
-                                                       and 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS),
-               "num_speculative_tokens", f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
+        """Every value checked; a message is built only for the one that fails (once per request)."""
+        max_tokens, min_tokens = self.max_tokens, self.min_tokens
+        if not (max_tokens is None or (isinstance(max_tokens, int) and max_tokens >= 1)):
+            _fail("max_tokens", "must be an integer >= 1")
+        if not (isinstance(min_tokens, int) and min_tokens >= 0):
+            _fail("min_tokens", "must be an integer >= 0")
+        if not (max_tokens is None or min_tokens <= max_tokens):
+            _fail("min_tokens", f"must not exceed max_tokens ({max_tokens})")
+        if not 0.0 <= self.temperature <= 100.0:
+            _fail("temperature", "must be in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", "must be in (0, 1]")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            _fail("top_k", "must be an integer >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", "must be in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            _fail("repetition_penalty", "must be in (0, 10]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            _fail("frequency_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            _fail("presence_penalty", "must be in [-2, 2]")
+        if not (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64)):
+            _fail("seed", "must be an integer in [0, 2**64)")
+        if self.stop and not all(isinstance(s, str) and s for s in self.stop):
+            _fail("stop", "must be non-empty strings")
+        if not (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS)):
+            _fail("logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if not (self.speculative is None or self.speculative in SPECULATIVE_METHODS):
+            _fail("speculative", f"must be one of {', '.join(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if not (k is None or (isinstance(k, int) and 0 <= k <= MAX_SPECULATIVE_TOKENS)):
+            _fail("num_speculative_tokens", f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +96,5 @@ def choice_params(params: SamplingParams, n: int) -> list:
     return [params] + [replace(params, seed=(params.seed + i) % 2**64) for i in range(1, n)]
 
 
-def _check(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidParameter(param, f"{param} {message}")
+def _fail(param: str, message: str):
+    raise InvalidParameter(param, f"{param} {message}")
