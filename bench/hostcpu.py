@@ -15,6 +15,8 @@ so it can be compared from one commit to the next without a load client on the m
   driver runs them (the next step begun before the last one is finished);
 - write: `Dispatcher.write_step` of every step into the session, and each connection's flush
   (the session's bytes taken; no socket).
+Everything built before the loop is frozen out of the garbage collector's sight first, as
+`tokenwire serve` freezes what it loaded.
 
 Printed per concurrency: thread CPU µs per token (the least and the median over `--rounds`;
 the least is the one to compare on a shared machine), per request, and by part.
@@ -175,9 +177,13 @@ def measure(concurrency: int, num_requests: int, max_tokens: int, call=None) -> 
     conn = SocketlessConnection(session)
     session.receive_data(preface)
     session.data_to_send()
-    gc.collect()
     loop = _Workload(core, app, conn, requests, concurrency, max_tokens)
-    total = (call or operator.call)(loop.run)
+    gc.collect()
+    gc.freeze()             # as `tokenwire serve` does once the model is loaded (net/server.py)
+    try:
+        total = (call or operator.call)(loop.run)
+    finally:
+        gc.unfreeze()       # the next round's build is collected as usual
     return total, loop.num_tokens, loop.num_steps, loop.parts
 
 
