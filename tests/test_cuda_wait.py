@@ -67,8 +67,9 @@ def test_event_synchronize_releases_the_gil(libcuda_stub):
     held_fn = ctypes.PyDLL(libcuda_stub).cuEventSynchronize      # the control: the GIL stays held
     held_fn.argtypes, held_fn.restype = [ctypes.c_void_p], ctypes.c_int
     held = ticks_during(lambda: held_fn(0x1234))
-    # 200 ms without the GIL: thousands of iterations; with it held: the few before the call
-    assert free > 1000 and free > 50 * max(held, 1), (free, held)
+    # 200 ms without the GIL: hundreds to thousands of iterations, fewer on a busy machine (934
+    # in one CI run); with it held: the one or two before the call
+    assert free > 100 and free > 50 * max(held, 1), (free, held)
 
 
 def test_an_error_code_comes_back(libcuda_stub):

@@ -91,11 +91,13 @@ def test_priority_update_frame_moves_a_waiting_request_ahead(serial):
     conn.initiate_connection()
     body = json.dumps({"prompt": "x", "max_tokens": 5}).encode()
     with socket.create_connection(("127.0.0.1", serial.port)) as sock:
-        h2_request(conn, 1, "/generate", json.dumps({"prompt": "x", "max_tokens": 20}).encode())
+        h2_request(conn, 1, "/generate", json.dumps({"prompt": "x", "max_tokens": 100}).encode())
+        sock.sendall(conn.data_to_send())
+        while not any(isinstance(ev, h2.events.DataReceived) for ev in conn.receive_data(sock.recv(65536))):
+            pass                                            # 1 runs (its first token came), not a timer's guess
         for sid in (3, 5, 7, 9):
             h2_request(conn, sid, "/generate", body)
         sock.sendall(conn.data_to_send())
-        time.sleep(0.01)
         sock.sendall(priority_update(9, b"u=0"))           # stream 9, last to arrive, becomes urgent
         order = finishing_order(sock, conn, 5)
     assert order == [1, 9, 3, 5, 7], order
