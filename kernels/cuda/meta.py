@@ -162,17 +162,17 @@ def fill_sampling(v: dict, seqs: Sequence[SeqStep], capacity: int, row_keys: Opt
     d, f, ip, rng = (v["dparams"].reshape(-1, 4), v["fparams"].reshape(-1, 4),
                      v["iparams"].reshape(-1, 4), v["rng"].reshape(-1, 2))
     row_ptr, entries = v["pen_row_ptr"], v["pen_entries"]
+    keys = row_keys if row_keys is not None else [None] * len(d)     # an eager step's: kept nowhere
     counters, ptrs = [], []
     e = 0
     for r, s in enumerate(seqs):
         p = s.sampling
         counters.append(len(s.output_token_ids) + s.num_pending)    # a pending token counts (executor.py)
         ptrs.append(e)
-        key = row_keys[r] if row_keys is not None else None
+        key = keys[r]
         if key is not None and key[0] == s.seq_id and key[1] is p and key[2] == s.seed:
             continue
-        if row_keys is not None:
-            row_keys[r] = None              # until the row is whole again (a penalty overflow raises)
+        keys[r] = None                      # until the row is whole again (a penalty overflow raises)
         penalties = p.has_penalties
         d[r] = (p.temperature, p.top_p, p.min_p, 0.0)
         f[r] = (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, 0.0)
@@ -180,15 +180,13 @@ def fill_sampling(v: dict, seqs: Sequence[SeqStep], capacity: int, row_keys: Opt
         rng[r, 0] = s.seed
         if penalties:
             e = _penalty_entries(entries, e, s, capacity)
-        if row_keys is not None:
-            row_keys[r] = None if penalties else (s.seq_id, p, s.seed)
+        keys[r] = None if penalties else (s.seq_id, p, s.seed)
     rng[:R, 1] = counters
     row_ptr[:R] = ptrs
-    if row_keys is None or any(k != "pad" for k in row_keys[R:]):
+    if any(k != "pad" for k in keys[R:]):
         d[R:] = 0.0                               # padding rows of a bucket: greedy, no extras
         ip[R:] = (0, -1, 0, 0)
-        if row_keys is not None:
-            row_keys[R:] = ["pad"] * (len(row_keys) - R)
+        keys[R:] = ["pad"] * (len(keys) - R)
     row_ptr[R:] = e
     return e
 
