@@ -7,6 +7,8 @@ step driver hides behind the step (core/step_driver.py rule 3). For each step ti
 in alternating order over `--rounds`, and every concurrency level is loaded in a closed loop
 (the C client by default). By default the loop is staggered: the streams start one response's
 time (max tokens x S) apart in all, so requests end and arrive a few per step, as users' do.
+With `--engine-process` a third server runs in each round, overlapped with its engine in a
+process of its own (tokenwire/engine_process.py): its CPU per token counts both processes.
 `--mode closed` starts them at once: with equal response lengths they stay in step, every
 request of the level ends in one step and the next wave is taken in while every slot idles
 (that measures the server's intake of a burst, not overlap). Printed per S, concurrency and
@@ -29,6 +31,8 @@ from .stats import table
 DEFAULT_STEPS_US = "1000,300"
 DEFAULT_CONCURRENCY = "1,64,256"
 # (S µs, concurrency) -> (least tokens/s ÷ ideal, most inter-token p50 ÷ S) that issue 27 asks of overlap
+# mode -> the server's flags: overlap on, off, and on with the engine in a process of its own
+MODES = {"on": [], "off": ["--no-overlap"], "process": ["--engine-process"]}
 TARGETS = {(1000, 64): (0.98, None), (1000, 256): (0.95, None), (300, 64): (0.95, None),
            (1000, 1): (None, 1.03), (300, 1): (None, 1.03)}
 
@@ -48,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="staggered (default): the streams start max tokens x S apart in all and stay out "
                              "of step; closed: all at once, every level a train of waves")
     parser.add_argument("--server-core", type=int, default=None, help="pin the servers to this core (default: none)")
+    parser.add_argument("--engine-process", action="store_true",
+                        help="also run each round's server with --engine-process (overlap on), as a third mode")
 
 
 def run(args) -> int:
@@ -69,24 +75,26 @@ def run(args) -> int:
 
 
 async def measure(args, steps_us: list, levels: list) -> list:
-    """-> one row per (S, overlap, round, concurrency): the load generator's row, tagged."""
+    """-> one row per (S, mode, round, concurrency): the load generator's row, tagged
+    (`overlap`: the mode, a key of MODES)."""
     rows = []
+    modes = MODES if args.engine_process else MODES[:2]
     for step_us in steps_us:
         for round_index in range(args.rounds):
-            modes = (True, False) if round_index % 2 == 0 else (False, True)
-            for overlap in modes:
-                for row in await measure_one(args, step_us, overlap, levels):
-                    row.update(step_us=step_us, overlap=overlap, round=round_index)
+            for mode in (modes if round_index % 2 == 0 else modes[::-1]):
+                for row in await measure_one(args, step_us, mode, levels):
+                    row.update(step_us=step_us, overlap=mode, round=round_index)
                     rows.append(row)
     return rows
 
 
-async def measure_one(args, step_us: float, overlap: bool, levels: list) -> list:
+async def measure_one(args, step_us: float, mode: str, levels: list) -> list:
     """Start one server, load it at every level, stop it."""
     port = free_port()
+    flags = MODES[mode]
     argv = [sys.executable, "-m", "tokenwire", "serve", "--backend", "mock", "--mock-step-us", f"{step_us:g}",
-            "--no-access-log", "--host", HOST, "--port", str(port)] + ([] if overlap else ["--no-overlap"])
-    name = f"tokenwire{'' if overlap else ' --no-overlap'}"
+            "--no-access-log", "--host", HOST, "--port", str(port)] + flags
+    name = " ".join(["tokenwire"] + flags)
     spec = PeerSpec(name, f"mock {step_us:g} µs", argv, "h2", "sse", "/v1/completions")
     target = make_target(HOST, port, spec.path, "h2", "sse", 16, args.max_tokens)
     plan = [(c, args.requests or max(64, 4 * c), c) for c in levels]
@@ -97,18 +105,21 @@ async def measure_one(args, step_us: float, overlap: bool, levels: list) -> list
 
 
 def format_rows(rows: list, num_rounds: int) -> str:
-    """Medians over the rounds per (S, concurrency, mode), against the ideal and the targets."""
+    """Medians over the rounds per (S, concurrency, mode), against the ideal and the targets
+    (which the overlapped modes are held to)."""
     groups = {}
     for r in rows:
         groups.setdefault((r["step_us"], r["concurrency"], r["overlap"]), []).append(r)
     lines = []
-    for (step_us, concurrency, overlap), rs in sorted(groups.items(), key=lambda kv: (-kv[0][0], kv[0][1], not kv[0][2])):
+    order = list(MODES)
+    for (step_us, concurrency, mode), rs in sorted(groups.items(),
+                                                   key=lambda kv: (-kv[0][0], kv[0][1], order.index(kv[0][2]))):
         ideal = concurrency * 1e6 / step_us
         ratios = [r["tokens_per_s"] / ideal for r in rs]
         itl = [r["itl_us_p50"] / step_us for r in rs if r.get("itl_us_p50") is not None]
         cpu = [r["cpu_us_per_token"] for r in rs if r.get("cpu_us_per_token") is not None]
-        want_ratio, want_itl = TARGETS.get((int(step_us), concurrency), (None, None)) if overlap else (None, None)
-        lines.append([f"{step_us:g}", str(concurrency), "on" if overlap else "off",
+        want_ratio, want_itl = TARGETS.get((int(step_us), concurrency), (None, None)) if mode != "off" else (None, None)
+        lines.append([f"{step_us:g}", str(concurrency), mode,
                       f"{statistics.median(r['tokens_per_s'] for r in rs):,.0f}", f"{ideal:,.0f}",
                       _range(ratios) + (f" (≥ {want_ratio})" if want_ratio else ""),
                       (_range(itl) if itl else "-") + (f" (≤ {want_itl})" if want_itl else ""),

@@ -8,6 +8,8 @@ Rules:
 - `sum_exec_runtime` of a thread that is running is brought up to date only when it is
   descheduled or at a scheduler tick: read a process once it is idle (bench/loadgen.py waits
   for it), or a busy thread's last few milliseconds are missing.
+- A process's CPU time includes its child processes' (read the same way), as a server's
+  engine process works for it.
 - Nothing here raises for a process that is gone or not ours: callers get None and say so.
 """
 
@@ -25,7 +27,22 @@ class CpuSample(NamedTuple):
 
 
 def read_cpu(pid: int) -> Optional[CpuSample]:
-    """The process's CPU time so far, or None when it cannot be read."""
+    """The CPU time so far of the process and of its child processes (a server's engine
+    process, tokenwire/engine_process.py, or a peer's workers are its work too), or None
+    when the process cannot be read."""
+    own = _read_one(pid)
+    if own is None:
+        return None
+    stat_ns, sched_ns = own
+    for child in _children(pid):
+        sample = read_cpu(child)
+        if sample is not None:
+            stat_ns += sample.stat_ns
+            sched_ns = sched_ns + sample.sched_ns if sched_ns and sample.sched_ns else 0
+    return CpuSample(stat_ns, sched_ns)
+
+
+def _read_one(pid: int) -> Optional[tuple]:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
@@ -33,8 +50,23 @@ def read_cpu(pid: int) -> Optional[CpuSample]:
         return None
     # the command name is in parentheses and may hold spaces: split after the last ')'
     fields = stat[stat.rindex(b")") + 2:].split()
-    stat_ns = (int(fields[11]) + int(fields[12])) * CLOCK_TICK_NS  # utime, stime
-    return CpuSample(stat_ns, _sched_ns(pid))
+    return (int(fields[11]) + int(fields[12])) * CLOCK_TICK_NS, _sched_ns(pid)     # utime + stime
+
+
+def _children(pid: int) -> list:
+    """Child process ids (/proc/PID/task/TID/children of every thread); none where the kernel lacks it."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    children = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                children += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return children
 
 
 def _sched_ns(pid: int) -> int:

@@ -31,6 +31,7 @@ class ConstraintSpec(NamedTuple):
 class TokenConstraint(Protocol):
     """One request's grammar state (engine thread only, once queued)."""
     mask_ns: int                        # time spent filling this request's masks, for its timings
+    spec: ConstraintSpec                # what it was made from (an engine process compiles it again)
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False when the token breaks the grammar."""

@@ -65,6 +65,22 @@ _sync_only = attrgetter("sync_only")
 COLUMNS_MIN_RUNNING = 8
 
 
+def check_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> list:
+    """What a submission checks before it is queued (also an engine in another process's
+    front end, tokenwire/engine_process.py). -> the prompt as a list; raises InvalidRequest
+    or PromptTooLong."""
+    prompt = list(prompt_token_ids)
+    if not prompt:
+        raise InvalidRequest("the prompt is empty: at least one token is needed")
+    if len(prompt) >= max_model_len:
+        raise PromptTooLong(len(prompt), max_model_len)
+    lo, hi = min(prompt), max(prompt)
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    return prompt
+
+
 class InFlight(NamedTuple):
     """A step `begin_step()` launched (or a step with nothing to launch: `plan` None)."""
     plan: Optional[ScheduledStep]       # the scheduler's step, None when nothing was launched
@@ -213,16 +229,7 @@ class EngineCore:
         return ids
 
     def _check_prompt(self, prompt_token_ids) -> list:
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequest("the prompt is empty: at least one token is needed")
-        if len(prompt) >= self.max_model_len:
-            raise PromptTooLong(len(prompt), self.max_model_len)
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= self.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        return prompt
+        return check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 
     def cancel(self, request_id: int) -> None:
         """Thread-safe and idempotent; the request's blocks are free after the next step. An id

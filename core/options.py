@@ -45,6 +45,11 @@ class EngineOptions:
     # where the executor's step overlaps (cuda, mock: it waits without the GIL); the cpu backend's
     # step computes on the engine thread and never overlaps
     overlap: bool = True
+    # run the engine (scheduler, executor, detokenizer) in a child process of its own, so the event
+    # loop and the engine each have a GIL (tokenwire/engine_process.py): for busy servers whose host
+    # work per token outgrows one core; costs a second process's memory for the tokenizer and a
+    # socket hop per step (~20-40 us)
+    engine_process: bool = False
     # cpu backend: the INT4 products' activations, "int8" (quantized per group of 64, as llama.cpp's
     # 4-bit products: perplexity +0.01-0.02%, `tokenwire bench numerics`) or "fp32" (exact: matches the
     # numpy reference to float32 rounding, the golden path)

@@ -56,20 +56,22 @@ class CompiledGrammar(NamedTuple):
     grammar: str                        # llguidance's grammar text, validated
     initial: object                     # llguidance.LLMatcher in its start state, never advanced
     compile_ns: int                     # what compiling it cost (0 when it came from the cache)
+    spec: ConstraintSpec                # what it was compiled from
 
     def constraint(self) -> "GrammarConstraint":
         """A fresh matcher for one request: a copy of the start state (~5 µs; building a
         matcher from the grammar text again costs ~2 ms)."""
-        return GrammarConstraint(self.initial.deep_copy())
+        return GrammarConstraint(self.initial.deep_copy(), self.spec)
 
 
 class GrammarConstraint:
     """One request's matcher (a `TokenConstraint`); advanced on the engine thread."""
-    __slots__ = ("matcher", "mask_ns")
+    __slots__ = ("matcher", "mask_ns", "spec")
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, spec: ConstraintSpec):
         self.matcher = matcher
         self.mask_ns = 0                # mask filling charged to this request
+        self.spec = spec                # its grammar's spec: an engine in another process compiles it again
 
     def accept(self, token_id: int) -> bool:
         """Hot path: once per generated token of a constrained request."""
@@ -125,7 +127,7 @@ class GrammarCompiler:
         for warning in matcher.get_grammar_warnings():
             log.warning("the %s grammar compiles with a warning: %s", spec.kind.replace("_", " "), warning)
         matcher.compute_bitmask()                                   # the first mask's lazy parts, built once here
-        compiled = CompiledGrammar(grammar, matcher, time.perf_counter_ns() - t0)
+        compiled = CompiledGrammar(grammar, matcher, time.perf_counter_ns() - t0, spec)
         with self._lock:
             self._cache[spec] = compiled
             if len(self._cache) > CACHE_SIZE:

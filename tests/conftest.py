@@ -15,6 +15,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import pytest
 
 FAKE_GPU = os.environ.get("TOKENWIRE_FAKE_GPU") == "1"
+# TOKENWIRE_TEST_ENGINE_PROCESS=1: every tokenwire.Server a test builds from options runs its
+# engine in a process of its own (tokenwire/engine_process.py), so any server suite can be run
+# against that mode: `TOKENWIRE_TEST_ENGINE_PROCESS=1 pytest tests/test_net_server.py`
+ENGINE_PROCESS = os.environ.get("TOKENWIRE_TEST_ENGINE_PROCESS") == "1"
 REPO = Path(__file__).resolve().parents[1]
 SHARED_MODELS = REPO.parent / "shared" / "models"
 STORIES260K = SHARED_MODELS / "stories260K"
@@ -53,6 +57,20 @@ def gpu_driver_and_image(device: int = 0):
     from tokenwire.kernels.cuda.build import kernel_image
     from tokenwire.kernels.cuda.driver import CudaDriver
     return CudaDriver(device), kernel_image
+
+
+@pytest.fixture(autouse=ENGINE_PROCESS)
+def _servers_with_an_engine_process(monkeypatch):
+    """Active under TOKENWIRE_TEST_ENGINE_PROCESS=1 (above)."""
+    import tokenwire.server
+    build = tokenwire.server.Server.__init__
+
+    def with_engine_process(self, *args, **kwargs):
+        if kwargs.get("engine") is None:
+            kwargs.setdefault("engine_process", True)
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(tokenwire.server.Server, "__init__", with_engine_process)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -51,9 +51,8 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
     """Build the engine `options` describe. `model`: an already loaded engine directory
     (kernels/engine_format.Engine) to use instead of resolving `options.model`."""
     row = backend(options.backend)
-    template = read_chat_template(options.chat_template) if options.chat_template else None
     if model is None:
-        model = row.builtin_model(options) if row.builtin_model is not None else load_model(options.model)
+        model = load_backend_model(options, row)
     if row.samples_constrained and GRAMMARS_MISSING:
         log.warning("no constrained decoding on this server (a constrained request is a 400): %s", GRAMMARS_MISSING)
     max_model_len = context_length(options.max_model_len, model.config.max_position_embeddings)
@@ -65,15 +64,27 @@ def build_engine(options: EngineOptions = DEFAULTS, *, model=None) -> BuiltEngin
                       enable_prefix_caching=options.enable_prefix_caching, response_cache_size=options.response_cache_size,
                       inline_step_ns=int(options.inline_step_us * 1000), overlap=options.overlap, speculator=speculator,
                       model_identity=f"{options.backend}:{model.name}:{getattr(model, 'path', '')}")
-    card = ModelCard(name=options.served_model_name or model.name, description=model.description,
+    methods = tuple(speculator.proposers) if speculator is not None else ()
+    return BuiltEngine(core, build_card(options, row, model, max_model_len, methods))
+
+
+def load_backend_model(options: EngineOptions, row):
+    """The model `options` name, as backend `row` serves it: its own (the mock's) or an engine directory."""
+    return row.builtin_model(options) if row.builtin_model is not None else load_model(options.model)
+
+
+def build_card(options: EngineOptions, row, model, max_model_len: int, speculative_methods: tuple) -> ModelCard:
+    """What the front end serves `model` under (`build_engine`; an engine process's front end,
+    tokenwire/engine_process.py, builds it beside the process's engine)."""
+    template = read_chat_template(options.chat_template) if options.chat_template else None
+    return ModelCard(name=options.served_model_name or model.name, description=model.description,
                      backend=options.backend, tokenizer=model.tokenizer, encode_prompt=model.encode_prompt,
                      bos_token_id=model.bos_token_id, add_bos=model.add_bos,
                      chat_template=template or model.chat_template, special_tokens=model.special_tokens,
                      max_model_len=max_model_len, supports_logprobs=row.samples_logprobs,
                      grammars=GrammarCompiler(model.tokenizer, model.config.vocab_size, model.eos_token_ids)
                      if row.samples_constrained and not GRAMMARS_MISSING else None,
-                     speculative_methods=tuple(speculator.proposers) if speculator is not None else ())
-    return BuiltEngine(core, card)
+                     speculative_methods=speculative_methods)
 
 
 def build_speculator(options: EngineOptions, row, model, max_model_len: int,
@@ -143,8 +154,7 @@ def warm_up(engine: BuiltEngine) -> WarmUp:
     sampled = replace(WARM_UP_SAMPLED, logprobs=1) if card.supports_logprobs else WARM_UP_SAMPLED
     params, constraints = [WARM_UP_GREEDY, sampled], [None, None]
     if card.grammars is not None:           # one batch: the constrained rows beside the plain ones
-        compiled = card.grammars.compile(WARM_UP_SPEC)
-        card.grammars.forget(WARM_UP_SPEC)
+        compiled = warm_up_grammars(card.grammars)
         params, constraints = params * 2, constraints + [compiled.constraint(), compiled.constraint()]
     finals = core.warm_up(prompt, params, constraints)
     errors = [out.error for out in finals if out.finish_reason == FINISH_ERROR]
@@ -154,6 +164,14 @@ def warm_up(engine: BuiltEngine) -> WarmUp:
     log.info("warm-up: %d requests (prefill, decode; greedy and sampled%s) in %.0f ms", result.num_requests,
              ", with and without a grammar" if card.grammars is not None else "", result.seconds * 1000)
     return result
+
+
+def warm_up_grammars(grammars: GrammarCompiler):
+    """Compile the warm-up's grammar (the grammar engine's tokenizer is built by the first
+    compile) and leave the cache as it was. -> the compiled grammar"""
+    compiled = grammars.compile(WARM_UP_SPEC)
+    grammars.forget(WARM_UP_SPEC)
+    return compiled
 
 
 def load_model(spec: Optional[str]):

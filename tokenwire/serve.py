@@ -164,6 +164,10 @@ def add_arguments(parser) -> None:
                         help="process each engine step's outputs before launching the next, instead of while "
                              "it runs (overlap is on where the backend's step releases the GIL: cuda, mock; "
                              "the cpu backend's step never overlaps)")
+    parser.add_argument("--engine-process", action="store_true", default=DEFAULTS.engine_process,
+                        help="run the engine (scheduler, executor, detokenizer) in a process of its own, so the "
+                             "event loop and the engine each have a GIL: more tokens per second where the "
+                             "host's work outgrows one core (many streams, a short step); a socket hop per step")
     parser.add_argument("--tls-cert", default=None, metavar="PEM", help="TLS certificate chain (enables HTTPS, ALPN h2)")
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="TLS private key")
     parser.add_argument("--http2-only", action="store_true", default=d.http2_only,
@@ -270,7 +274,7 @@ def run(args) -> int:
                         access_log=args.access_log,
                         enable_prefix_caching=args.enable_prefix_caching,
                         response_cache_size=args.response_cache_size, inline_step_us=args.inline_step_us,
-                        overlap=args.overlap,
+                        overlap=args.overlap, engine_process=args.engine_process,
                         activations=args.activations, warm_up=args.warm_up, speculative=args.speculative,
                         num_speculative_tokens=args.num_speculative_tokens,
                         speculative_model=args.speculative_model,

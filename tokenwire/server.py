@@ -17,6 +17,7 @@ from functools import partial
 
 from .core.options import DEFAULTS, FIELDS, EngineOptions
 from .net.server import Server as NetServer
+from .engine_process import build_engine_process
 from .runtime import build_warm_engine
 
 
@@ -30,4 +31,5 @@ class Server(NetServer):
             super().__init__(engine=engine, model_info=model_info, **kwargs)
             return
         self.options = replace(options, **engine_fields, **({"model": model} if model is not None else {}))
-        super().__init__(partial(build_warm_engine, self.options), **kwargs)
+        load = build_engine_process if self.options.engine_process else build_warm_engine
+        super().__init__(partial(load, self.options), **kwargs)

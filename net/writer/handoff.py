@@ -1,5 +1,9 @@
 """The engine -> loop hand-off: one step at a time, two doorbells; or steps run on the loop.
 
+An engine in another process (tokenwire/engine_process.py) has no thread here: its driver
+has a `steps_fd`, the loop watches it and `driver.pull()` hands each step that arrived to
+the writer; `write_pending()` pulls too.
+
 The engine thread calls `on_step_threadsafe(step)` once per step (StepHost.deliver): it
 queues the step, rings a doorbell the loop watches (an eventfd; core/doorbell.py) and waits
 on a second one until the loop has written the step, so the engine runs at most one step
@@ -51,10 +55,17 @@ class StepHandoff:
         self._engine_waits = False          # a step was taken from _steps and the engine waits for its ring
         # engine thread: it hands a step over and waits for the last one's write (overlapped steps),
         # and a step it handed over has not been waited for
-        self._write_behind = driver is not None and driver.overlap
+        self._write_behind = driver is not None and getattr(driver, "overlap", False)
         self._owed = False
         self._inline_scheduled = False      # an `_step_inline` callback is queued on the loop
         self.detached = False
+        # an engine in another process (tokenwire/engine_process.py): the loop reads its steps
+        # from the driver's socket and writes each as it is read, no thread in between
+        self._pulled_fd = getattr(driver, "steps_fd", None)
+        if self._pulled_fd is not None:
+            loop.add_reader(self._pulled_fd, self._on_pulled)
+            driver.attach(StepHost(write_step, step_times_ns=step_times_ns, columns=True))
+            return
         loop.add_reader(self._step_ready.fileno(), self._on_ready)
         if driver is not None:
             driver.attach(StepHost(self.on_step_threadsafe, self.take_steps_threadsafe, self.steps_wanted,
@@ -86,9 +97,18 @@ class StepHandoff:
         finally:
             self.release_engine()
 
+    def _on_pulled(self) -> None:
+        """Loop side, an engine process: its steps arrived (hot path: once per read)."""
+        if not self.driver.pull():          # the process has gone: its socket stays readable at EOF
+            self.loop.remove_reader(self._pulled_fd)
+            self._pulled_fd = None
+
     def write_pending(self) -> None:
         """Write the step the engine has handed over, if any. Call `release_engine` after
         this, also when it raised."""
+        if self._pulled_fd is not None:
+            self._on_pulled()
+            return
         steps = self._steps
         while steps:
             self._engine_waits = True
@@ -152,6 +172,9 @@ class StepHandoff:
         if self.detached:
             return
         self.detached = True
+        if self._pulled_fd is not None:
+            self.loop.remove_reader(self._pulled_fd)
+            self._pulled_fd = None
         self.loop.remove_reader(self._step_ready.fileno())
         self._step_taken.ring()
 
