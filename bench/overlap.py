@@ -78,7 +78,7 @@ async def measure(args, steps_us: list, levels: list) -> list:
     """-> one row per (S, mode, round, concurrency): the load generator's row, tagged
     (`overlap`: the mode, a key of MODES)."""
     rows = []
-    modes = MODES if args.engine_process else MODES[:2]
+    modes = list(MODES) if args.engine_process else list(MODES)[:2]
     for step_us in steps_us:
         for round_index in range(args.rounds):
             for mode in (modes if round_index % 2 == 0 else modes[::-1]):

@@ -34,3 +34,10 @@ def wait_for(predicate, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.001)
     return False
+
+
+def engine_idle(server) -> bool:
+    """A running server's engine holds no request and no KV block (its stats; an engine
+    process's as of its last step that ended requests)."""
+    stats = server.engine.stats()
+    return stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0

@@ -127,6 +127,23 @@ def test_binary_streams_plain_and_constrained_from_a_scrubbed_environment_and_dr
         kill(proc)
 
 
+def test_binary_serves_with_its_engine_in_a_process_of_its_own(binary, tmp_path):
+    """`--engine-process`: the binary starts itself again as the engine (`engine-process`;
+    a frozen binary has no `python -m`), and stops both on SIGTERM."""
+    proc, port, log = start(binary, tmp_path, "--backend", "mock", "--engine-process")
+    try:
+        _, events = curl_stream(port, "--http2-prior-knowledge", {"max_tokens": 8, "ignore_eos": True})
+        assert len(events) == 10 and events[-1] == "data: [DONE]", events
+        engines = subprocess.run(["pgrep", "-f", f"{binary} engine-process"], capture_output=True, text=True)
+        assert engines.stdout.split(), "no engine process"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        time.sleep(0.5)
+        assert not subprocess.run(["pgrep", "-f", f"{binary} engine-process"], capture_output=True).stdout
+    finally:
+        kill(proc)
+
+
 def test_binary_builds_an_engine_and_runs_benchmarks(binary, tmp_path, stories260k_dir):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

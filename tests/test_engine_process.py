@@ -25,6 +25,7 @@ from tokenwire.engine_process import ACK, MAX_STEPS_AHEAD, Channel, EngineProces
 from tokenwire.kernels.mock import MockModel
 
 from clients.rawh2 import RawH2
+from engines import engine_idle, wait_for
 
 PROMPT = {"model": "mock", "prompt": "Once upon a time", "max_tokens": 24}
 
@@ -101,7 +102,7 @@ def test_a_reset_stream_is_cancelled_in_the_engine_process_and_its_blocks_freed(
         c.reset(sid)
     finally:
         c.close()
-    _wait_idle(split)
+    assert wait_for(lambda: engine_idle(split)), split.engine.stats()
     assert split.engine.stats().num_cancellations >= 1
 
 
@@ -112,17 +113,7 @@ def test_a_deadline_ends_the_stream_and_frees_the_engine_process(pair):
                    headers={"x-request-timeout-ms": "150"}, timeout=30)
     chunks = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: {")]
     assert chunks[-1]["choices"][0]["finish_reason"] == "deadline" and time.monotonic() - start < 5
-    _wait_idle(split)
-
-
-def _wait_idle(server) -> None:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stats = server.engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the engine process did not go idle: {stats}")
+    assert wait_for(lambda: engine_idle(split)), split.engine.stats()
 
 
 def test_metrics_come_from_the_engine_process(pair):
@@ -173,7 +164,7 @@ def test_an_engine_that_fails_to_build_fails_the_servers_start_with_its_reason(t
 
 
 def _engine_processes() -> set:
-    found = subprocess.run(["pgrep", "-f", "tokenwire.engine_process"], capture_output=True, text=True).stdout
+    found = subprocess.run(["pgrep", "-f", "tokenwire engine-process"], capture_output=True, text=True).stdout
     return set(found.split())
 
 

@@ -16,6 +16,7 @@ from tokenwire.kernels.mock import build_mock_tokenizer
 from tokenwire.net.api.prompt_limits import LARGE_PROMPT_CHARS, Tokenizing, max_token_bytes, min_prompt_tokens
 
 from clients.rawh2 import RawH2
+from engines import engine_idle, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -143,11 +144,5 @@ def test_a_large_prompt_reset_while_tokenizing_is_never_submitted(server):
         c.read_until(lambda: health in c.ended)
     finally:
         c.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        stats = server.engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0:
-            break
-        time.sleep(0.01)
-    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_kv_blocks_used == 0
+    assert wait_for(lambda: engine_idle(server)), server.engine.stats()
     assert not any(p.outbox.streams for p in list(server.app.connections))

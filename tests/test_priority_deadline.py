@@ -16,6 +16,8 @@ import tokenwire
 from tokenwire.net.api.priority import urgency
 from tokenwire.net.protocol.http2 import PRIORITY_UPDATE
 
+from engines import engine_idle, wait_for
+
 STEP_US = 2000
 
 
@@ -153,15 +155,8 @@ def slow():
     s.stop()
 
 
-def kv_used(server):
-    return server.engine.stats().num_kv_blocks_used
-
-
 def wait_idle(server):
-    deadline = time.monotonic() + 5
-    while kv_used(server) or server.engine.stats().num_running:
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+    assert wait_for(lambda: engine_idle(server), timeout=5), server.engine.stats()
 
 
 def test_deadline_ends_a_stream_with_finish_reason_deadline(slow):

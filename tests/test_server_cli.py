@@ -24,9 +24,9 @@ SERVE = [sys.executable, "-m", "tokenwire", "serve"]
 class Served:
     """`tokenwire serve ...` in a subprocess; `port` is read from its startup log line."""
 
-    def __init__(self, *args, env=None, ready="serving ", timeout=120):
+    def __init__(self, *args, env=None, ready="serving ", timeout=120, new_session=False):
         self.proc = subprocess.Popen(SERVE + ["--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env={**os.environ, **(env or {})})
+                                     text=True, env={**os.environ, **(env or {})}, start_new_session=new_session)
         self.log = []
         self.port = None
         deadline = time.monotonic() + timeout
@@ -93,6 +93,25 @@ def test_sigterm_drains_inflight_streams_refuses_new_ones_and_exits_0():
         h1_client.close()
         assert len(h1_lines) == 41 and json.loads(h1_lines[-1])["finish_reason"] == "length"
         assert served.wait() == 0
+    finally:
+        served.kill()
+
+
+def test_sigterm_to_the_group_drains_an_engine_process_server_too():
+    """A service manager signals every process of the group: the engine process ignores it,
+    the front end drains its stream, then stops the engine process and exits 0."""
+    served = Served("--backend", "mock", "--mock-step-us", "10000", "--engine-process", new_session=True)
+    try:
+        c = RawH2("127.0.0.1", served.port)
+        sid = c.post("/v1/completions", {"prompt": "hi", "max_tokens": 40, "stream": True})
+        c.read_until(lambda: c.data.get(sid, b"").count(b"data:") >= 3)
+        os.killpg(served.proc.pid, signal.SIGTERM)
+        c.read_until(lambda: sid in c.ended)
+        events = [e for e in c.data[sid].decode().split("\n\n") if e.startswith("data: ")]
+        assert len(events) == 42 and events[-1] == "data: [DONE]"                  # 40 tokens, finish, DONE
+        c.close()
+        assert served.wait() == 0
+        assert subprocess.run(["pgrep", "-g", str(served.proc.pid)], capture_output=True).stdout == b""
     finally:
         served.kill()
 

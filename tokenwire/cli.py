@@ -18,6 +18,7 @@ COMMANDS = {
     "serve": ("tokenwire.serve", "serve a model over HTTP/2 (and HTTP/1.1)"),
     "build": ("tokenwire.engine_build.cli", "build an INT4 engine directory from a checkpoint"),
     "export-onnx": ("tokenwire.engine_build.onnx_cli", "export an engine's decode and prefill steps as ONNX (TensorRT)"),
+    "engine-process": ("tokenwire.engine_process", "the engine of `serve --engine-process` (the server starts it)"),
 }
 # `tokenwire bench NAME`
 BENCHES = {

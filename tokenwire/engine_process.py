@@ -8,10 +8,11 @@ measurements: at 256 streams of the mock's 1 ms step, 86% of one core and 0.6 of
 throughput on a 2-core machine, a core idle). Split, each half runs on its own core, as
 vLLM's V1 engine core process does.
 
-    front end (this process)                      engine process (python -m tokenwire.engine_process)
+    front end (this process)                      engine process (tokenwire engine-process)
     net/ App ── EngineProcess ──── socketpair ───── EngineSide: EngineCore + its step driver
-               add / cancel / priority / stats ──>  (the engine thread steps, as in one process)
-               <── steps (StepTokens' columns and rows), each request's Timeline when it ends
+               submissions / cancel / priority / ACK ──>   (its engine thread steps, as in one process)
+               <── STEP: StepTokens' columns and rows, each ended request's Timeline stamps,
+                   the engine's stats now and then
 
 Rules:
 1. `EngineProcess` is the EngineCore surface net/ uses (add_request, add_choices, cancel,
@@ -19,16 +20,20 @@ Rules:
    so net/ does not know which it serves. Submissions are checked here first, with the same
    checks (core/engine_core.check_prompt, the queue bound on requests not yet started, ids in
    use), and raise the same errors on the loop; submissions with `wake=False` travel together
-   at the next `wake()`.
+   at the next `wake()`. `stats()` is the snapshot the last STEP carried (one is sent with
+   every step that ended requests, else every STATS_EVERY_NS), no round trip.
 2. Every message is one pickled tuple behind a 4-byte length (`Channel`). The engine process
-   sends each step once it is made, at most `MAX_STEPS_AHEAD` before the front end's reader
-   has handed them on (an `ACK` each): a slow loop makes batches bigger, as in one process.
+   sends each step once it is made, at most `MAX_STEPS_AHEAD` before the front end has
+   written them (ACKs return the credit): a slow loop makes batches bigger, as in one
+   process. The loop reads the steps itself, no thread between the socket and the writer
+   (net/writer/handoff.py, pull mode), and writes each as it is read.
 3. A request's Timeline is stamped by the engine process's scheduler; the front end's copy
    gets those stamps with the request's last output (`TIMELINE_FIELDS`), before net/ reads them.
 4. A grammar crosses as its `ConstraintSpec`: the engine process compiles it again (its own
    cache); the front end compiled it first, so a bad one is still the front end's 400.
 5. The engine process ends when told (`STOP`: fail what is left, as `EngineCore.shutdown`) or
-   when the front end goes away (end of file). If it dies, the front end fails every request
+   when the front end goes away (end of file); it ignores SIGINT and SIGTERM, which a
+   terminal or a service manager sends the whole group, so the front end drains first. If it dies, the front end fails every request
    in flight with finish reason "error" and `is_alive()` turns False (the server answers 503).
 """
 
@@ -221,26 +226,31 @@ class EngineProcess:
     @classmethod
     def spawn(cls, options: EngineOptions, tokenizer, eos_token_ids, max_model_len: int,
               vocab_size: int) -> "EngineProcess":
-        """Start `python -m tokenwire.engine_process` on one end of a socketpair and wait until
+        """Start `tokenwire engine-process` on one end of a socketpair and wait until
         its engine is built and warmed up. Raises RuntimeError with the child's reason if it fails."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for sock in (ours, theirs):     # room for MAX_STEPS_AHEAD large steps (logprobs) and a burst of prompts
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
-        process = subprocess.Popen([sys.executable, "-m", "tokenwire.engine_process", str(theirs.fileno())],
-                                   pass_fds=(theirs.fileno(),))
+        # the command line's `engine-process`: also where a PyInstaller binary is its own Python
+        command = [sys.executable] + ([] if getattr(sys, "frozen", False) else ["-m", "tokenwire"])
+        process = subprocess.Popen(command + ["engine-process", str(theirs.fileno())], pass_fds=(theirs.fileno(),))
         theirs.close()
         channel = Channel(ours)
+        ours.settimeout(START_TIMEOUT_S)
         try:
             channel.send((options, logging.getLogger("tokenwire").getEffectiveLevel()))
             ready = channel.recv()
         except OSError:
             ready = None
+        ours.settimeout(None)
         if ready is None or ready[0] != READY:
             process.kill()
             process.wait()
             channel.close()
-            reason = ready[1] if ready is not None else f"it exited with status {process.returncode}"
+            reason = (ready[1] if ready is not None and ready[0] == FAILED
+                      else f"no answer within {START_TIMEOUT_S:.0f} s" if process.returncode == -signal.SIGKILL
+                      else f"it exited with status {process.returncode}")
             raise RuntimeError(f"the engine process failed to start: {reason}")
         return cls(channel, process, tokenizer, eos_token_ids, max_model_len, vocab_size,
                    options.max_queued_requests, ready)
@@ -495,12 +505,18 @@ class EngineSide:
             self.closed = True
 
 
-def main(argv=None) -> int:
-    """`python -m tokenwire.engine_process FD`: build the engine the front end's options name,
-    say READY (or FAILED with the reason), serve until told to stop."""
-    argv = sys.argv[1:] if argv is None else argv
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # a terminal's ^C reaches the group: the front end decides
-    channel = Channel(socket.socket(fileno=int(argv[0])))
+def add_arguments(parser) -> None:
+    parser.add_argument("fd", type=int, help="this end of the socketpair the front end made")
+
+
+def run(args) -> int:
+    """`tokenwire engine-process FD`: build the engine the front end's options name, say
+    READY (or FAILED with the reason), serve until told to stop."""
+    # a terminal's ^C, or a service manager's SIGTERM, reaches every process of the group: the
+    # front end drains its streams first and then stops this one (STOP, or its end of file)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    channel = Channel(socket.socket(fileno=args.fd))
     received = channel.recv()
     if received is None:
         return 1
@@ -519,6 +535,3 @@ def main(argv=None) -> int:
     side.serve()
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
