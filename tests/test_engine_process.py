@@ -21,6 +21,7 @@ from tokenwire.bench.proc import read_cpu
 from tokenwire.core.options import EngineOptions
 from tokenwire.core.outputs import Timeline
 from tokenwire.core.sampling_params import SamplingParams
+from tokenwire.core.step_driver import StepHost
 from tokenwire.engine_process import ACK, MAX_STEPS_AHEAD, Channel, EngineProcess
 from tokenwire.kernels.mock import MockModel
 
@@ -163,6 +164,15 @@ def test_an_engine_that_fails_to_build_fails_the_servers_start_with_its_reason(t
     assert _engine_processes() == before
 
 
+def test_a_bad_chat_template_fails_before_an_engine_process_starts(tmp_path):
+    before = _engine_processes()
+    server = tokenwire.Server(backend="mock", port=0, engine_process=True, chat_template=str(tmp_path / "none.jinja"))
+    with pytest.raises(RuntimeError, match="cannot read the chat template"):
+        server.start()
+    server.stop()
+    assert _engine_processes() == before
+
+
 def _engine_processes() -> set:
     found = subprocess.run(["pgrep", "-f", "tokenwire engine-process"], capture_output=True, text=True).stdout
     return set(found.split())
@@ -189,6 +199,30 @@ def test_steps_wait_for_the_front_end_beyond_max_steps_ahead():
     finally:
         engine.shutdown(10)
     assert engine.process.poll() == 0
+
+
+def test_a_step_whose_write_raises_is_logged_and_the_steps_go_on(caplog):
+    """As the step driver's deliver: one failed write neither stops the reading nor keeps the
+    engine process's credit."""
+    engine = EngineProcess.spawn(EngineOptions(backend="mock", warm_up=False), *_mock_model_parts())
+    written = []
+
+    def write(step):
+        if not written:
+            written.append(None)
+            raise RuntimeError("a broken writer")
+        written.append(step)
+
+    try:
+        engine.driver.attach(StepHost(write, columns=True))
+        engine.start()
+        engine.add_request(1, [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True),
+                           Timeline(arrived_ns=time.monotonic_ns(), tokenized_ns=time.monotonic_ns()))
+        assert wait_for(lambda: engine.driver.pull() and any(
+            out.finish_reason for s in written[1:] for out in s.rows), timeout=20)
+        assert "a broken writer" in caplog.text
+    finally:
+        engine.shutdown(10)
 
 
 def _take(engine: EngineProcess) -> list:

@@ -161,12 +161,12 @@ def build_engine_process(options: EngineOptions) -> BuiltEngine:
     max_model_len = context_length(options.max_model_len, model.config.max_position_embeddings)
     child_options = replace(options, engine_process=False,
                             model=str(model.path) if row.builtin_model is None else options.model)
-    engine = EngineProcess.spawn(child_options, model.tokenizer, model.eos_token_ids, max_model_len,
-                                 model.config.vocab_size)
-    card = build_card(options, row, model, max_model_len, engine.speculative_methods)
+    card = build_card(options, row, model, max_model_len, ())     # what fails here fails before a process starts
     if options.warm_up and card.grammars is not None:
         warm_up_grammars(card.grammars)             # this side's grammar engine compiles first (rule 4)
-    return BuiltEngine(engine, card)
+    engine = EngineProcess.spawn(child_options, model.tokenizer, model.eos_token_ids, max_model_len,
+                                 model.config.vocab_size)
+    return BuiltEngine(engine, card._replace(speculative_methods=engine.speculative_methods))
 
 
 class _StepReader:
@@ -195,8 +195,11 @@ class _StepReader:
         for message in messages:
             step = engine.take(message)
             if step is not None:
-                self.host.deliver(step)
                 num_steps += 1
+                try:
+                    self.host.deliver(step)
+                except Exception:       # as the step driver's deliver: the next steps and their credit go on
+                    log.exception("writing an engine process's step raised; the engine goes on")
         if num_steps:
             engine.send((ACK, num_steps))
         return True
