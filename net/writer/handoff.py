@@ -55,13 +55,13 @@ class StepHandoff:
         self._engine_waits = False          # a step was taken from _steps and the engine waits for its ring
         # engine thread: it hands a step over and waits for the last one's write (overlapped steps),
         # and a step it handed over has not been waited for
-        self._write_behind = driver is not None and getattr(driver, "overlap", False)
-        self._owed = False
-        self._inline_scheduled = False      # an `_step_inline` callback is queued on the loop
-        self.detached = False
         # an engine in another process (tokenwire/engine_process.py): the loop reads its steps
         # from the driver's socket and writes each as it is read, no thread in between
         self._pulled_fd = getattr(driver, "steps_fd", None)
+        self._write_behind = driver is not None and self._pulled_fd is None and driver.overlap
+        self._owed = False
+        self._inline_scheduled = False      # an `_step_inline` callback is queued on the loop
+        self.detached = False
         if self._pulled_fd is not None:
             loop.add_reader(self._pulled_fd, self._on_pulled)
             driver.attach(StepHost(write_step, step_times_ns=step_times_ns, columns=True))
