@@ -47,9 +47,10 @@ class EngineOptions:
     overlap: bool = True
     # run the engine (scheduler, executor, detokenizer) in a child process of its own, so the event
     # loop and the engine each have a GIL (tokenwire/engine_process.py): for busy servers whose host
-    # work per token outgrows one core (1 ms mock steps at 256 streams: 0.79 of ideal against 0.64);
-    # costs a socket hop per step and per submission (~35% more CPU per token over both processes,
-    # 0.94 against 0.97 at 64 streams) and a second copy of the tokenizer (README, --engine-process)
+    # work per token outgrows one core (1 ms mock steps at 256 streams: 0.61-0.79 of ideal against
+    # 0.56-0.67); costs a socket hop per step and per submission (~35% more CPU per token over both
+    # processes; at 64 streams 0.82-0.94 against 0.96-0.97) and a second copy of the tokenizer
+    # (README, --engine-process)
     engine_process: bool = False
     # cpu backend: the INT4 products' activations, "int8" (quantized per group of 64, as llama.cpp's
     # 4-bit products: perplexity +0.01-0.02%, `tokenwire bench numerics`) or "fp32" (exact: matches the
