@@ -187,13 +187,14 @@ def test_steps_wait_for_the_front_end_beyond_max_steps_ahead():
         engine.start()
         timeline = Timeline(arrived_ns=time.monotonic_ns(), tokenized_ns=time.monotonic_ns())
         engine.add_request(1, [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), timeline)
-        time.sleep(0.5)                 # the engine ran ahead as far as it may
-        steps = _take(engine)
+        steps = []                      # none acknowledged: the engine runs ahead as far as it may
+        assert wait_for(lambda: steps.extend(_take(engine, ack=False)) or len(steps) >= MAX_STEPS_AHEAD, timeout=20)
+        time.sleep(0.2)                 # a step past the credit would have come by now (it comes never)
+        steps += _take(engine, ack=False)
         assert len(steps) == MAX_STEPS_AHEAD
         engine.send((ACK, len(steps)))
-        while not any(out.finish_reason for s in steps for out in s.rows):
-            time.sleep(0.01)
-            steps += _take(engine)
+        assert wait_for(lambda: steps.extend(_take(engine)) or any(out.finish_reason for s in steps for out in s.rows),
+                        timeout=20)
         assert sum(len(s.request_ids) + sum(len(out.token_ids) for out in s.rows) for s in steps) == 50
         assert timeline.first_scheduled_ns >= timeline.queued_ns > 0 and len(timeline.step_done_ns) == 50
     finally:
@@ -225,11 +226,12 @@ def test_a_step_whose_write_raises_is_logged_and_the_steps_go_on(caplog):
         engine.shutdown(10)
 
 
-def _take(engine: EngineProcess) -> list:
-    steps = [engine.take(m) for m in engine.channel.recv_ready() or []]
-    if steps:
+def _take(engine: EngineProcess, ack: bool = True) -> list:
+    """The steps that have arrived (acknowledged, as the loop's reader does, unless `ack` is False)."""
+    steps = [s for s in map(engine.take, engine.channel.recv_ready() or []) if s is not None]
+    if steps and ack:
         engine.send((ACK, len(steps)))
-    return [s for s in steps if s is not None]
+    return steps
 
 
 def _mock_model_parts() -> tuple:

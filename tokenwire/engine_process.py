@@ -428,8 +428,8 @@ class EngineSide:
                 timeline = timelines.pop(out.request_id, None)
                 if timeline is not None:
                     ended[out.request_id] = tuple(getattr(timeline, name) for name in TIMELINE_FIELDS)
-        times = self.step_times_ns
-        step_times_ns = [times.popleft() for _ in range(len(times))]
+        step_times_ns = list(self.step_times_ns)    # appended on this thread only (the driver's step count)
+        self.step_times_ns.clear()
         stats = None
         now_ns = time.monotonic_ns()
         if ended or now_ns - self.stats_sent_ns >= STATS_EVERY_NS:
