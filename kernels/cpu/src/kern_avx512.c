@@ -171,11 +171,15 @@ INLINE void tiles_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t
     for (int t = t0; t < t1; t++) {
         int m = 0;
         for (; m + 16 <= a->m; m += 16) tile_q8(w, a, y, ldy, t, m, 16, GS);
-        if (a->m - m >= 8) {
-            tile_q8(w, a, y, ldy, t, m, 8, GS);
-            m += 8;
-        }
-        switch (a->m - m) {
+        switch (a->m - m) {     /* the rest in one pass: each chunk is unpacked once for all of them */
+        case 15: tile_q8(w, a, y, ldy, t, m, 15, GS); break;
+        case 14: tile_q8(w, a, y, ldy, t, m, 14, GS); break;
+        case 13: tile_q8(w, a, y, ldy, t, m, 13, GS); break;
+        case 12: tile_q8(w, a, y, ldy, t, m, 12, GS); break;
+        case 11: tile_q8(w, a, y, ldy, t, m, 11, GS); break;
+        case 10: tile_q8(w, a, y, ldy, t, m, 10, GS); break;
+        case 9: tile_q8(w, a, y, ldy, t, m, 9, GS); break;
+        case 8: tile_q8(w, a, y, ldy, t, m, 8, GS); break;
         case 7: tile_q8(w, a, y, ldy, t, m, 7, GS); break;
         case 6: tile_q8(w, a, y, ldy, t, m, 6, GS); break;
         case 5: tile_q8(w, a, y, ldy, t, m, 5, GS); break;
