@@ -122,6 +122,23 @@ def test_int8_activations_stay_within_their_documented_bound(isa, m, n, k, g):
     assert np.max(err) > np.max(np.abs(cpu.Int4Linear(*parts, k)(x) - exact))
 
 
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_a_rows_int8_product_does_not_depend_on_the_rows_beside_it(isa, g):
+    """A row alone (the decode kernel) and the same row among 2-33 rows (the batch kernel's
+    passes of 16 and the rest) give the same bits, so a greedy request's tokens do not depend
+    on what shares its step: other streams, speculation's verify rows (test_speculative's
+    16-request comparison failed on AVX-512 while the decode kernel rounded differently). The
+    served activations only: the exact path's decode kernels sum in another order."""
+    rng = np.random.default_rng(g)
+    k = 4 * g
+    parts = random_int4(rng, 40, k, g)
+    x = rng.standard_normal((33, k)).astype(np.float32)
+    w = cpu.Int4Linear(*parts, k)
+    alone = np.concatenate([w(x[i:i + 1], activations="int8") for i in range(33)])
+    for m in (2, 5, 8, 9, 12, 16, 17, 33):
+        np.testing.assert_array_equal(w(x[:m], activations="int8"), alone[:m], err_msg=f"{m} rows")
+
+
 def test_every_isa_computes_the_same_product():
     rng = np.random.default_rng(5)
     parts = random_int4(rng, 70, 300, 64)

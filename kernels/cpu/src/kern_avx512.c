@@ -110,12 +110,15 @@ INLINE void tile_q8(const tw_int4 *w, const tw_act *a, float *y, int ldy, int t,
 }
 
 /* One activation row (decode): as tile_x24_one, two groups at a time with the low and high
- * nibbles in their own accumulators (the high ones as byte & 0xf0, 16x, shifted back per group). */
+ * nibbles in their own accumulators (the high ones as byte & 0xf0, 16x, shifted back per group).
+ * The integer sum is tile_q8's exactly, and its float steps are tile_q8's, rounding for
+ * rounding: a row's product does not depend on how many rows share its step (greedy output
+ * with and without speculation, or beside other requests, is the same). */
 INLINE __m512 q8_rescale(__m512 F, __m512i L, __m512i H, const uint8_t *block, const tw_act *a, int g) {
-    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(L, _mm512_srai_epi32(H, 4)));
+    const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(L, _mm512_srai_epi32(H, 4))),
+                                     _mm512_set1_ps(a->xd[g]));
     const __m512 s = load_half16(block), z = load_half16(block + 32);
-    const __m512 v = _mm512_fmsub_ps(dot, _mm512_set1_ps(a->xd[g]), _mm512_mul_ps(z, _mm512_set1_ps(a->xqsum[g])));
-    return _mm512_fmadd_ps(s, v, F);
+    return _mm512_fmadd_ps(s, _mm512_fnmadd_ps(z, _mm512_set1_ps(a->xqsum[g]), dot), F);
 }
 
 INLINE void tile_q8_one(const tw_int4 *w, const tw_act *a, float *y, int t, const int GS) {
