@@ -229,9 +229,10 @@ def test_queue_full(loop_kind):
 
 @contextlib.contextmanager
 def full_queue(loop_kind):
-    """A server whose one sequence slot runs a request (1 s of 20 ms steps) and whose queue of
+    """A server whose one sequence slot runs a request (3 s of 20 ms steps) and whose queue of
     one holds another: the body's requests find the queue full. -> an HTTP/2 client; on exit
-    both requests must have been served and the server must still serve."""
+    both requests must have been served and the server must still serve. (At 1 s the running
+    request ended before the body's requests twice in one CI run on a VM under heavy steal.)"""
     s = tokenwire.Server(backend="mock", port=0, loop=loop_kind, mock_step_us=20000, max_num_seqs=1,
                          max_queued_requests=1).start()
     try:
@@ -241,7 +242,7 @@ def full_queue(loop_kind):
             def generate(name, n):
                 results[name] = client.post("/generate", json={"prompt": "hi", "max_tokens": n})
 
-            running = threading.Thread(target=generate, args=("running", 50))
+            running = threading.Thread(target=generate, args=("running", 150))
             running.start()
             _wait_for(lambda: _gauge(client, "tokenwire_requests_running") == 1)
             waiting = threading.Thread(target=generate, args=("waiting", 2))
