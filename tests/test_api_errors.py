@@ -229,31 +229,44 @@ def test_queue_full(loop_kind):
 
 @contextlib.contextmanager
 def full_queue(loop_kind):
-    """A server whose one sequence slot runs a request (3 s of 20 ms steps) and whose queue of
-    one holds another: the body's requests find the queue full. -> an HTTP/2 client; on exit
-    both requests must have been served and the server must still serve. (At 1 s the running
-    request ended before the body's requests twice in one CI run on a VM under heavy steal.)"""
+    """A server whose one sequence slot runs a request and whose queue of one holds another: the
+    body's requests find the queue full. -> an HTTP/2 client. The running request (1,000 steps of
+    20 ms) is held on a raw HTTP/1.1 socket for as long as the body runs, whatever the machine's
+    speed; on exit that socket is closed, which cancels it, and the waiting request must then be
+    served (a cancel frees its slot for the queue) and the server must still serve. The waiting
+    request has a client of its own: httpx's HTTP/2 connection, shared by threads, lets a thread
+    blocked on one stream's response hold back every other stream's (a /metrics read waited 20 s
+    behind the queued request's)."""
     s = tokenwire.Server(backend="mock", port=0, loop=loop_kind, mock_step_us=20000, max_num_seqs=1,
                          max_queued_requests=1).start()
+    running = None
     try:
         with httpx.Client(http1=False, http2=True, base_url=s.url, timeout=30) as client:
+            body = json.dumps({"prompt": "hi", "max_tokens": 1000}).encode()
+            running = socket.create_connection(("127.0.0.1", s.port), timeout=30)
+            running.sendall(b"POST /generate HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+                            b"content-length: %d\r\n\r\n" % len(body) + body)
+            _wait_for(lambda: _gauge(client, "tokenwire_requests_running") == 1)
             results = {}
 
-            def generate(name, n):
-                results[name] = client.post("/generate", json={"prompt": "hi", "max_tokens": n})
+            def wait_in_queue():
+                with httpx.Client(http1=False, http2=True, base_url=s.url, timeout=30) as own:
+                    results["waiting"] = own.post("/generate", json={"prompt": "hi", "max_tokens": 2})
 
-            running = threading.Thread(target=generate, args=("running", 150))
-            running.start()
-            _wait_for(lambda: _gauge(client, "tokenwire_requests_running") == 1)
-            waiting = threading.Thread(target=generate, args=("waiting", 2))
+            waiting = threading.Thread(target=wait_in_queue)
             waiting.start()
             _wait_for(lambda: _gauge(client, "tokenwire_requests_waiting") == 1)
             yield client
-            running.join()
-            waiting.join()
-            assert results["running"].status_code == 200 and results["waiting"].status_code == 200
+            running.close()
+            waiting.join(10)                # the running request had ~20 s left: only its cancel frees the slot
+            assert not waiting.is_alive() and results["waiting"].status_code == 200
+            last = json.loads(results["waiting"].text.splitlines()[-1])
+            assert last["usage"]["completion_tokens"] == 2
+            _wait_for(lambda: _gauge(client, "tokenwire_requests_running") == 0)
             still_serving(client)
     finally:
+        if running is not None:
+            running.close()
         s.stop()
 
 
