@@ -33,7 +33,7 @@ import orjson
 
 from .h2client import RequestTemplate
 from .loadgen import Target, summarize_level
-from .proc import cpu_delta_ns, read_cpu
+from .proc import cpu_delta_ns, read_cpu, read_host_ticks, steal_fraction
 from .wire import SSE_DONE, StreamRecord, non_token_events
 
 HERE = Path(__file__).resolve().parent
@@ -114,11 +114,11 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=2**24)
     try:
         await _expect(child, client, "warm")
-        server_before = read_cpu(server_pid) if server_pid else None
+        server_before, host_before = read_cpu(server_pid) if server_pid else None, read_host_ticks()
         child.stdin.write(b"go\n")
         child.stdin.close()
         done = (await _expect(child, client, "done"))["done"]
-        server_after = read_cpu(server_pid) if server_pid else None
+        server_after, host_after = read_cpu(server_pid) if server_pid else None, read_host_ticks()
         lines = (await asyncio.wait_for(child.stdout.read(), TIMEOUT_S)).splitlines()
     finally:
         if child.returncode is None:
@@ -131,7 +131,8 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
     window = (tuple(done["window_ns"]), every) if staggered else None
     row = summarize_level(records, done["wall_ns"], done["cpu_ns"], server_ns, expected_tokens, window)
     row.update(concurrency=concurrency, mode=mode, rate=rate, protocol=target.protocol,
-               num_connections=done["num_connections"], num_queued=0, client=client)
+               num_connections=done["num_connections"], num_queued=0, client=client,
+               host_steal=steal_fraction(host_before, host_after))
     if staggered:
         row["spread_s"] = spread_s
     return row

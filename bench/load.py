@@ -24,7 +24,7 @@ from .peers.grpc_proto import SERVICE_PATH, request_body
 from .peers.report import server_stages_table, ttft_table
 from .plot import plot_levels, plot_path
 from .proc import listening_pid, pin_to_core
-from .stats import fmt_us, table
+from .stats import fmt_steal, fmt_us, table
 
 DEFAULT_CONCURRENCY = "1,8,64,256"
 
@@ -217,7 +217,7 @@ def run_event_loop(coro):
 def format_table(rows: list, with_server: bool = False) -> str:
     headers = (["server"] if with_server else []) + [
         "conc", "rate", "reqs", "err", "ttft p50", "ttft p90", "ttft p99", "itl p50", "itl p99",
-        "e2e p50", "e2e p99", "tokens/s", "srv µs/tok", "cli µs/tok", "cli util"]
+        "e2e p50", "e2e p99", "tokens/s", "srv µs/tok", "cli µs/tok", "cli util", "steal"]
     out = []
     for r in rows:
         cells = [r["server"]] if with_server else []
@@ -225,9 +225,10 @@ def format_table(rows: list, with_server: bool = False) -> str:
                   fmt_us(r["ttft_us_p50"]), fmt_us(r["ttft_us_p90"]), fmt_us(r["ttft_us_p99"]),
                   fmt_us(r["itl_us_p50"]), fmt_us(r["itl_us_p99"]), fmt_us(r["e2e_us_p50"]), fmt_us(r["e2e_us_p99"]),
                   f"{r['tokens_per_s']:,.0f}", fmt_us(r["cpu_us_per_token"]), fmt_us(r["client_cpu_us_per_token"]),
-                  f"{r['client_cpu_util']:.0%}"]
+                  f"{r['client_cpu_util']:.0%}", fmt_steal(r.get("host_steal"))]
         out.append(cells)
-    return table(headers, out) + "\n(latencies in µs; srv/cli µs/tok: CPU time per streamed token)"
+    return table(headers, out) + ("\n(latencies in µs; srv/cli µs/tok: CPU time per streamed token; steal: the share of "
+                                  "the host's CPU time its hypervisor gave to others during the level, bench/proc.py)")
 
 
 # issue 19, on the default model served: a short prompt's TTFT against one decode step (the

@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 from urllib.parse import urlsplit
 
 from . import h1client, h2client
-from .proc import cpu_delta_ns, read_cpu
+from .proc import cpu_delta_ns, read_cpu, read_host_ticks, steal_fraction
 from .stats import percentile, summarize
 from .wire import now_ns
 
@@ -296,13 +296,14 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
         await closed_loop(pool, concurrency, num_warmup)
         queued_before = pool.num_queued
         server_before = await read_cpu_idle(server_pid) if server_pid else None
-        client_before, start = time.process_time_ns(), now_ns()
+        host_before, client_before, start = read_host_ticks(), time.process_time_ns(), now_ns()
         lag_us = []
         if mode == "closed":
             records = await closed_loop(pool, concurrency, num_requests)
         else:
             records, lag_us = await open_loop(pool, rate, num_requests, concurrency)
         wall_ns, client_ns = now_ns() - start, time.process_time_ns() - client_before
+        host_after = read_host_ticks()
         server_after = await read_cpu_idle(server_pid) if server_pid else None
         num_queued = pool.num_queued - queued_before
     finally:
@@ -310,7 +311,8 @@ async def run_level(target: Target, concurrency: int, num_requests: int, *, num_
     server_ns = cpu_delta_ns(server_before, server_after) if server_before and server_after else None
     row = summarize_level(records, wall_ns, client_ns, server_ns, expected_tokens)
     row.update(concurrency=concurrency, mode=mode, rate=rate, protocol=target.protocol,
-               num_connections=pool.num_connections, num_queued=num_queued, client="python")
+               num_connections=pool.num_connections, num_queued=num_queued, client="python",
+               host_steal=steal_fraction(host_before, host_after))
     if lag_us:
         row.update(summarize(lag_us, "send_lag_us"))
     return row
@@ -322,16 +324,17 @@ async def run_staggered(pool, target: Target, concurrency: int, num_requests: in
     reading lags by at most a scheduler tick); throughput and its CPU per token count every
     stream's tokens inside the window (summarize_level)."""
     def readings():
-        return now_ns(), time.process_time_ns(), read_cpu(server_pid) if server_pid else None
+        return now_ns(), time.process_time_ns(), read_cpu(server_pid) if server_pid else None, read_host_ticks()
 
     every = []
-    records, ((start, client_before, server_before), (end, client_after, server_after)) = await staggered_loop(
-        pool, concurrency, num_requests, num_warmup, spread_s, readings, every=every)
+    records, ((start, client_before, server_before, host_before), (end, client_after, server_after, host_after)) = \
+        await staggered_loop(pool, concurrency, num_requests, num_warmup, spread_s, readings, every=every)
     server_ns = cpu_delta_ns(server_before, server_after) if server_before and server_after else None
     row = summarize_level(records, end - start, client_after - client_before, server_ns, expected_tokens,
                           ((start, end), every))
     row.update(concurrency=concurrency, mode="staggered", rate=None, spread_s=spread_s, protocol=target.protocol,
-               num_connections=pool.num_connections, num_queued=0, client="python")
+               num_connections=pool.num_connections, num_queued=0, client="python",
+               host_steal=steal_fraction(host_before, host_after))
     return row
 
 

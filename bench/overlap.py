@@ -14,7 +14,8 @@ request of the level ends in one step and the next wave is taken in while every 
 (that measures the server's intake of a burst, not overlap). Printed per S, concurrency and
 mode, medians over the rounds:
 achieved tokens/s against the ideal concurrency / S (every step carries every stream), the
-inter-token p50 against S, and the server's CPU per streamed token; the load average beside.
+inter-token p50 against S, the server's CPU per streamed token, and the most host CPU time
+stolen by the hypervisor in any of the rounds (bench/proc.py); the load average beside.
 """
 
 import argparse
@@ -118,15 +119,17 @@ def format_rows(rows: list, num_rounds: int) -> str:
         ratios = [r["tokens_per_s"] / ideal for r in rs]
         itl = [r["itl_us_p50"] / step_us for r in rs if r.get("itl_us_p50") is not None]
         cpu = [r["cpu_us_per_token"] for r in rs if r.get("cpu_us_per_token") is not None]
+        steal = [r["host_steal"] for r in rs if r.get("host_steal") is not None]
         want_ratio, want_itl = TARGETS.get((int(step_us), concurrency), (None, None)) if mode != "off" else (None, None)
         lines.append([f"{step_us:g}", str(concurrency), mode,
                       f"{statistics.median(r['tokens_per_s'] for r in rs):,.0f}", f"{ideal:,.0f}",
                       _range(ratios) + (f" (≥ {want_ratio})" if want_ratio else ""),
                       (_range(itl) if itl else "-") + (f" (≤ {want_itl})" if want_itl else ""),
                       f"{statistics.median(cpu):.1f}" if cpu else "-",
+                      f"{max(steal):.1%}" if steal else "-",
                       str(sum(r["num_errors"] for r in rs))])
     headers = ["S µs", "conc", "overlap", "tok/s", "ideal", "÷ ideal: median [range]", "ITL p50 ÷ S",
-               "server CPU µs/tok", "errors"]
+               "server CPU µs/tok", "steal (most)", "errors"]
     return table(headers, lines)
 
 

@@ -1,4 +1,5 @@
-"""Process facts read from /proc: CPU time of a process, who listens on a port, core pinning.
+"""Process facts read from /proc: CPU time of a process, the host's stolen time, who listens on
+a port, core pinning.
 
 Rules:
 - CPU time is the sum of every thread's `sum_exec_runtime` (/proc/PID/task/*/schedstat,
@@ -10,6 +11,10 @@ Rules:
   for it), or a busy thread's last few milliseconds are missing.
 - A process's CPU time includes its child processes' (read the same way), as a server's
   engine process works for it.
+- Steal is the time a virtual machine's vCPUs wanted to run and the hypervisor ran someone
+  else (/proc/stat, the `cpu` line's eighth field). A level's figures are only comparable with
+  another's taken under a like steal: on a 2-vCPU VM the inter-token p99/p50 of one stream
+  went from 1.4 to 3.7 when steal rose to ~6% of the CPU time, with the code unchanged.
 - Nothing here raises for a process that is gone or not ours: callers get None and say so.
 """
 
@@ -24,6 +29,32 @@ class CpuSample(NamedTuple):
     """One reading of a process's CPU clock."""
     stat_ns: int        # utime + stime, tick resolution, includes exited threads
     sched_ns: int       # sum of live threads' sum_exec_runtime, ns resolution (0 when unavailable)
+
+
+class HostTicks(NamedTuple):
+    """One reading of the host's CPU clock (/proc/stat, all CPUs, clock ticks)."""
+    steal: int          # ticks the hypervisor gave this machine's vCPUs to others
+    total: int          # ticks of every state: user, nice, system, idle, iowait, irq, softirq, steal
+
+
+def read_host_ticks(path: str = "/proc/stat") -> Optional[HostTicks]:
+    """The host's steal and total ticks so far, or None where /proc/stat has none (not Linux)."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]     # guest time is already counted in user
+    return HostTicks(ticks[7], sum(ticks))
+
+
+def steal_fraction(before: Optional[HostTicks], after: Optional[HostTicks]) -> Optional[float]:
+    """The share of all CPUs' time stolen between two readings, or None without both."""
+    if before is None or after is None or after.total <= before.total:
+        return None
+    return (after.steal - before.steal) / (after.total - before.total)
 
 
 def read_cpu(pid: int) -> Optional[CpuSample]:

@@ -1,7 +1,7 @@
 """Percentiles and the summary of a set of stream records, shared by every bench command."""
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -33,6 +33,11 @@ def fmt_us(value: float) -> str:
     if value >= 100:
         return f"{value:.0f}"
     return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def fmt_steal(fraction: Optional[float]) -> str:
+    """A level's host steal (bench/proc.steal_fraction), "-" where it was not read."""
+    return "-" if fraction is None else f"{fraction:.1%}"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Sequence[int] = (0,)) -> str:

@@ -19,7 +19,7 @@ import pytest
 import tokenwire
 from tokenwire.bench import h2client, loadgen
 from tokenwire.bench.load import make_target
-from tokenwire.bench.proc import cpu_delta_ns, listening_pid, read_cpu
+from tokenwire.bench.proc import HostTicks, cpu_delta_ns, listening_pid, read_cpu, read_host_ticks, steal_fraction
 from tokenwire.bench.wire import COUNTERS, StreamRecord
 
 
@@ -297,6 +297,22 @@ def test_staggered_level_against_tokenwire(mock_server):
                                         server_pid=listening_pid(mock_server.port), expected_tokens=5))
     assert row["num_errors"] == 0 and row["num_requests"] == 12 and row["num_tokens"] == 60
     assert row["mode"] == "staggered" and row["cpu_us_per_token"] > 0
+    assert 0 <= row["host_steal"] < 1                  # Linux: the level's steal is read from /proc/stat
+
+
+def test_host_steal_is_the_stolen_share_of_all_cpus_ticks(tmp_path):
+    stat = tmp_path / "stat"
+    #                user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 7 0\ncpu0 50 0 25 400 5 0 2 18 3 0\n")
+    before = read_host_ticks(str(stat))
+    assert before == HostTicks(35, 1000)                # guest time is part of user's: not added again
+    stat.write_text("cpu  200 0 100 1500 10 0 10 85 9 0\n")
+    assert steal_fraction(before, read_host_ticks(str(stat))) == 50 / 905
+    assert steal_fraction(before, None) is None and steal_fraction(before, before) is None
+    stat.write_text("intr 1 2 3\n")
+    assert read_host_ticks(str(stat)) is None and read_host_ticks(str(tmp_path / "none")) is None
+    live = read_host_ticks()
+    assert live is not None and 0 <= live.steal <= live.total
 
 
 def test_cpu_reading_of_this_process():
@@ -347,6 +363,8 @@ def test_bench_load_command(mock_server, tmp_path):
     assert [r["concurrency"] for r in doc["levels"]] == [1, 2]
     for r in doc["levels"]:
         assert r["num_errors"] == 0 and r["num_tokens"] == 30 and r["cpu_us_per_token"] > 0
+        assert 0 <= r["host_steal"] < 1
+    assert "steal" in out.stdout.splitlines()[0]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -358,7 +376,7 @@ def test_bench_load_with_the_c_client_reports_server_ttft(mock_server, tmp_path)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["config"]["client"] == "c" and [r["concurrency"] for r in doc["levels"]] == [1, 3]
     for r in doc["levels"]:
-        assert r["client"] == "c" and r["num_errors"] == 0 and r["num_tokens"] == 36
+        assert r["client"] == "c" and r["num_errors"] == 0 and r["num_tokens"] == 36 and 0 <= r["host_steal"] < 1
         assert 0 < r["server_ttft_us_p50"] <= r["server_ttft_us_p99"]
         # the server's part lies inside what the client saw; its clock stops after the first token's
         # write, so a thread descheduled between the write and the stamp can land a few µs past the

@@ -11,7 +11,7 @@ import math
 import statistics
 from typing import Optional
 
-from ..stats import fmt_us, table
+from ..stats import fmt_steal, fmt_us, table
 from .runner import CEILING, H2_MINIMAL
 
 TTFT_LOW_CONCURRENCY = 1
@@ -141,12 +141,13 @@ def _nan(value) -> bool:
 
 def levels_table(rows: list) -> str:
     headers = ["server", "client", "conc", "reqs", "err", "ttft p50", "ttft p99", "itl p50", "itl p99", "e2e p50",
-               "tokens/s", "srv µs/tok", "srv util", "cli µs/tok", "cli util"]
+               "tokens/s", "srv µs/tok", "srv util", "cli µs/tok", "cli util", "steal"]
     body = [[r["server"], r.get("client", "python"), r["concurrency"], r["num_requests"], r["num_errors"],
              fmt_us(r["ttft_us_p50"]),
              fmt_us(r["ttft_us_p99"]), fmt_us(r["itl_us_p50"]), fmt_us(r["itl_us_p99"]), fmt_us(r["e2e_us_p50"]),
              f"{r['tokens_per_s']:,.0f}", fmt_us(r["cpu_us_per_token"]), _pct(r["server_cpu_util"]),
-             fmt_us(r["client_cpu_us_per_token"]), _pct(r["client_cpu_util"])] for r in rows]
+             fmt_us(r["client_cpu_us_per_token"]), _pct(r["client_cpu_util"]), fmt_steal(r.get("host_steal"))]
+            for r in rows]
     return table(headers, body)
 
 
