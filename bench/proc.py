@@ -51,7 +51,8 @@ def read_host_ticks(path: str = "/proc/stat") -> Optional[HostTicks]:
 
 
 def steal_fraction(before: Optional[HostTicks], after: Optional[HostTicks]) -> Optional[float]:
-    """The share of all CPUs' time stolen between two readings, or None without both."""
+    """The share of all CPUs' time stolen between two readings, or None without both or when
+    no tick passed between them (a level shorter than the kernel's tick, 10 ms at 100 Hz)."""
     if before is None or after is None or after.total <= before.total:
         return None
     return (after.steal - before.steal) / (after.total - before.total)

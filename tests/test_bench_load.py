@@ -297,7 +297,8 @@ def test_staggered_level_against_tokenwire(mock_server):
                                         server_pid=listening_pid(mock_server.port), expected_tokens=5))
     assert row["num_errors"] == 0 and row["num_requests"] == 12 and row["num_tokens"] == 60
     assert row["mode"] == "staggered" and row["cpu_us_per_token"] > 0
-    assert 0 <= row["host_steal"] < 1                  # Linux: the level's steal is read from /proc/stat
+    # Linux: the level's steal is read from /proc/stat; None only for a window within one tick (10 ms)
+    assert 0 <= row["host_steal"] < 1 if row["host_steal"] is not None else row["wall_s"] < 0.02
 
 
 def test_host_steal_is_the_stolen_share_of_all_cpus_ticks(tmp_path):
@@ -363,7 +364,8 @@ def test_bench_load_command(mock_server, tmp_path):
     assert [r["concurrency"] for r in doc["levels"]] == [1, 2]
     for r in doc["levels"]:
         assert r["num_errors"] == 0 and r["num_tokens"] == 30 and r["cpu_us_per_token"] > 0
-        assert 0 <= r["host_steal"] < 1
+        # None only for a level within one of the kernel's ticks (10 ms): no steal to read
+        assert 0 <= r["host_steal"] < 1 if r["host_steal"] is not None else r["wall_s"] < 0.02
     assert "steal" in out.stdout.splitlines()[0]
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -376,7 +378,8 @@ def test_bench_load_with_the_c_client_reports_server_ttft(mock_server, tmp_path)
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["config"]["client"] == "c" and [r["concurrency"] for r in doc["levels"]] == [1, 3]
     for r in doc["levels"]:
-        assert r["client"] == "c" and r["num_errors"] == 0 and r["num_tokens"] == 36 and 0 <= r["host_steal"] < 1
+        assert r["client"] == "c" and r["num_errors"] == 0 and r["num_tokens"] == 36
+        assert 0 <= r["host_steal"] < 1 if r["host_steal"] is not None else r["wall_s"] < 0.02
         assert 0 < r["server_ttft_us_p50"] <= r["server_ttft_us_p99"]
         # the server's part lies inside what the client saw; its clock stops after the first token's
         # write, so a thread descheduled between the write and the stamp can land a few µs past the
