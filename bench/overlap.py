@@ -14,8 +14,14 @@ request of the level ends in one step and the next wave is taken in while every 
 (that measures the server's intake of a burst, not overlap). Printed per S, concurrency and
 mode, medians over the rounds:
 achieved tokens/s against the ideal concurrency / S (every step carries every stream), the
-inter-token p50 against S, the server's CPU per streamed token, and the most host CPU time
-stolen by the hypervisor in any of the rounds (bench/proc.py); the load average beside.
+inter-token p50 against S, the server's CPU per streamed token, the host ceiling, and the
+most host CPU time stolen by the hypervisor in any of the rounds (bench/proc.py); the load
+average beside. The host ceiling is the most tokens/s the server's measured CPU per token
+allows on the cores its interpreters can use (`GIL_CORES`: one for a server whose loop and
+engine share a GIL, two for an engine process, at most the machine's), against the ideal: a
+cell whose ceiling is under its target is bound by the host's work per token, and no
+schedule reaches the target there until that work shrinks (the load client's own CPU, and
+the CPU per token rising with contention, put the real bound lower still).
 """
 
 import argparse
@@ -34,6 +40,8 @@ DEFAULT_CONCURRENCY = "1,64,256"
 # (S µs, concurrency) -> (least tokens/s ÷ ideal, most inter-token p50 ÷ S) that issue 27 asks of overlap
 # mode -> the server's flags: overlap on, off, and on with the engine in a process of its own
 MODES = {"on": [], "off": ["--no-overlap"], "process": ["--engine-process"]}
+# mode -> the cores its host work can use at once: one GIL, or the loop's and the engine process's
+GIL_CORES = {"on": 1, "off": 1, "process": 2}
 TARGETS = {(1000, 64): (0.98, None), (1000, 256): (0.95, None), (300, 64): (0.95, None),
            (1000, 1): (None, 1.03), (300, 1): (None, 1.03)}
 
@@ -120,16 +128,18 @@ def format_rows(rows: list, num_rounds: int) -> str:
         itl = [r["itl_us_p50"] / step_us for r in rs if r.get("itl_us_p50") is not None]
         cpu = [r["cpu_us_per_token"] for r in rs if r.get("cpu_us_per_token") is not None]
         steal = [r["host_steal"] for r in rs if r.get("host_steal") is not None]
+        cores = min(GIL_CORES[mode], os.cpu_count() or 1)
+        ceiling = f"{cores * 1e6 / statistics.median(cpu) / ideal:.2f}" if cpu else "-"
         want_ratio, want_itl = TARGETS.get((int(step_us), concurrency), (None, None)) if mode != "off" else (None, None)
         lines.append([f"{step_us:g}", str(concurrency), mode,
                       f"{statistics.median(r['tokens_per_s'] for r in rs):,.0f}", f"{ideal:,.0f}",
                       _range(ratios) + (f" (≥ {want_ratio})" if want_ratio else ""),
                       (_range(itl) if itl else "-") + (f" (≤ {want_itl})" if want_itl else ""),
-                      f"{statistics.median(cpu):.1f}" if cpu else "-",
+                      f"{statistics.median(cpu):.1f}" if cpu else "-", ceiling,
                       f"{max(steal):.1%}" if steal else "-",
                       str(sum(r["num_errors"] for r in rs))])
     headers = ["S µs", "conc", "overlap", "tok/s", "ideal", "÷ ideal: median [range]", "ITL p50 ÷ S",
-               "server CPU µs/tok", "steal (most)", "errors"]
+               "server CPU µs/tok", "host ceiling ÷ ideal", "steal (most)", "errors"]
     return table(headers, lines)
 
 
