@@ -33,7 +33,7 @@ import sys
 from . import fast_client
 from .load import make_target
 from .peers.runner import HOST, PeerSpec, free_port, measure_server
-from .stats import table
+from .stats import fmt_steal, table
 
 DEFAULT_STEPS_US = "1000,300"
 DEFAULT_CONCURRENCY = "1,64,256"
@@ -127,16 +127,16 @@ def format_rows(rows: list, num_rounds: int) -> str:
         ratios = [r["tokens_per_s"] / ideal for r in rs]
         itl = [r["itl_us_p50"] / step_us for r in rs if r.get("itl_us_p50") is not None]
         cpu = [r["cpu_us_per_token"] for r in rs if r.get("cpu_us_per_token") is not None]
+        cpu_us = statistics.median(cpu) if cpu else None
         steal = [r["host_steal"] for r in rs if r.get("host_steal") is not None]
         cores = min(GIL_CORES[mode], os.cpu_count() or 1)
-        ceiling = f"{cores * 1e6 / statistics.median(cpu) / ideal:.2f}" if cpu else "-"
         want_ratio, want_itl = TARGETS.get((int(step_us), concurrency), (None, None)) if mode != "off" else (None, None)
         lines.append([f"{step_us:g}", str(concurrency), mode,
                       f"{statistics.median(r['tokens_per_s'] for r in rs):,.0f}", f"{ideal:,.0f}",
                       _range(ratios) + (f" (≥ {want_ratio})" if want_ratio else ""),
                       (_range(itl) if itl else "-") + (f" (≤ {want_itl})" if want_itl else ""),
-                      f"{statistics.median(cpu):.1f}" if cpu else "-", ceiling,
-                      f"{max(steal):.1%}" if steal else "-",
+                      f"{cpu_us:.1f}" if cpu else "-", f"{cores * 1e6 / cpu_us / ideal:.2f}" if cpu else "-",
+                      fmt_steal(max(steal) if steal else None),
                       str(sum(r["num_errors"] for r in rs))])
     headers = ["S µs", "conc", "overlap", "tok/s", "ideal", "÷ ideal: median [range]", "ITL p50 ÷ S",
                "server CPU µs/tok", "host ceiling ÷ ideal", "steal (most)", "errors"]
